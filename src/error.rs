@@ -1,0 +1,132 @@
+//! The crate's error type.
+
+use std::io;
+use std::path::PathBuf;
+
+/// `Result` with [`Error`] as the default error.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong, with the context a caller needs to act on it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A zero-length buffer was requested.
+    #[error("zero-length allocation requested")]
+    ZeroLength,
+
+    /// The request is larger than this machine could ever provide.
+    #[error("requested {requested} bytes from {source_name}, more than this machine has ({limit} bytes of {what})")]
+    TooLarge {
+        /// Bytes requested.
+        requested: u64,
+        /// The bound it exceeds.
+        limit: u64,
+        /// What that bound is (e.g. "RAM + swap").
+        what: &'static str,
+        /// The memory source asked.
+        source_name: String,
+    },
+
+    /// The kernel could not provide the memory right now.
+    #[error("out of memory in {source_name}: {requested} bytes could not be allocated ({source})")]
+    OutOfMemory {
+        /// Bytes requested.
+        requested: u64,
+        /// The memory source asked.
+        source_name: String,
+        /// The kernel's answer.
+        #[source]
+        source: io::Error,
+    },
+
+    /// No DMA-BUF heap of that name.
+    #[error("DMA-BUF heap `{name}` does not exist (heaps here: {available})")]
+    NoSuchHeap {
+        /// The name asked for.
+        name: String,
+        /// The heaps that do exist, comma-separated, or "none".
+        available: String,
+    },
+
+    /// A device node that does not exist on this machine.
+    #[error("{path} does not exist: {hint}")]
+    NoDevice {
+        /// The node.
+        path: PathBuf,
+        /// What provides it.
+        hint: &'static str,
+    },
+
+    /// A device node this process may not open.
+    #[error("cannot open {path}: {source}; {why}")]
+    Open {
+        /// The node.
+        path: PathBuf,
+        /// The kernel's answer.
+        #[source]
+        source: io::Error,
+        /// Owner, mode and this process's credentials, and what to do about it.
+        why: String,
+    },
+
+    /// udmabuf's per-buffer limit.
+    #[error(
+        "udmabuf refuses a {requested}-byte buffer: its size_limit_mb parameter caps one buffer at {limit_mb} MiB \
+         (raise /sys/module/udmabuf/parameters/size_limit_mb, or boot with udmabuf.size_limit_mb=N)"
+    )]
+    UdmabufLimit {
+        /// Bytes requested.
+        requested: u64,
+        /// The limit in MiB.
+        limit_mb: u64,
+    },
+
+    /// An fd handed to `import` that is not safe or not possible to use.
+    #[error("refusing to import fd: {reason}")]
+    BadImport {
+        /// Why.
+        reason: String,
+    },
+
+    /// A byte range outside a segment or mapping.
+    #[error("range {offset}+{len} is outside a {size}-byte buffer")]
+    OutOfBounds {
+        /// Start of the range.
+        offset: usize,
+        /// Its length.
+        len: usize,
+        /// The buffer's size.
+        size: usize,
+    },
+
+    /// A write to memory mapped read-only (e.g. an imported memfd sealed against writes).
+    #[error("buffer is read-only")]
+    ReadOnly,
+
+    /// The source cannot do this (e.g. a dumb buffer beyond 4 GiB).
+    #[error("{what}")]
+    Unsupported {
+        /// What and why.
+        what: String,
+    },
+
+    /// A system call failed.
+    #[error("{op}: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The kernel's answer.
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl Error {
+    pub(crate) fn io(op: &'static str) -> impl FnOnce(io::Error) -> Error {
+        move |source| Error::Io { op, source }
+    }
+
+    pub(crate) fn io_rustix(op: &'static str) -> impl FnOnce(rustix::io::Errno) -> Error {
+        move |e| Error::Io { op, source: e.into() }
+    }
+}

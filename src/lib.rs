@@ -1,0 +1,31 @@
+//! dmabuf-rt: the device-memory layer for accelerator runtimes on Linux, built on DMA-BUF.
+//!
+//! Every buffer is an fd any DMA-BUF importer can take. This release provides the memory
+//! sources and segments; see `DESIGN.md` in `../shared` for the layers above them.
+//!
+//! ```no_run
+//! use dmabuf_rt::source::{MemorySource, ShmemSource};
+//! use dmabuf_rt::segment::Access;
+//!
+//! let src = ShmemSource::new();
+//! let seg = src.allocate(1 << 20)?;
+//! let cpu = seg.cpu_access(Access::Write)?;
+//! cpu.write(0, b"hello")?;
+//! cpu.end()?;
+//! # Ok::<(), dmabuf_rt::Error>(())
+//! ```
+#![deny(unsafe_code)]
+
+pub mod discovery;
+pub mod error;
+pub mod mapping;
+pub mod segment;
+pub mod source;
+mod sys;
+#[doc(hidden)]
+pub mod testing;
+
+pub use error::{Error, Result};
+pub use mapping::Mapping;
+pub use segment::{Access, CpuAccess, FdKind, Origin, Segment, SegmentKind};
+pub use source::MemorySource;

@@ -1,0 +1,143 @@
+//! RAII shared mappings and the rule for touching them.
+//!
+//! Memory behind a [`Mapping`] is shared with devices and other processes: its bytes can change
+//! at any time without this process writing them. So the crate never hands out `&[u8]` or
+//! `&mut [u8]` into it (the compiler would be entitled to assume nobody else changes them).
+//! Every access is a bulk copy through raw pointers (`ptr::copy_nonoverlapping` /
+//! `ptr::write_bytes`) between the mapping and memory this process owns, bounds-checked first.
+//! Concurrent writers see each other's bytes in unspecified interleaving, exactly as two
+//! processes writing a shared buffer would; ordering with devices is the job of the dma-buf
+//! sync guard ([`crate::segment::CpuAccess`]) and, later, of queue events.
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::io;
+use std::os::fd::BorrowedFd;
+use std::ptr::NonNull;
+
+use rustix::mm::{MapFlags, ProtFlags};
+
+use crate::error::{Error, Result};
+
+/// A `MAP_SHARED` mapping of (part of) a file, unmapped on drop.
+#[derive(Debug)]
+pub struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+    writable: bool,
+}
+
+// SAFETY: a Mapping owns a range of address space, not thread-affine data; every access goes
+// through raw-pointer copies whose concurrency rule is documented at module level, and unmap
+// happens once, in Drop, when no borrow of the Mapping remains.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; `&Mapping` only permits bounds-checked raw copies.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps `len` bytes of `fd` at `offset`, shared, readable and (if `writable`) writable.
+    pub(crate) fn map_shared(fd: BorrowedFd<'_>, offset: u64, len: usize, writable: bool) -> io::Result<Self> {
+        if len == 0 {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        }
+        let prot = if writable { ProtFlags::READ | ProtFlags::WRITE } else { ProtFlags::READ };
+        // SAFETY: a fresh mapping at an address the kernel chooses (null hint) cannot alias any
+        // memory Rust already uses; `fd` is borrowed for the call only, the mapping keeps its
+        // own reference to the file.
+        let ptr = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, fd, offset) }?;
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?;
+        Ok(Self { ptr, len, writable })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: mappings are never empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the mapping was made writable.
+    pub fn is_writable(&self) -> bool {
+        self.writable
+    }
+
+    /// Base address, for handing to code that follows the module's access rule (queues, FFI).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::OutOfBounds { offset, len, size: self.len }),
+        }
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        if self.writable { Ok(()) } else { Err(Error::ReadOnly) }
+    }
+
+    /// Copies `dst.len()` bytes starting at `offset` out of the mapping.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check(offset, dst.len())?;
+        let from = self.ptr.as_ptr().wrapping_add(offset);
+        // SAFETY: [from, from + dst.len()) is inside the live mapping (checked above); `dst` is
+        // memory this process owns exclusively and cannot overlap a MAP_SHARED mapping we made.
+        unsafe { std::ptr::copy_nonoverlapping(from, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Copies `src` into the mapping at `offset`.
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check(offset, src.len())?;
+        self.check_writable()?;
+        let to = self.ptr.as_ptr().wrapping_add(offset);
+        // SAFETY: [to, to + src.len()) is inside the live, writable mapping (checked above);
+        // `src` cannot overlap it.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), to, src.len()) };
+        Ok(())
+    }
+
+    /// Sets `len` bytes at `offset` to `byte`.
+    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
+        self.check(offset, len)?;
+        self.check_writable()?;
+        let to = self.ptr.as_ptr().wrapping_add(offset);
+        // SAFETY: [to, to + len) is inside the live, writable mapping (checked above).
+        unsafe { std::ptr::write_bytes(to, byte, len) };
+        Ok(())
+    }
+
+    /// Faults every page in now (`MADV_POPULATE_WRITE`, or `_READ` for a read-only mapping), so
+    /// that memory exhaustion is an error here rather than a SIGBUS on first touch. For shmem
+    /// this also initialises pages that were only `fallocate`d, which matters before the pages
+    /// are handed to udmabuf (see `Udmabuf::export`).
+    pub(crate) fn populate(&self) -> io::Result<()> {
+        use rustix::mm::Advice;
+        let advice = if self.writable { Advice::LinuxPopulateWrite } else { Advice::LinuxPopulateRead };
+        // SAFETY: populating only faults in pages of our own live mapping; it does not change
+        // their contents as any reader sees them (holes read as zeroes before and after).
+        unsafe { rustix::mm::madvise(self.ptr.as_ptr().cast::<c_void>(), self.len, advice) }?;
+        Ok(())
+    }
+
+    /// Locks the mapped pages in RAM (`mlock`), faulting them in.
+    pub(crate) fn lock(&self) -> io::Result<()> {
+        // SAFETY: mlock only changes residency of our own live mapping; it does not touch its
+        // contents as Rust sees them.
+        unsafe { rustix::mm::mlock(self.ptr.as_ptr().cast::<c_void>(), self.len) }?;
+        Ok(())
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len describe a mapping this value created and still owns; no borrow of
+        // `self` outlives this call, so nothing can touch the range afterwards. An error here
+        // (impossible for a range we mapped) is ignored: Drop must not panic.
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.len) };
+    }
+}

@@ -1,0 +1,388 @@
+//! [`Segment`]: one buffer of shareable memory, its fd, its mapping, and where it came from.
+
+use std::fmt;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use rustix::fs::{OFlags, SeekFrom};
+
+use crate::error::{Error, Result};
+use crate::mapping::Mapping;
+use crate::source::gem::GemHandle;
+use crate::sys;
+use crate::sys::memfd::SealFlags;
+
+/// What a segment's memory is for, from the runtime's point of view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SegmentKind {
+    /// Device memory: a dma-buf a device can import.
+    Device,
+    /// Pinned host memory: resident, never swapped, usable as a DMA staging buffer.
+    PinnedHost,
+    /// Unified memory: a shared mapping both the host and (through udmabuf) devices can use.
+    Unified,
+}
+
+/// What kind of file a segment's fd is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FdKind {
+    /// A dma-buf (`statfs` magic `DMA_BUF_MAGIC`).
+    DmaBuf,
+    /// A memfd with `F_SEAL_SHRINK`.
+    Memfd,
+}
+
+/// Where a segment came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    /// A memfd made by the shmem source.
+    Memfd,
+    /// A memfd made by the shmem source, exported as a dma-buf through `/dev/udmabuf`.
+    Udmabuf,
+    /// A memfd locked in RAM with `mlock` (the pinned-host fallback).
+    MlockedMemfd,
+    /// A DMA-BUF heap, by name (`system`, `linux,cma`, ...).
+    DmaHeap {
+        /// Heap name.
+        heap: String,
+    },
+    /// A DRM GEM object exported by PRIME.
+    Gem {
+        /// The DRM node that created it.
+        node: PathBuf,
+        /// That node's driver.
+        driver: String,
+    },
+    /// An fd received from elsewhere.
+    Imported(FdKind),
+}
+
+/// Whatever else must stay alive as long as the segment's fd, dropped after the mapping.
+#[derive(Debug)]
+pub(crate) enum Backing {
+    None,
+    /// The memfd behind a udmabuf (kept for pread/pwrite-style access).
+    Memfd(OwnedFd),
+    /// The memfds behind a udmabuf made of several ranges.
+    Memfds(
+        #[expect(dead_code, reason = "held so every range stays reachable by fd as long as the segment")] Vec<OwnedFd>,
+    ),
+    /// The GEM handle behind a PRIME export, closed when the last user drops it.
+    Gem(Arc<GemHandle>),
+}
+
+/// A buffer of shareable memory: an fd (dma-buf or memfd), its length, a shared mapping, its
+/// kind and its origin. Dropping it unmaps, releases any GEM handle and closes the fd, in that
+/// order.
+pub struct Segment {
+    // Field order is drop order: mapping, then backing objects, then the fd.
+    mapping: Option<Mapping>,
+    backing: Backing,
+    fd: OwnedFd,
+    len: usize,
+    fd_kind: FdKind,
+    kind: SegmentKind,
+    origin: Origin,
+}
+
+impl fmt::Debug for Segment {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Segment")
+            .field("fd", &self.fd)
+            .field("len", &self.len)
+            .field("fd_kind", &self.fd_kind)
+            .field("kind", &self.kind)
+            .field("origin", &self.origin)
+            .field("mapped", &self.mapping.is_some())
+            .finish()
+    }
+}
+
+impl Segment {
+    pub(crate) fn new(
+        fd: OwnedFd,
+        len: usize,
+        fd_kind: FdKind,
+        kind: SegmentKind,
+        origin: Origin,
+        backing: Backing,
+        writable: bool,
+    ) -> Result<Self> {
+        let mapping = Mapping::map_shared(fd.as_fd(), 0, len, writable).map_err(Error::io("mmap segment"))?;
+        Ok(Self { mapping: Some(mapping), backing, fd, len, fd_kind, kind, origin })
+    }
+
+    /// Takes ownership of a dma-buf or memfd received from elsewhere (another process, a
+    /// driver). The length comes from the fd itself, never from the sender. A memfd must carry
+    /// `F_SEAL_SHRINK` (otherwise its owner could truncate it under our mapping and kill us with
+    /// SIGBUS); one sealed against writes, or opened read-only, is mapped read-only.
+    pub fn import(fd: OwnedFd, kind: SegmentKind) -> Result<Self> {
+        let access = rustix::fs::fcntl_getfl(&fd).map_err(Error::io_rustix("fcntl(F_GETFL) on imported fd"))?;
+        let mut writable = (access & OFlags::RWMODE) == OFlags::RDWR;
+        let statfs = rustix::fs::fstatfs(&fd).map_err(Error::io_rustix("fstatfs on imported fd"))?;
+        let fd_kind = if statfs.f_type as u64 == sys::dma_buf::DMA_BUF_MAGIC {
+            FdKind::DmaBuf
+        } else {
+            match sys::memfd::seals(fd.as_fd()) {
+                Ok(seals) if seals.contains(SealFlags::SEAL) && !seals.contains(SealFlags::SHRINK) => {
+                    // Plain tmpfs/shmem files (and memfds made without MFD_ALLOW_SEALING) report
+                    // F_SEAL_SEAL: they can never gain F_SEAL_SHRINK, so they can never be safe.
+                    return Err(Error::BadImport {
+                        reason: "fd is neither a dma-buf nor a sealable memfd (a shmem file whose seals are frozen \
+                                 without F_SEAL_SHRINK: its owner could truncate it under our mapping and SIGBUS us)"
+                            .into(),
+                    });
+                }
+                Ok(seals) => {
+                    if !seals.contains(SealFlags::SHRINK) {
+                        return Err(Error::BadImport {
+                            reason: "memfd lacks F_SEAL_SHRINK: its owner could truncate it under our mapping and \
+                                     SIGBUS this process (seal it with fcntl(F_ADD_SEALS, F_SEAL_SHRINK) before sending)"
+                                .into(),
+                        });
+                    }
+                    if seals.intersects(SealFlags::WRITE | SealFlags::FUTURE_WRITE) {
+                        writable = false;
+                    }
+                    FdKind::Memfd
+                }
+                Err(_) => {
+                    return Err(Error::BadImport {
+                        reason: format!(
+                            "fd is neither a dma-buf nor a sealable memfd (filesystem magic {:#x})",
+                            statfs.f_type
+                        ),
+                    });
+                }
+            }
+        };
+        let size = match fd_kind {
+            // A dma-buf's size is what SEEK_END reports.
+            FdKind::DmaBuf => {
+                let end =
+                    rustix::fs::seek(&fd, SeekFrom::End(0)).map_err(Error::io_rustix("lseek on imported dma-buf"))?;
+                rustix::fs::seek(&fd, SeekFrom::Start(0)).map_err(Error::io_rustix("lseek on imported dma-buf"))?;
+                end
+            }
+            FdKind::Memfd => {
+                rustix::fs::fstat(&fd).map_err(Error::io_rustix("fstat on imported memfd"))?.st_size as u64
+            }
+        };
+        if size == 0 {
+            return Err(Error::BadImport { reason: "the buffer is empty (size 0)".into() });
+        }
+        let len = usize::try_from(size)
+            .map_err(|_| Error::BadImport { reason: format!("size {size} does not fit in memory") })?;
+        Self::new(fd, len, fd_kind, kind, Origin::Imported(fd_kind), Backing::None, writable)
+    }
+
+    /// Length in bytes (the kernel's size of the buffer, page-rounded).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: segments are never empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// What the memory is for.
+    pub fn kind(&self) -> SegmentKind {
+        self.kind
+    }
+
+    /// Where it came from.
+    pub fn origin(&self) -> &Origin {
+        &self.origin
+    }
+
+    /// Whether the fd is a dma-buf or a memfd.
+    pub fn fd_kind(&self) -> FdKind {
+        self.fd_kind
+    }
+
+    /// True when the fd is a dma-buf any DMA-BUF importer can take.
+    pub fn is_dma_buf(&self) -> bool {
+        self.fd_kind == FdKind::DmaBuf
+    }
+
+    /// A memfd holding the same pages, if there is one (shmem segments, exported or not):
+    /// usable with `pread`/`pwrite` and io_uring READ/WRITE.
+    pub fn memfd(&self) -> Option<BorrowedFd<'_>> {
+        match (&self.backing, self.fd_kind) {
+            (Backing::Memfd(m), _) => Some(m.as_fd()),
+            (_, FdKind::Memfd) => Some(self.fd.as_fd()),
+            _ => None,
+        }
+    }
+
+    /// The GEM handle on the creating DRM fd, for GEM segments.
+    pub fn gem_handle(&self) -> Option<u32> {
+        match &self.backing {
+            Backing::Gem(h) => Some(h.handle()),
+            _ => None,
+        }
+    }
+
+    /// A new fd for the same buffer (`dup`), to send to another process or driver.
+    pub fn try_clone_fd(&self) -> Result<OwnedFd> {
+        self.fd.try_clone().map_err(Error::io("dup segment fd"))
+    }
+
+    /// A second, independent mapping of the same buffer. It follows the same access rules and
+    /// unmaps itself on drop; CPU access to a dma-buf still belongs inside [`Segment::cpu_access`].
+    pub fn map(&self) -> Result<Mapping> {
+        let writable = self.mapping.as_ref().is_some_and(Mapping::is_writable);
+        Mapping::map_shared(self.fd.as_fd(), 0, self.len, writable).map_err(Error::io("mmap segment"))
+    }
+
+    /// The segment's own mapping, for code that follows [`crate::mapping`]'s access rule.
+    pub fn mapping(&self) -> Option<&Mapping> {
+        self.mapping.as_ref()
+    }
+
+    /// `DMA_BUF_IOCTL_EXPORT_SYNC_FILE`: a sync_file fd that signals when the fences a CPU
+    /// access of this direction would wait for have signalled (for [`Access::Read`], pending
+    /// writers; otherwise all pending users). Only dma-bufs carry fences.
+    pub fn export_sync_file(&self, access: Access) -> Result<OwnedFd> {
+        self.require_dma_buf("export a sync_file")?;
+        sys::dma_buf::export_sync_file(self.fd.as_fd(), access.sync_flags() as u32)
+            .map_err(Error::io("DMA_BUF_IOCTL_EXPORT_SYNC_FILE"))
+    }
+
+    /// `DMA_BUF_IOCTL_IMPORT_SYNC_FILE`: adds the fence in `sync_file` to this buffer's implicit
+    /// fences, as a reader ([`Access::Read`]) or a writer (otherwise), so that other users of
+    /// the buffer wait for it.
+    pub fn import_sync_file(&self, access: Access, sync_file: &impl AsFd) -> Result<()> {
+        self.require_dma_buf("import a sync_file")?;
+        let flags = if access == Access::Read { sys::dma_buf::SYNC_READ } else { sys::dma_buf::SYNC_WRITE };
+        sys::dma_buf::import_sync_file(self.fd.as_fd(), flags as u32, sync_file.as_fd())
+            .map_err(Error::io("DMA_BUF_IOCTL_IMPORT_SYNC_FILE"))
+    }
+
+    fn require_dma_buf(&self, what: &str) -> Result<()> {
+        if self.is_dma_buf() {
+            Ok(())
+        } else {
+            Err(Error::Unsupported { what: format!("cannot {what}: the segment is a memfd, not a dma-buf") })
+        }
+    }
+
+    /// Begins CPU access: for a dma-buf, `DMA_BUF_IOCTL_SYNC` start now and end when the guard
+    /// drops (caches are flushed/invalidated and device fences waited as the exporter needs);
+    /// for a memfd, nothing is needed and the guard is free.
+    pub fn cpu_access(&self, access: Access) -> Result<CpuAccess<'_>> {
+        let mapping = self
+            .mapping
+            .as_ref()
+            .ok_or_else(|| Error::Unsupported { what: "this segment has no CPU mapping".into() })?;
+        if access != Access::Read && !mapping.is_writable() {
+            return Err(Error::ReadOnly);
+        }
+        let dmabuf = self.is_dma_buf().then(|| self.fd.as_fd());
+        if let Some(fd) = dmabuf {
+            sys::dma_buf::sync(fd, sys::dma_buf::SYNC_START | access.sync_flags())
+                .map_err(Error::io("DMA_BUF_IOCTL_SYNC start"))?;
+        }
+        Ok(CpuAccess { mapping, dmabuf, access })
+    }
+}
+
+impl AsFd for Segment {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+/// The direction of a CPU access.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// The CPU only reads.
+    Read,
+    /// The CPU only writes.
+    Write,
+    /// Both.
+    ReadWrite,
+}
+
+impl Access {
+    fn sync_flags(self) -> u64 {
+        match self {
+            Access::Read => sys::dma_buf::SYNC_READ,
+            Access::Write => sys::dma_buf::SYNC_WRITE,
+            Access::ReadWrite => sys::dma_buf::SYNC_RW,
+        }
+    }
+}
+
+/// CPU access to a segment, bracketed by `DMA_BUF_IOCTL_SYNC` start/end for dma-bufs.
+/// Reads and writes are bounds-checked copies (see [`crate::mapping`] for why no slice is given).
+#[derive(Debug)]
+pub struct CpuAccess<'a> {
+    mapping: &'a Mapping,
+    dmabuf: Option<BorrowedFd<'a>>,
+    access: Access,
+}
+
+impl CpuAccess<'_> {
+    /// Length of the segment.
+    pub fn len(&self) -> usize {
+        self.mapping.len()
+    }
+
+    /// Always false.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Copies bytes out of the segment.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        if self.access == Access::Write {
+            return Err(Error::Unsupported { what: "read through a write-only CPU access guard".into() });
+        }
+        self.mapping.read(offset, dst)
+    }
+
+    /// Copies bytes into the segment.
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check_write()?;
+        self.mapping.write(offset, src)
+    }
+
+    /// Fills a range of the segment with one byte.
+    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
+        self.check_write()?;
+        self.mapping.fill(offset, len, byte)
+    }
+
+    fn check_write(&self) -> Result<()> {
+        if self.access == Access::Read {
+            return Err(Error::Unsupported { what: "write through a read-only CPU access guard".into() });
+        }
+        Ok(())
+    }
+
+    /// Ends the access now and reports whether the end-of-access sync succeeded (dropping the
+    /// guard does the same but can only ignore a failure).
+    pub fn end(self) -> Result<()> {
+        let r = self.end_sync();
+        std::mem::forget(self);
+        r
+    }
+
+    fn end_sync(&self) -> Result<()> {
+        match self.dmabuf {
+            Some(fd) => sys::dma_buf::sync(fd, sys::dma_buf::SYNC_END | self.access.sync_flags())
+                .map_err(Error::io("DMA_BUF_IOCTL_SYNC end")),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for CpuAccess<'_> {
+    fn drop(&mut self) {
+        // Drop cannot report; `end()` is the way to observe a failure.
+        let _ = self.end_sync();
+    }
+}

@@ -1,0 +1,76 @@
+//! Memory sources: where segments come from.
+//!
+//! | source | fd | kind | needs |
+//! |---|---|---|---|
+//! | [`ShmemSource`] | memfd (sealed), or a dma-buf over it through `/dev/udmabuf` | unified | nothing / udmabuf |
+//! | [`HeapSource`] | dma-buf from `/dev/dma_heap/<name>` | device | a DMA-BUF heap |
+//! | [`GemSource`] | dma-buf exported by PRIME from a DRM GEM object | device | a DRM node with dumb buffers |
+//! | [`HostSource`] | system-heap dma-buf, else an `mlock`ed memfd | pinned host | nothing |
+
+pub mod gem;
+pub mod heap;
+pub mod host;
+pub mod shmem;
+
+use std::fmt::Debug;
+use std::io;
+
+pub use gem::{GemImport, GemSource, VgemFence};
+pub use heap::HeapSource;
+pub use host::{HostBacking, HostSource};
+pub use shmem::{ShmemSource, Udmabuf};
+
+use crate::error::{Error, Result};
+use crate::segment::{Segment, SegmentKind};
+
+/// A provider of [`Segment`]s. Implementations are cheap to share between threads; each
+/// `allocate` asks the kernel for a new buffer (caching is the allocator's job, not the source's).
+pub trait MemorySource: Send + Sync + Debug {
+    /// A human-readable name: `shmem`, `dma-heap:system`, `gem:/dev/dri/card0 (vgem)`, ...
+    fn name(&self) -> String;
+
+    /// The kind of segment this source makes.
+    fn kind(&self) -> SegmentKind;
+
+    /// A new segment of at least `len` bytes (rounded up to whole pages).
+    fn allocate(&self, len: usize) -> Result<Segment>;
+}
+
+/// The system page size.
+pub fn page_size() -> usize {
+    rustix::param::page_size()
+}
+
+/// Validates a request and rounds it up to whole pages: zero, an overflowing size, and a size
+/// beyond the machine's RAM + swap are refused before the kernel is asked.
+pub(crate) fn checked_len(len: usize, source_name: impl FnOnce() -> String) -> Result<usize> {
+    if len == 0 {
+        return Err(Error::ZeroLength);
+    }
+    let info = rustix::system::sysinfo();
+    let unit = u64::from(info.mem_unit.max(1));
+    let limit = (info.totalram as u64).saturating_add(info.totalswap as u64).saturating_mul(unit);
+    let rounded = len.checked_next_multiple_of(page_size());
+    match rounded {
+        Some(r) if (r as u64) <= limit => Ok(r),
+        _ => Err(Error::TooLarge { requested: len as u64, limit, what: "RAM + swap", source_name: source_name() }),
+    }
+}
+
+/// Maps an allocation failure: memory exhaustion becomes [`Error::OutOfMemory`].
+pub(crate) fn alloc_error(requested: usize, source_name: String, op: &'static str) -> impl FnOnce(io::Error) -> Error {
+    move |e| match e.raw_os_error() {
+        Some(code) if code == libc_enomem() || code == libc_enospc() => {
+            Error::OutOfMemory { requested: requested as u64, source_name, source: e }
+        }
+        _ => Error::Io { op, source: e },
+    }
+}
+
+fn libc_enomem() -> i32 {
+    rustix::io::Errno::NOMEM.raw_os_error()
+}
+
+fn libc_enospc() -> i32 {
+    rustix::io::Errno::NOSPC.raw_os_error()
+}

@@ -1,0 +1,220 @@
+//! The shmem source: sealed memfds, optionally exported as dma-bufs through `/dev/udmabuf`.
+//! It works on every Linux and is the embedded default.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+use super::{MemorySource, alloc_error, checked_len};
+use crate::discovery;
+use crate::error::{Error, Result};
+use crate::segment::{Backing, FdKind, Origin, Segment, SegmentKind};
+use crate::sys;
+use crate::sys::memfd::SealFlags;
+
+/// Default of udmabuf's `size_limit_mb` module parameter.
+const UDMABUF_DEFAULT_LIMIT_MB: u64 = 64;
+const UDMABUF_NODE: &str = "/dev/udmabuf";
+const UDMABUF_LIMIT_PARAM: &str = "/sys/module/udmabuf/parameters/size_limit_mb";
+
+/// Sealed memfds. Every segment's pages are reserved at allocation (faulted in), so an
+/// exhausted machine fails the allocation with [`Error::OutOfMemory`] instead of a SIGBUS on
+/// first touch; the size is sealed (`F_SEAL_SHRINK | F_SEAL_GROW`) so no holder can truncate
+/// it under another's mapping.
+#[derive(Debug)]
+pub struct ShmemSource {
+    udmabuf: Option<Udmabuf>,
+    kind: SegmentKind,
+    reserve: bool,
+}
+
+impl Default for ShmemSource {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ShmemSource {
+    /// Plain memfd segments (unified memory), not exported.
+    pub fn new() -> Self {
+        Self { udmabuf: None, kind: SegmentKind::Unified, reserve: true }
+    }
+
+    /// Memfd segments, each exported as a dma-buf through `/dev/udmabuf` (the segment's fd is
+    /// the dma-buf; the memfd stays reachable through [`Segment::memfd`]).
+    pub fn with_udmabuf() -> Result<Self> {
+        Ok(Self { udmabuf: Some(Udmabuf::open()?), ..Self::new() })
+    }
+
+    /// Whether pages are reserved at allocation (default true). Without it a memfd is sparse
+    /// until touched, which is cheaper but turns exhaustion into SIGBUS/OOM-kill later.
+    pub fn reserve(mut self, reserve: bool) -> Self {
+        self.reserve = reserve;
+        self
+    }
+
+    pub(crate) fn with_kind(mut self, kind: SegmentKind) -> Self {
+        self.kind = kind;
+        self
+    }
+
+    /// A sealed memfd segment of `len` (already page-rounded) bytes.
+    pub(crate) fn memfd_segment(&self, len: usize, origin: Origin) -> Result<Segment> {
+        let name = || "shmem".to_string();
+        let fd = sys::memfd::create("dmabuf-rt").map_err(alloc_error(len, name(), "memfd_create"))?;
+        rustix::fs::ftruncate(&fd, len as u64).map_err(|e| alloc_error(len, name(), "ftruncate memfd")(e.into()))?;
+        sys::memfd::add_seals(fd.as_fd(), SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+            .map_err(Error::io("seal memfd"))?;
+        let seg = Segment::new(fd, len, FdKind::Memfd, self.kind, origin, Backing::None, true)?;
+        if self.reserve {
+            // Reserve by faulting the pages in, not by fallocate: fallocated shmem pages stay
+            // "not uptodate" until first faulted, and a later fault zeroes them, which would
+            // wipe data a device wrote through udmabuf in the meantime.
+            populate(&seg).map_err(alloc_error(len, name(), "populate memfd"))?;
+        }
+        Ok(seg)
+    }
+}
+
+impl MemorySource for ShmemSource {
+    fn name(&self) -> String {
+        if self.udmabuf.is_some() { "shmem+udmabuf".into() } else { "shmem".into() }
+    }
+
+    fn kind(&self) -> SegmentKind {
+        self.kind
+    }
+
+    fn allocate(&self, len: usize) -> Result<Segment> {
+        let len = checked_len(len, || self.name())?;
+        match &self.udmabuf {
+            None => self.memfd_segment(len, Origin::Memfd),
+            Some(u) => {
+                // Check the limit before paying for the memfd.
+                u.check_limit(len as u64)?;
+                let memfd = self.memfd_segment(len, Origin::Memfd)?;
+                u.export(&memfd)
+            }
+        }
+    }
+}
+
+/// `/dev/udmabuf`: turns memfd segments into dma-bufs.
+#[derive(Debug)]
+pub struct Udmabuf {
+    dev: OwnedFd,
+}
+
+impl Udmabuf {
+    /// Opens `/dev/udmabuf`.
+    pub fn open() -> Result<Self> {
+        Self::open_path(Path::new(UDMABUF_NODE))
+    }
+
+    /// Opens a udmabuf node at another path (containers, tests).
+    pub fn open_path(path: &Path) -> Result<Self> {
+        let f = open_node(path, "the udmabuf driver (CONFIG_UDMABUF) provides it")?;
+        Ok(Self { dev: f.into() })
+    }
+
+    /// udmabuf's per-buffer cap in MiB, from its module parameter (64 when unreadable).
+    pub fn size_limit_mb() -> u64 {
+        std::fs::read_to_string(UDMABUF_LIMIT_PARAM)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(UDMABUF_DEFAULT_LIMIT_MB)
+    }
+
+    fn check_limit(&self, len: u64) -> Result<()> {
+        let limit_mb = Self::size_limit_mb();
+        if len > limit_mb << 20 {
+            return Err(Error::UdmabufLimit { requested: len, limit_mb });
+        }
+        Ok(())
+    }
+
+    /// Exports a memfd segment (from [`ShmemSource`] or imported) as a dma-buf over the same
+    /// pages. The new segment keeps the memfd open and shares its kind.
+    pub fn export(&self, seg: &Segment) -> Result<Segment> {
+        let Some(memfd) = seg.memfd() else {
+            return Err(Error::Unsupported { what: "udmabuf can only export memfd-backed segments".into() });
+        };
+        let len = seg.len() as u64;
+        self.check_limit(len)?;
+        // Pages must exist and be initialised before udmabuf pins them: shmem zeroes a page that
+        // was fallocated but never faulted on its first fault, and udmabuf's own mapping does
+        // not count as one, so device writes through the dma-buf could later be wiped.
+        populate(seg).map_err(alloc_error(len as usize, "udmabuf".into(), "populate memfd"))?;
+        let range = sys::udmabuf::Range { memfd, offset: 0, size: len };
+        let dmabuf = sys::udmabuf::create(self.dev.as_fd(), range).map_err(|e| {
+            // A limit changed between the check and the call still gets a clear answer.
+            if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) && len > Self::size_limit_mb() << 20 {
+                Error::UdmabufLimit { requested: len, limit_mb: Self::size_limit_mb() }
+            } else {
+                alloc_error(len as usize, "udmabuf".into(), "UDMABUF_CREATE")(e)
+            }
+        })?;
+        let keep = memfd.try_clone_to_owned().map_err(Error::io("dup memfd"))?;
+        Segment::new(dmabuf, seg.len(), FdKind::DmaBuf, seg.kind(), Origin::Udmabuf, Backing::Memfd(keep), true)
+    }
+}
+
+impl Udmabuf {
+    /// Exports several memfd segments as one dma-buf, their pages concatenated in order
+    /// (`UDMABUF_CREATE_LIST`). The result keeps every memfd open; its kind is the first's.
+    pub fn export_list(&self, segs: &[&Segment]) -> Result<Segment> {
+        let first = segs.first().ok_or(Error::ZeroLength)?;
+        let mut ranges = Vec::with_capacity(segs.len());
+        let mut total: u64 = 0;
+        for s in segs {
+            let memfd = s
+                .memfd()
+                .ok_or_else(|| Error::Unsupported { what: "udmabuf can only export memfd-backed segments".into() })?;
+            populate(s).map_err(alloc_error(s.len(), "udmabuf".into(), "populate memfd"))?;
+            ranges.push(sys::udmabuf::Range { memfd, offset: 0, size: s.len() as u64 });
+            total += s.len() as u64;
+        }
+        self.check_limit(total)?;
+        let dmabuf = sys::udmabuf::create_list(self.dev.as_fd(), &ranges).map_err(alloc_error(
+            total as usize,
+            "udmabuf".into(),
+            "UDMABUF_CREATE_LIST",
+        ))?;
+        let keep = ranges
+            .iter()
+            .map(|r| r.memfd.try_clone_to_owned())
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(Error::io("dup memfd"))?;
+        Segment::new(dmabuf, total as usize, FdKind::DmaBuf, first.kind(), Origin::Udmabuf, Backing::Memfds(keep), true)
+    }
+}
+
+/// Faults in every page of a memfd segment through its mapping.
+fn populate(seg: &Segment) -> std::io::Result<()> {
+    match seg.mapping() {
+        Some(m) => m.populate(),
+        None => Ok(()),
+    }
+}
+
+/// Opens a device node read-write, close-on-exec, with errors that say what is missing or
+/// why this process may not open it.
+pub(crate) fn open_node(path: &Path, provider: &'static str) -> Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(rustix::fs::OFlags::CLOEXEC.bits() as i32)
+        .open(path)
+        .map_err(|e| node_error(path, provider, e))
+}
+
+pub(crate) fn node_error(path: &Path, provider: &'static str, e: std::io::Error) -> Error {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => Error::NoDevice { path: path.to_path_buf(), hint: provider },
+        std::io::ErrorKind::PermissionDenied => {
+            Error::Open { path: path.to_path_buf(), why: discovery::why_denied(path), source: e }
+        }
+        _ => Error::Open { path: path.to_path_buf(), why: "the driver refused the open".into(), source: e },
+    }
+}

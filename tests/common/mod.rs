@@ -1,0 +1,62 @@
+#![allow(dead_code)]
+//! Helpers shared by the integration tests.
+
+#[allow(unused_imports)]
+pub use dmabuf_rt::testing::{open_fds, or_skip};
+
+/// The uid/gid the permission tests drop to when running as root.
+pub const NOBODY: u32 = 65534;
+
+/// Runs `f` on a thread whose credentials are an unprivileged user's (when the process is
+/// root: the thread alone drops its uids, gids, groups and with them its capabilities; other
+/// threads keep root). Returns `f`'s result.
+pub fn unprivileged<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            if rustix::process::geteuid().is_root() {
+                use rustix::process::{Gid, Uid};
+                use rustix::thread::{set_thread_groups, set_thread_res_gid, set_thread_res_uid};
+                // SAFETY-free: these are raw per-thread syscalls; this thread ends with `f`.
+                let gid = Gid::from_raw(NOBODY);
+                set_thread_groups(&[]).expect("setgroups");
+                set_thread_res_gid(gid, gid, gid).expect("setresgid");
+                let uid = Uid::from_raw(NOBODY);
+                set_thread_res_uid(uid, uid, uid).expect("setresuid");
+            }
+            f()
+        })
+        .join()
+        .expect("unprivileged thread panicked")
+    })
+}
+
+/// A deterministic byte pattern.
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8).collect()
+}
+
+/// A fresh temporary directory under the system temp dir, removed on drop.
+pub struct TempDir(pub std::path::PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!("dmabuf-rt-{tag}-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        Self(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Serializes the tests of one binary that count this process's open fds (the count is
+/// process-wide, so a test running beside them would disturb it).
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
