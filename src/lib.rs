@@ -29,3 +29,8 @@ pub use error::{Error, Result};
 pub use mapping::Mapping;
 pub use segment::{Access, CpuAccess, FdKind, Origin, Segment, SegmentKind};
 pub use source::MemorySource;
+
+/// The README's examples are compiled and run as doctests, so they stay true.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
