@@ -225,6 +225,13 @@ impl Segment {
         }
     }
 
+    pub(crate) fn gem(&self) -> Option<&Arc<GemHandle>> {
+        match &self.backing {
+            Backing::Gem(h) => Some(h),
+            _ => None,
+        }
+    }
+
     /// A new fd for the same buffer (`dup`), to send to another process or driver.
     pub fn try_clone_fd(&self) -> Result<OwnedFd> {
         self.fd.try_clone().map_err(Error::io("dup segment fd"))

@@ -76,6 +76,11 @@ fn system_heap_segment_written_under_sync_and_read_through_a_second_mapping() {
     let sf = seg.export_sync_file(Access::ReadWrite).unwrap();
     assert!(poll_ready(&sf, Duration::ZERO));
 
+    // Bad lengths get clear errors and leave nothing open.
+    assert!(matches!(heap.allocate(0), Err(Error::ZeroLength)));
+    assert!(matches!(heap.allocate(usize::MAX), Err(Error::TooLarge { .. })));
+    assert!(matches!(heap.allocate(1 << 50), Err(Error::TooLarge { .. })));
+
     drop((second, peer, sf, seg));
     assert_eq!(common::open_fds(), fds, "heap segment fds leaked");
 }
@@ -311,6 +316,15 @@ fn vgem_gem_object_prime_export_map_write_reimport_and_close() {
     let peer = Segment::import(seg.try_clone_fd().unwrap(), SegmentKind::Device).unwrap();
     assert_eq!(peer.len(), seg.len());
     assert_eq!(read_all(&peer)[..4096], data[..4096]);
+
+    // Bad lengths: clear errors, no handle or fd left behind (checked by the count below).
+    assert!(matches!(gem.allocate(0), Err(Error::ZeroLength)));
+    assert!(matches!(gem.allocate(usize::MAX), Err(Error::TooLarge { .. })));
+    // Not a GEM object of this source: refused, not mapped through some other handle.
+    let shm = ShmemSource::new().allocate(4096).unwrap();
+    assert!(matches!(gem.map_dumb(&shm), Err(Error::Unsupported { .. })));
+    assert!(matches!(gem2.map_dumb(&seg), Err(Error::Unsupported { .. })));
+    drop(shm);
 
     let h2 = import2.handle();
     drop(import2);

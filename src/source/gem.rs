@@ -158,11 +158,7 @@ impl GemSource {
     /// Maps a GEM segment of this source through the DRM node (`DRM_IOCTL_MODE_MAP_DUMB` and
     /// mmap of the DRM fd), a second path to the same pages as the dma-buf mapping.
     pub fn map_dumb(&self, seg: &Segment) -> Result<Mapping> {
-        let handle = match seg.origin() {
-            Origin::Gem { node, .. } if *node == self.node => seg.gem_handle(),
-            _ => None,
-        }
-        .ok_or_else(|| Error::Unsupported { what: "segment is not a GEM object of this source".into() })?;
+        let handle = self.own_handle(seg)?;
         let offset =
             sys::drm::dumb_map_offset(self.dev.fd.as_fd(), handle).map_err(Error::io("DRM_IOCTL_MODE_MAP_DUMB"))?;
         Mapping::map_shared(self.dev.fd.as_fd(), offset, seg.len(), true).map_err(Error::io("mmap DRM node"))
@@ -178,14 +174,20 @@ impl GemSource {
                 what: format!("fences can be attached on vgem only, not {}", self.driver),
             });
         }
-        let handle = seg
-            .gem_handle()
-            .filter(|_| matches!(seg.origin(), Origin::Gem { node, .. } if *node == self.node))
-            .ok_or_else(|| Error::Unsupported { what: "segment is not a GEM object of this source".into() })?;
+        let handle = self.own_handle(seg)?;
         let flags = if exclusive { sys::drm::VGEM_FENCE_WRITE } else { 0 };
         let id = sys::drm::vgem_fence_attach(self.dev.fd.as_fd(), handle, flags)
             .map_err(Error::io("DRM_IOCTL_VGEM_FENCE_ATTACH"))?;
         Ok(VgemFence { dev: Arc::clone(&self.dev), id: Some(id) })
+    }
+
+    /// The segment's GEM handle if it belongs to this source's DRM fd. Handles are per fd,
+    /// so a segment from another source, even on the same node, is refused.
+    fn own_handle(&self, seg: &Segment) -> Result<u32> {
+        seg.gem()
+            .filter(|h| Arc::ptr_eq(&h.dev, &self.dev))
+            .map(|h| h.handle)
+            .ok_or_else(|| Error::Unsupported { what: "segment is not a GEM object of this source's DRM fd".into() })
     }
 
     /// Whether `handle` is currently open on this source's DRM fd (asks the kernel).
