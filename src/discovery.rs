@@ -78,7 +78,8 @@ pub fn discover() -> Inventory {
 /// Looks at a device tree and a sysfs mounted elsewhere (containers, tests).
 pub fn discover_at(dev: &Path, sys: &Path) -> Inventory {
     let heap_dir = dev.join("dma_heap");
-    let heaps = list_dir(&heap_dir).into_iter().map(|n| node_info(heap_dir.join(n))).collect();
+    // Heaps are opened read-only (allocation needs no write access); the rest read-write.
+    let heaps = list_dir(&heap_dir).into_iter().map(|n| node_info_mode(heap_dir.join(n), false)).collect();
     let dri = dev.join("dri");
     let mut drm = Vec::new();
     for name in list_dir(&dri) {
@@ -110,17 +111,26 @@ fn driver_by_ioctl(path: &Path) -> Option<String> {
 }
 
 fn node_info(path: PathBuf) -> NodeInfo {
-    let access = check_access(&path);
+    node_info_mode(path, true)
+}
+
+fn node_info_mode(path: PathBuf, write: bool) -> NodeInfo {
+    let access = check_access_mode(&path, write);
     NodeInfo { path, access }
 }
 
 /// Whether this process (its effective credentials) may open `path` read-write.
 pub fn check_access(path: &Path) -> NodeAccess {
+    check_access_mode(path, true)
+}
+
+fn check_access_mode(path: &Path, write: bool) -> NodeAccess {
     use rustix::fs::{Access, AtFlags, CWD, accessat};
     if fs::symlink_metadata(path).is_err() {
         return NodeAccess::Missing;
     }
-    match accessat(CWD, path, Access::READ_OK | Access::WRITE_OK, AtFlags::EACCESS) {
+    let mode = if write { Access::READ_OK | Access::WRITE_OK } else { Access::READ_OK };
+    match accessat(CWD, path, mode, AtFlags::EACCESS) {
         Ok(()) => NodeAccess::Allowed,
         Err(_) => NodeAccess::Denied(why_denied(path)),
     }

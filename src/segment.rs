@@ -113,18 +113,21 @@ impl Segment {
         Ok(Self { mapping: Some(mapping), backing, fd, len, fd_kind, kind, origin })
     }
 
-    /// Takes ownership of a dma-buf or memfd received from elsewhere (another process, a
-    /// driver). The length comes from the fd itself, never from the sender. A memfd must carry
-    /// `F_SEAL_SHRINK` (otherwise its owner could truncate it under our mapping and kill us with
-    /// SIGBUS); one sealed against writes, or opened read-only, is mapped read-only.
-    pub fn import(fd: OwnedFd, kind: SegmentKind) -> Result<Self> {
-        let access = rustix::fs::fcntl_getfl(&fd).map_err(Error::io_rustix("fcntl(F_GETFL) on imported fd"))?;
+    /// Imports a dma-buf or memfd received from elsewhere (another process, a driver). The
+    /// fd is only borrowed: the segment keeps its own duplicate, so a refused fd stays the
+    /// caller's to seal, resend or close. The length comes from the fd itself, never from the
+    /// sender. A memfd must carry `F_SEAL_SHRINK` (otherwise its owner could truncate it under
+    /// our mapping and kill us with SIGBUS); one sealed against writes, or opened read-only, is
+    /// mapped read-only.
+    pub fn import(fd: &impl AsFd, kind: SegmentKind) -> Result<Self> {
+        let fd = fd.as_fd();
+        let access = rustix::fs::fcntl_getfl(fd).map_err(Error::io_rustix("fcntl(F_GETFL) on imported fd"))?;
         let mut writable = (access & OFlags::RWMODE) == OFlags::RDWR;
-        let statfs = rustix::fs::fstatfs(&fd).map_err(Error::io_rustix("fstatfs on imported fd"))?;
+        let statfs = rustix::fs::fstatfs(fd).map_err(Error::io_rustix("fstatfs on imported fd"))?;
         let fd_kind = if statfs.f_type as u64 == sys::dma_buf::DMA_BUF_MAGIC {
             FdKind::DmaBuf
         } else {
-            match sys::memfd::seals(fd.as_fd()) {
+            match sys::memfd::seals(fd) {
                 Ok(seals) if seals.contains(SealFlags::SEAL) && !seals.contains(SealFlags::SHRINK) => {
                     // Plain tmpfs/shmem files (and memfds made without MFD_ALLOW_SEALING) report
                     // F_SEAL_SEAL: they can never gain F_SEAL_SHRINK, so they can never be safe.
@@ -158,26 +161,28 @@ impl Segment {
             }
         };
         let size = match fd_kind {
-            // A dma-buf's size is what SEEK_END reports.
+            // A dma-buf's size is what SEEK_END reports. dma-bufs only support SEEK_END and
+            // SEEK_SET to 0, so their offset is always 0 and resetting it changes nothing for
+            // the caller sharing this file description.
             FdKind::DmaBuf => {
                 let end =
-                    rustix::fs::seek(&fd, SeekFrom::End(0)).map_err(Error::io_rustix("lseek on imported dma-buf"))?;
-                rustix::fs::seek(&fd, SeekFrom::Start(0)).map_err(Error::io_rustix("lseek on imported dma-buf"))?;
+                    rustix::fs::seek(fd, SeekFrom::End(0)).map_err(Error::io_rustix("lseek on imported dma-buf"))?;
+                rustix::fs::seek(fd, SeekFrom::Start(0)).map_err(Error::io_rustix("lseek on imported dma-buf"))?;
                 end
             }
-            FdKind::Memfd => {
-                rustix::fs::fstat(&fd).map_err(Error::io_rustix("fstat on imported memfd"))?.st_size as u64
-            }
+            FdKind::Memfd => rustix::fs::fstat(fd).map_err(Error::io_rustix("fstat on imported memfd"))?.st_size as u64,
         };
         if size == 0 {
             return Err(Error::BadImport { reason: "the buffer is empty (size 0)".into() });
         }
         let len = usize::try_from(size)
             .map_err(|_| Error::BadImport { reason: format!("size {size} does not fit in memory") })?;
-        Self::new(fd, len, fd_kind, kind, Origin::Imported(fd_kind), Backing::None, writable)
+        let own = fd.try_clone_to_owned().map_err(Error::io("dup imported fd"))?;
+        Self::new(own, len, fd_kind, kind, Origin::Imported(fd_kind), Backing::None, writable)
     }
 
-    /// Length in bytes (the kernel's size of the buffer, page-rounded).
+    /// Length in bytes: what the allocation was rounded to (whole pages), or for an import
+    /// the size the fd reports.
     pub fn len(&self) -> usize {
         self.len
     }
@@ -195,6 +200,12 @@ impl Segment {
     /// Where it came from.
     pub fn origin(&self) -> &Origin {
         &self.origin
+    }
+
+    /// Whether CPU writes are possible (false for imports sealed against writes or opened
+    /// read-only).
+    pub fn is_writable(&self) -> bool {
+        self.mapping.as_ref().is_some_and(Mapping::is_writable)
     }
 
     /// Whether the fd is a dma-buf or a memfd.
@@ -240,8 +251,7 @@ impl Segment {
     /// A second, independent mapping of the same buffer. It follows the same access rules and
     /// unmaps itself on drop; CPU access to a dma-buf still belongs inside [`Segment::cpu_access`].
     pub fn map(&self) -> Result<Mapping> {
-        let writable = self.mapping.as_ref().is_some_and(Mapping::is_writable);
-        Mapping::map_shared(self.fd.as_fd(), 0, self.len, writable).map_err(Error::io("mmap segment"))
+        Mapping::map_shared(self.fd.as_fd(), 0, self.len, self.is_writable()).map_err(Error::io("mmap segment"))
     }
 
     /// The segment's own mapping, for code that follows [`crate::mapping`]'s access rule.

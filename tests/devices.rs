@@ -67,7 +67,7 @@ fn system_heap_segment_written_under_sync_and_read_through_a_second_mapping() {
     assert_eq!(read_via_memmap2(seg.try_clone_fd().unwrap(), seg.len()), data);
 
     // The fd imported as a peer would: size from the fd, same bytes.
-    let peer = Segment::import(seg.try_clone_fd().unwrap(), SegmentKind::Device).unwrap();
+    let peer = Segment::import(&seg, SegmentKind::Device).unwrap();
     assert_eq!(peer.fd_kind(), FdKind::DmaBuf);
     assert_eq!(peer.len(), seg.len());
     assert_eq!(read_all(&peer), data);
@@ -211,14 +211,14 @@ fn shmem_exported_through_udmabuf_shows_the_same_bytes() {
     rustix::fs::ftruncate(&peer_fd, 8192).unwrap();
     rustix::fs::fallocate(&peer_fd, rustix::fs::FallocateFlags::empty(), 0, 8192).unwrap();
     rustix::fs::fcntl_add_seals(&peer_fd, rustix::fs::SealFlags::SHRINK).unwrap();
-    let peer_memfd = Segment::import(peer_fd, SegmentKind::Unified).unwrap();
+    let peer_memfd = Segment::import(&peer_fd, SegmentKind::Unified).unwrap();
     let peer_dmabuf = udmabuf.export(&peer_memfd).unwrap();
     peer_dmabuf.cpu_access(Access::Write).unwrap().write(0, b"device wrote").unwrap();
     let fresh_map = peer_memfd.map().unwrap();
     let mut seen = [0u8; 12];
     fresh_map.read(0, &mut seen).unwrap();
     assert_eq!(&seen, b"device wrote", "data written through udmabuf was lost on the memfd's fault");
-    drop((fresh_map, peer_dmabuf, peer_memfd));
+    drop((fresh_map, peer_dmabuf, peer_memfd, peer_fd));
 
     // A source that exports every allocation.
     let src = ShmemSource::with_udmabuf().unwrap();
@@ -273,6 +273,32 @@ fn udmabuf_limit_is_named_in_the_error() {
     // Exactly at the limit still works.
     let at = src.allocate((limit_mb << 20) as usize).unwrap();
     assert_eq!(at.len() as u64, limit_mb << 20);
+    // The limit is read from the module parameter, not assumed: lower it where we may.
+    let param = "/sys/module/udmabuf/parameters/size_limit_mb";
+    if std::fs::write(param, b"2").is_ok() {
+        let three = ShmemSource::new().allocate(3 << 20).unwrap();
+        let e = udmabuf.export(&three);
+        std::fs::write(param, limit_mb.to_string()).unwrap();
+        assert!(matches!(e, Err(Error::UdmabufLimit { limit_mb: 2, .. })), "{e:?}");
+    }
+    // What udmabuf cannot take is refused before the kernel is asked.
+    let sealed = rustix::fs::memfd_create("sealed", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
+    rustix::fs::ftruncate(&sealed, 4096).unwrap();
+    rustix::fs::fcntl_add_seals(&sealed, rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::WRITE).unwrap();
+    let sealed = Segment::import(&{ sealed }, SegmentKind::Unified).unwrap();
+    let e = udmabuf.export(&sealed);
+    assert!(matches!(e, Err(Error::Unsupported { .. })), "{e:?}");
+    let odd = rustix::fs::memfd_create("odd", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
+    rustix::fs::ftruncate(&odd, 5000).unwrap();
+    rustix::fs::fcntl_add_seals(&odd, rustix::fs::SealFlags::SHRINK).unwrap();
+    let odd = Segment::import(&{ odd }, SegmentKind::Unified).unwrap();
+    let e = udmabuf.export(&odd).unwrap_err();
+    assert!(e.to_string().contains("whole pages"), "{e}");
+    let heap_seg = HeapSource::open("system").ok().map(|h| h.allocate(4096).unwrap());
+    if let Some(h) = &heap_seg {
+        assert!(matches!(udmabuf.export(h), Err(Error::Unsupported { .. })));
+    }
+    drop((sealed, odd, heap_seg));
     drop((big, src, at));
     assert_eq!(common::open_fds(), fds, "fds leaked by refused or dropped udmabuf exports");
 }
@@ -288,7 +314,7 @@ fn vgem_gem_object_prime_export_map_write_reimport_and_close() {
     assert_eq!(seg.kind(), SegmentKind::Device);
     assert!(seg.len() >= 1 << 20);
     let handle = seg.gem_handle().unwrap();
-    assert!(gem.handle_is_open(handle));
+    assert!(gem.handle_is_open(handle).unwrap());
 
     // Write through the PRIME dma-buf under the sync guard...
     let data = pattern(seg.len(), 5);
@@ -306,14 +332,14 @@ fn vgem_gem_object_prime_export_map_write_reimport_and_close() {
     let import = gem.import(&seg).unwrap();
     assert_eq!(import.handle(), handle);
     drop(import);
-    assert!(gem.handle_is_open(handle), "dropping an import closed the exporter's handle");
+    assert!(gem.handle_is_open(handle).unwrap(), "dropping an import closed the exporter's handle");
 
     // Import on a second DRM fd: a handle of its own, same pages.
     let gem2 = GemSource::open(gem.node()).unwrap();
     let import2 = gem2.import(&seg).unwrap();
-    assert!(gem2.handle_is_open(import2.handle()));
+    assert!(gem2.handle_is_open(import2.handle()).unwrap());
     // The same fd received by "a peer" imports as a dma-buf of the same size.
-    let peer = Segment::import(seg.try_clone_fd().unwrap(), SegmentKind::Device).unwrap();
+    let peer = Segment::import(&seg, SegmentKind::Device).unwrap();
     assert_eq!(peer.len(), seg.len());
     assert_eq!(read_all(&peer)[..4096], data[..4096]);
 
@@ -326,11 +352,22 @@ fn vgem_gem_object_prime_export_map_write_reimport_and_close() {
     assert!(matches!(gem2.map_dumb(&seg), Err(Error::Unsupported { .. })));
     drop(shm);
 
+    // A render node imports but cannot create dumb buffers: it says so.
+    let render = discovery::discover().drm.into_iter().find(|d| d.kind == discovery::DrmNodeKind::Render);
+    if let Some(render) = or_skip("vgem_render_node", render.ok_or("no render node")) {
+        let r = GemSource::open(&render.node.path).unwrap();
+        assert!(r.is_render_node());
+        let e = r.allocate(4096).unwrap_err();
+        assert!(matches!(e, Error::Unsupported { .. }) && e.to_string().contains("render nodes"), "{e}");
+        let imported = r.import(&seg).unwrap();
+        assert!(imported.handle() > 0);
+    }
+
     let h2 = import2.handle();
     drop(import2);
-    assert!(!gem2.handle_is_open(h2));
+    assert!(!gem2.handle_is_open(h2).unwrap());
     drop((dumb, peer, seg));
-    assert!(!gem.handle_is_open(handle), "GEM handle still open after its last user dropped");
+    assert!(!gem.handle_is_open(handle).unwrap(), "GEM handle still open after its last user dropped");
     drop((gem, gem2));
     assert_eq!(common::open_fds(), fds, "GEM source/segment fds leaked");
 }
@@ -349,17 +386,17 @@ fn vgem_fence_blocks_the_sync_file_until_signalled() {
     // A fence imported into another buffer makes that buffer wait too.
     let fence2 = gem.vgem_attach_fence(&seg, true).unwrap();
     let pending = seg.export_sync_file(Access::Read).unwrap();
-    let other = HeapSource::open("system").ok().map(|h| h.allocate(4096).unwrap());
-    if let Some(other) = &other {
+    if let Some(heap) = or_skip("vgem_fence_into_heap_buffer", HeapSource::open("system")) {
+        let other = heap.allocate(4096).unwrap();
         other.import_sync_file(Access::Write, &pending).unwrap();
         let waits = other.export_sync_file(Access::Read).unwrap();
         assert!(!poll_ready(&waits, Duration::from_millis(50)));
         drop(fence2); // dropping signals
         assert!(poll_ready(&waits, Duration::from_secs(5)));
     }
-    // Fences are vgem's only.
+    // Only GEM objects of this source's fd take vgem fences.
     let shm = ShmemSource::new().allocate(4096).unwrap();
-    assert!(gem.vgem_attach_fence(&shm, false).is_err());
+    assert!(matches!(gem.vgem_attach_fence(&shm, false), Err(Error::Unsupported { .. })));
 }
 
 #[test]
@@ -391,7 +428,10 @@ fn pinned_host_memory_says_what_pins_it() {
     assert_eq!(seg.kind(), SegmentKind::PinnedHost);
     seg.cpu_access(Access::Write).unwrap().write(0, b"pinned").unwrap();
     match host.backing() {
-        HostBacking::SystemHeap => assert!(seg.is_dma_buf()),
+        HostBacking::SystemHeap => {
+            assert!(seg.is_dma_buf());
+            assert_eq!(*seg.origin(), Origin::DmaHeap { heap: "system".into() });
+        }
         HostBacking::MlockedMemfd { .. } => {
             assert_eq!(*seg.origin(), Origin::MlockedMemfd);
             assert!(vmlck() >= locked_before + 1024, "mlock did not lock 1 MiB");
@@ -399,7 +439,8 @@ fn pinned_host_memory_says_what_pins_it() {
     }
     // The explicit mlock path works everywhere.
     let m = HostSource::mlocked();
-    if let Ok(s) = m.allocate(4096) {
-        assert_eq!(*s.origin(), Origin::MlockedMemfd);
+    match m.allocate(4096) {
+        Ok(s) => assert_eq!(*s.origin(), Origin::MlockedMemfd),
+        Err(e) => assert!(e.to_string().contains("RLIMIT_MEMLOCK"), "{e}"),
     }
 }

@@ -190,9 +190,22 @@ impl GemSource {
             .ok_or_else(|| Error::Unsupported { what: "segment is not a GEM object of this source's DRM fd".into() })
     }
 
-    /// Whether `handle` is currently open on this source's DRM fd (asks the kernel).
-    pub fn handle_is_open(&self, handle: u32) -> bool {
-        sys::drm::dumb_map_offset(self.dev.fd.as_fd(), handle).is_ok()
+    /// Diagnostic: whether `handle` is currently open on this source's DRM fd, asked of the
+    /// kernel with `DRM_IOCTL_MODE_MAP_DUMB` (ENOENT means no such handle). Other answers, such
+    /// as EINVAL for objects imported from another driver, are returned as errors rather than
+    /// guessed at.
+    pub fn handle_is_open(&self, handle: u32) -> Result<bool> {
+        match sys::drm::dumb_map_offset(self.dev.fd.as_fd(), handle) {
+            Ok(_) => Ok(true),
+            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::NOENT.raw_os_error()) => Ok(false),
+            Err(e) => Err(Error::Io { op: "DRM_IOCTL_MODE_MAP_DUMB", source: e }),
+        }
+    }
+
+    /// True for a render node (`renderD*`), where dumb buffers cannot be created; such a
+    /// source can still import dma-bufs.
+    pub fn is_render_node(&self) -> bool {
+        self.node.file_name().is_some_and(|n| n.to_string_lossy().starts_with("renderD"))
     }
 }
 
@@ -207,6 +220,15 @@ impl MemorySource for GemSource {
 
     fn allocate(&self, len: usize) -> Result<Segment> {
         let len = checked_len(len, || self.name())?;
+        if self.is_render_node() {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "{}: render nodes cannot create dumb buffers (the kernel allows them on card nodes only); \
+                     allocate on the card node, or use this source to import dma-bufs",
+                    self.node.display()
+                ),
+            });
+        }
         let rows = u32::try_from((len as u64).div_ceil(ROW_BYTES))
             .ok()
             .filter(|r| u64::from(*r) * ROW_BYTES <= u64::from(u32::MAX))

@@ -33,14 +33,19 @@ impl HeapSource {
             return Err(Error::NoSuchHeap { name: name.into(), available: available(dir) });
         }
         let path = dir.join(name);
-        if !path.exists() {
-            if !dir.exists() {
-                return Err(Error::NoDevice {
-                    path: dir.to_path_buf(),
-                    hint: "this kernel has no DMA-BUF heaps (CONFIG_DMABUF_HEAPS, CONFIG_DMABUF_HEAPS_SYSTEM)",
-                });
+        match std::fs::symlink_metadata(&path) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if std::fs::symlink_metadata(dir).is_err() {
+                    return Err(Error::NoDevice {
+                        path: dir.to_path_buf(),
+                        hint: "this kernel has no DMA-BUF heaps (CONFIG_DMABUF_HEAPS, CONFIG_DMABUF_HEAPS_SYSTEM)",
+                    });
+                }
+                return Err(Error::NoSuchHeap { name: name.into(), available: available(dir) });
             }
-            return Err(Error::NoSuchHeap { name: name.into(), available: available(dir) });
+            // E.g. EACCES on the directory: a permission problem, not a missing heap.
+            Err(e) => return Err(node_error(&path, "a DMA-BUF heap driver", e)),
         }
         let heap = sys::dma_heap::open(&path).map_err(|e| node_error(&path, "a DMA-BUF heap driver", e))?;
         Ok(Self { name: name.into(), path, heap, kind: SegmentKind::Device })

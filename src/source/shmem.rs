@@ -2,7 +2,7 @@
 //! It works on every Linux and is the embedded default.
 
 use std::fs::{File, OpenOptions};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
@@ -17,6 +17,9 @@ use crate::sys::memfd::SealFlags;
 const UDMABUF_DEFAULT_LIMIT_MB: u64 = 64;
 const UDMABUF_NODE: &str = "/dev/udmabuf";
 const UDMABUF_LIMIT_PARAM: &str = "/sys/module/udmabuf/parameters/size_limit_mb";
+const UDMABUF_LIST_PARAM: &str = "/sys/module/udmabuf/parameters/list_limit";
+/// Default of udmabuf's `list_limit` module parameter.
+const UDMABUF_DEFAULT_LIST_LIMIT: u64 = 1024;
 
 /// Sealed memfds. Every segment's pages are reserved at allocation (faulted in), so an
 /// exhausted machine fails the allocation with [`Error::OutOfMemory`] instead of a SIGBUS on
@@ -126,6 +129,33 @@ impl Udmabuf {
             .unwrap_or(UDMABUF_DEFAULT_LIMIT_MB)
     }
 
+    /// udmabuf's cap on the ranges of one `export_list`, from its module parameter (1024 when
+    /// unreadable).
+    pub fn list_limit() -> u64 {
+        std::fs::read_to_string(UDMABUF_LIST_PARAM)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(UDMABUF_DEFAULT_LIST_LIMIT)
+    }
+
+    /// What udmabuf requires of a source segment, checked before the kernel is asked.
+    fn check_source(seg: &Segment) -> Result<BorrowedFd<'_>> {
+        let memfd = seg
+            .memfd()
+            .ok_or_else(|| Error::Unsupported { what: "udmabuf can only export memfd-backed segments".into() })?;
+        if !seg.is_writable() {
+            return Err(Error::Unsupported {
+                what: "udmabuf cannot export a memfd sealed against writes or opened read-only".into(),
+            });
+        }
+        if seg.len() % super::page_size() != 0 {
+            return Err(Error::Unsupported {
+                what: format!("udmabuf needs whole pages; this memfd is {} bytes", seg.len()),
+            });
+        }
+        Ok(memfd)
+    }
+
     fn check_limit(&self, len: u64) -> Result<()> {
         let limit_mb = Self::size_limit_mb();
         if len > limit_mb << 20 {
@@ -137,9 +167,7 @@ impl Udmabuf {
     /// Exports a memfd segment (from [`ShmemSource`] or imported) as a dma-buf over the same
     /// pages. The new segment keeps the memfd open and shares its kind.
     pub fn export(&self, seg: &Segment) -> Result<Segment> {
-        let Some(memfd) = seg.memfd() else {
-            return Err(Error::Unsupported { what: "udmabuf can only export memfd-backed segments".into() });
-        };
+        let memfd = Self::check_source(seg)?;
         let len = seg.len() as u64;
         self.check_limit(len)?;
         // Pages must exist and be initialised before udmabuf pins them: shmem zeroes a page that
@@ -147,14 +175,11 @@ impl Udmabuf {
         // not count as one, so device writes through the dma-buf could later be wiped.
         populate(seg).map_err(alloc_error(len as usize, "udmabuf".into(), "populate memfd"))?;
         let range = sys::udmabuf::Range { memfd, offset: 0, size: len };
-        let dmabuf = sys::udmabuf::create(self.dev.as_fd(), range).map_err(|e| {
-            // A limit changed between the check and the call still gets a clear answer.
-            if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) && len > Self::size_limit_mb() << 20 {
-                Error::UdmabufLimit { requested: len, limit_mb: Self::size_limit_mb() }
-            } else {
-                alloc_error(len as usize, "udmabuf".into(), "UDMABUF_CREATE")(e)
-            }
-        })?;
+        let dmabuf = sys::udmabuf::create(self.dev.as_fd(), range).map_err(alloc_error(
+            len as usize,
+            "udmabuf".into(),
+            "UDMABUF_CREATE",
+        ))?;
         let keep = memfd.try_clone_to_owned().map_err(Error::io("dup memfd"))?;
         Segment::new(dmabuf, seg.len(), FdKind::DmaBuf, seg.kind(), Origin::Udmabuf, Backing::Memfd(keep), true)
     }
@@ -165,17 +190,25 @@ impl Udmabuf {
     /// (`UDMABUF_CREATE_LIST`). The result keeps every memfd open; its kind is the first's.
     pub fn export_list(&self, segs: &[&Segment]) -> Result<Segment> {
         let first = segs.first().ok_or(Error::ZeroLength)?;
-        let mut ranges = Vec::with_capacity(segs.len());
-        let mut total: u64 = 0;
-        for s in segs {
-            let memfd = s
-                .memfd()
-                .ok_or_else(|| Error::Unsupported { what: "udmabuf can only export memfd-backed segments".into() })?;
-            populate(s).map_err(alloc_error(s.len(), "udmabuf".into(), "populate memfd"))?;
-            ranges.push(sys::udmabuf::Range { memfd, offset: 0, size: s.len() as u64 });
-            total += s.len() as u64;
+        let limit = Self::list_limit();
+        if segs.len() as u64 > limit {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "udmabuf takes at most {limit} ranges per buffer (its list_limit parameter); {} given",
+                    segs.len()
+                ),
+            });
         }
+        let mut ranges = Vec::with_capacity(segs.len());
+        for s in segs {
+            let memfd = Self::check_source(s)?;
+            ranges.push(sys::udmabuf::Range { memfd, offset: 0, size: s.len() as u64 });
+        }
+        let total: u64 = ranges.iter().map(|r| r.size).sum();
         self.check_limit(total)?;
+        for s in segs {
+            populate(s).map_err(alloc_error(s.len(), "udmabuf".into(), "populate memfd"))?;
+        }
         let dmabuf = sys::udmabuf::create_list(self.dev.as_fd(), &ranges).map_err(alloc_error(
             total as usize,
             "udmabuf".into(),
