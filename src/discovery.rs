@@ -99,9 +99,7 @@ pub fn discover_at(dev: &Path, sys: &Path) -> Inventory {
             .or_else(|| node.access.allowed().then(|| driver_by_ioctl(&node.path)).flatten());
         drm.push(DrmNode { node, kind, driver });
     }
-    let udmabuf_limit_mb = fs::read_to_string(sys.join("module/udmabuf/parameters/size_limit_mb"))
-        .ok()
-        .and_then(|s| s.trim().parse().ok());
+    let udmabuf_limit_mb = crate::source::shmem::read_param(sys.join("module/udmabuf/parameters/size_limit_mb"));
     Inventory { heaps, drm, udmabuf: node_info(dev.join("udmabuf")), udmabuf_limit_mb }
 }
 

@@ -123,19 +123,13 @@ impl Udmabuf {
 
     /// udmabuf's per-buffer cap in MiB, from its module parameter (64 when unreadable).
     pub fn size_limit_mb() -> u64 {
-        std::fs::read_to_string(UDMABUF_LIMIT_PARAM)
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or(UDMABUF_DEFAULT_LIMIT_MB)
+        read_param(UDMABUF_LIMIT_PARAM).unwrap_or(UDMABUF_DEFAULT_LIMIT_MB)
     }
 
     /// udmabuf's cap on the ranges of one `export_list`, from its module parameter (1024 when
     /// unreadable).
     pub fn list_limit() -> u64 {
-        std::fs::read_to_string(UDMABUF_LIST_PARAM)
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or(UDMABUF_DEFAULT_LIST_LIMIT)
+        read_param(UDMABUF_LIST_PARAM).unwrap_or(UDMABUF_DEFAULT_LIST_LIMIT)
     }
 
     /// What udmabuf requires of a source segment, checked before the kernel is asked.
@@ -221,6 +215,11 @@ impl Udmabuf {
             .map_err(Error::io("dup memfd"))?;
         Segment::new(dmabuf, total as usize, FdKind::DmaBuf, first.kind(), Origin::Udmabuf, Backing::Memfds(keep), true)
     }
+}
+
+/// A numeric module parameter from sysfs.
+pub(crate) fn read_param(path: impl AsRef<Path>) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
 /// Faults in every page of a memfd segment through its mapping.
