@@ -16,6 +16,7 @@
 //! ```
 #![deny(unsafe_code)]
 
+mod copy;
 pub mod discovery;
 pub mod error;
 pub mod mapping;

@@ -4,24 +4,25 @@
 //! at any time without this process writing them. So the crate never hands out `&[u8]` or
 //! `&mut [u8]` into it (the compiler would be entitled to assume nobody else changes them).
 //!
-//! The access rule: every access is a bounds-checked bulk copy between the mapping and memory
-//! this process owns, and on the mapping's side every load and store is a relaxed atomic
-//! (`AtomicU64` for the aligned body, `AtomicU8` for the edges). Several threads of this
-//! process may therefore read and write one mapping through `&Mapping` at once without a data
-//! race in Rust's sense; overlapping writers leave an unspecified mix of their bytes, exactly
-//! as two processes writing a shared buffer would. Ordering against devices is the job of the
-//! dma-buf sync guard ([`crate::segment::CpuAccess`]) and, later, of queue events. Code that
-//! takes [`Mapping::as_ptr`] must follow the same rule.
+//! The access rule: every access is a bounds-checked bulk copy between the mapping and other
+//! memory, done by [`crate::copy`], whose loads and stores on shared memory are byte-wise
+//! atomic (relaxed atomics, or on x86-64 SSE loads/stores issued from inline assembly, which
+//! the hardware performs byte-wise atomically). Several threads of this process may therefore
+//! read and write one mapping through `&Mapping` at once without a data race in Rust's sense;
+//! overlapping writers leave an unspecified mix of their bytes, exactly as two processes
+//! writing a shared buffer would. Ordering against devices is the job of the dma-buf sync
+//! guard ([`crate::segment::CpuAccess`]) and of queue events. Code that takes
+//! [`Mapping::as_ptr`] must follow the same rule.
 #![allow(unsafe_code)]
 
 use std::ffi::c_void;
 use std::io;
 use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering::Relaxed};
 
 use rustix::mm::{MapFlags, ProtFlags};
 
+use crate::copy;
 use crate::error::{Error, Result};
 
 /// A `MAP_SHARED` mapping of (part of) a file, unmapped on drop.
@@ -91,7 +92,7 @@ impl Mapping {
         let from = self.ptr.as_ptr().wrapping_add(offset);
         // SAFETY: [from, from + dst.len()) is inside the live mapping (checked above), which
         // is only ever accessed atomically.
-        unsafe { shared::copy_out(from, dst) };
+        unsafe { copy::copy(from, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 
@@ -102,7 +103,7 @@ impl Mapping {
         let to = self.ptr.as_ptr().wrapping_add(offset);
         // SAFETY: [to, to + src.len()) is inside the live, writable mapping (checked above),
         // which is only ever accessed atomically.
-        unsafe { shared::copy_in(src, to) };
+        unsafe { copy::copy(src.as_ptr(), to, src.len()) };
         Ok(())
     }
 
@@ -113,7 +114,7 @@ impl Mapping {
         let to = self.ptr.as_ptr().wrapping_add(offset);
         // SAFETY: [to, to + len) is inside the live, writable mapping (checked above), which
         // is only ever accessed atomically.
-        unsafe { shared::fill(to, len, byte) };
+        unsafe { copy::fill(to, len, byte) };
         Ok(())
     }
 
@@ -145,106 +146,5 @@ impl Drop for Mapping {
         // `self` outlives this call, so nothing can touch the range afterwards. An error here
         // (impossible for a range we mapped) is ignored: Drop must not panic.
         let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.len) };
-    }
-}
-
-/// Copies between private memory and shared memory that is only accessed atomically.
-mod shared {
-    use super::*;
-
-    /// Splits `[p, p + len)` into an unaligned head, a run of 8-byte words, and a tail.
-    fn split(p: *const u8, len: usize) -> (usize, usize) {
-        let head = p.align_offset(8).min(len);
-        let words = (len - head) / 8;
-        (head, words)
-    }
-
-    /// # Safety
-    /// `[shared, shared + dst.len())` must be valid for reads and accessed only atomically.
-    pub(super) unsafe fn copy_out(shared: *const u8, dst: &mut [u8]) {
-        let (head, words) = split(shared, dst.len());
-        for (i, d) in dst.iter_mut().enumerate().take(head) {
-            // SAFETY: in range (caller), and byte atomics need no alignment.
-            *d = unsafe { AtomicU8::from_ptr(shared.wrapping_add(i).cast_mut()) }.load(Relaxed);
-        }
-        let body = shared.wrapping_add(head).cast::<u64>().cast_mut();
-        for (w, chunk) in dst[head..head + words * 8].chunks_exact_mut(8).enumerate() {
-            // SAFETY: in range (caller); `shared + head` is 8-aligned by `split`.
-            let v = unsafe { AtomicU64::from_ptr(body.wrapping_add(w)) }.load(Relaxed);
-            chunk.copy_from_slice(&v.to_ne_bytes());
-        }
-        for (i, d) in dst.iter_mut().enumerate().skip(head + words * 8) {
-            // SAFETY: in range (caller).
-            *d = unsafe { AtomicU8::from_ptr(shared.wrapping_add(i).cast_mut()) }.load(Relaxed);
-        }
-    }
-
-    /// # Safety
-    /// `[shared, shared + src.len())` must be valid for writes and accessed only atomically.
-    pub(super) unsafe fn copy_in(src: &[u8], shared: *mut u8) {
-        let (head, words) = split(shared, src.len());
-        for (i, &b) in src.iter().enumerate().take(head) {
-            // SAFETY: in range (caller).
-            unsafe { AtomicU8::from_ptr(shared.wrapping_add(i)) }.store(b, Relaxed);
-        }
-        let body = shared.wrapping_add(head).cast::<u64>();
-        for (w, chunk) in src[head..head + words * 8].chunks_exact(8).enumerate() {
-            let v =
-                u64::from_ne_bytes([chunk[0], chunk[1], chunk[2], chunk[3], chunk[4], chunk[5], chunk[6], chunk[7]]);
-            // SAFETY: in range (caller); 8-aligned by `split`.
-            unsafe { AtomicU64::from_ptr(body.wrapping_add(w)) }.store(v, Relaxed);
-        }
-        for (i, &b) in src.iter().enumerate().skip(head + words * 8) {
-            // SAFETY: in range (caller).
-            unsafe { AtomicU8::from_ptr(shared.wrapping_add(i)) }.store(b, Relaxed);
-        }
-    }
-
-    /// # Safety
-    /// `[shared, shared + len)` must be valid for writes and accessed only atomically.
-    pub(super) unsafe fn fill(shared: *mut u8, len: usize, byte: u8) {
-        let (head, words) = split(shared, len);
-        let word = u64::from_ne_bytes([byte; 8]);
-        for i in (0..head).chain(head + words * 8..len) {
-            // SAFETY: in range (caller).
-            unsafe { AtomicU8::from_ptr(shared.wrapping_add(i)) }.store(byte, Relaxed);
-        }
-        for w in 0..words {
-            // SAFETY: in range (caller); 8-aligned by `split`.
-            unsafe { AtomicU64::from_ptr(shared.wrapping_add(head + w * 8).cast::<u64>()) }.store(word, Relaxed);
-        }
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-
-        #[test]
-        fn copies_are_exact_at_every_alignment_and_length() {
-            let mut shared = vec![0u64; 40];
-            let base = shared.as_mut_ptr().cast::<u8>();
-            for off in 0..9 {
-                for len in [0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 200] {
-                    let src: Vec<u8> = (0..len).map(|i| (i * 7 + off + 1) as u8).collect();
-                    // SAFETY: off + len <= 209 < 320 bytes of `shared`, touched only here.
-                    unsafe { copy_in(&src, base.wrapping_add(off)) };
-                    let mut back = vec![0u8; len];
-                    // SAFETY: as above.
-                    unsafe { copy_out(base.wrapping_add(off), &mut back) };
-                    assert_eq!(back, src, "off {off} len {len}");
-                    // SAFETY: as above.
-                    unsafe { fill(base.wrapping_add(off), len, 0xee) };
-                    // SAFETY: as above.
-                    unsafe { copy_out(base.wrapping_add(off), &mut back) };
-                    assert!(back.iter().all(|&b| b == 0xee), "off {off} len {len}");
-                    // Neighbours untouched.
-                    // SAFETY: as above; `off + len < 320`.
-                    let after = unsafe { AtomicU8::from_ptr(base.wrapping_add(off + len)) }.load(Relaxed);
-                    assert_ne!(after, 0xee, "wrote past the end at off {off} len {len}");
-                    // SAFETY: as above.
-                    unsafe { fill(base, 320, 0) };
-                }
-            }
-        }
     }
 }
