@@ -110,6 +110,39 @@ pub enum Error {
         what: String,
     },
 
+    /// Two sides of a copy differ in length.
+    #[error("size mismatch: destination is {dst} bytes, source is {src} bytes")]
+    SizeMismatch {
+        /// Destination length.
+        dst: usize,
+        /// Source length.
+        src: usize,
+    },
+
+    /// A wait ran out of time.
+    #[error("{what} did not complete within {waited:?}")]
+    Timeout {
+        /// What was waited for.
+        what: &'static str,
+        /// How long.
+        waited: std::time::Duration,
+    },
+
+    /// A queue operation failed, or was skipped because an earlier one on its queue (or an
+    /// event it waited for) failed.
+    #[error("queue operation failed: {reason}")]
+    OperationFailed {
+        /// The first failure, as the queue recorded it.
+        reason: std::sync::Arc<str>,
+    },
+
+    /// An event was never recorded, or not recorded with timing, where a time was asked for.
+    #[error("event has no completion time: {why}")]
+    NoTiming {
+        /// Why not.
+        why: &'static str,
+    },
+
     /// A system call failed.
     #[error("{op}: {source}")]
     Io {

@@ -20,6 +20,7 @@ mod copy;
 pub mod discovery;
 pub mod error;
 pub mod mapping;
+pub mod queue;
 pub mod segment;
 pub mod source;
 mod sys;

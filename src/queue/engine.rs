@@ -1,0 +1,94 @@
+//! Executing copies and fills: the raw-pointer side of the queue, kept apart so the rest of
+//! the queue module stays free of `unsafe`.
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+
+use super::{Mem, Shared};
+use crate::copy;
+use crate::sys;
+
+/// Brackets CPU access to the dma-buf sides of an operation with DMA_BUF_IOCTL_SYNC.
+fn with_sync<T>(
+    sides: &[(Option<std::os::fd::BorrowedFd<'_>>, u64)],
+    f: impl FnOnce() -> T,
+) -> std::result::Result<T, Arc<str>> {
+    let mut started = Vec::with_capacity(sides.len());
+    for &(fd, dir) in sides {
+        if let Some(fd) = fd {
+            if let Err(e) = sys::dma_buf::sync(fd, sys::dma_buf::SYNC_START | dir) {
+                for (fd, dir) in started {
+                    let _ = sys::dma_buf::sync(fd, sys::dma_buf::SYNC_END | dir);
+                }
+                return Err(format!("DMA_BUF_IOCTL_SYNC start: {e}").into());
+            }
+            started.push((fd, dir));
+        }
+    }
+    let out = f();
+    let mut err = None;
+    for (fd, dir) in started {
+        if let Err(e) = sys::dma_buf::sync(fd, sys::dma_buf::SYNC_END | dir) {
+            err = Some(format!("DMA_BUF_IOCTL_SYNC end: {e}"));
+        }
+    }
+    match err {
+        Some(e) => Err(e.into()),
+        None => Ok(out),
+    }
+}
+
+pub(super) fn cpu_copy(dst: &Mem, src: &Mem) -> std::result::Result<(), Arc<str>> {
+    let (d, s) = match (dst.ptr(), src.ptr()) {
+        (Ok(d), Ok(s)) => (d, s),
+        _ => return Err("copy side has no CPU mapping".into()),
+    };
+    with_sync(&[(src.dmabuf(), sys::dma_buf::SYNC_READ), (dst.dmabuf(), sys::dma_buf::SYNC_WRITE)], || {
+        // SAFETY: both ranges lie inside live memory held by `dst`/`src` (Mem ranges are
+        // bounds-checked at construction, and the Arcs they hold keep the memory mapped);
+        // they are accessed only through `copy`. Overlapping ranges of one buffer are
+        // refused by the caller's contract of distinct buffers (see below).
+        unsafe { copy_maybe_overlapping(s, d, dst.len()) }
+    })
+}
+
+/// # Safety
+/// As `copy::copy`, except that the ranges may overlap (a copy within one segment).
+unsafe fn copy_maybe_overlapping(src: *const u8, dst: *mut u8, len: usize) {
+    let (s, d) = (src as usize, dst as usize);
+    if s + len <= d || d + len <= s {
+        // SAFETY: disjoint, valid (caller).
+        unsafe { copy::copy(src, dst, len) };
+    } else {
+        // Overlap: bounce through a private buffer, which cannot overlap either range.
+        let mut tmp = vec![0u8; len];
+        // SAFETY: valid (caller); `tmp` is private.
+        unsafe { copy::copy(src, tmp.as_mut_ptr(), len) };
+        // SAFETY: as above.
+        unsafe { copy::copy(tmp.as_ptr(), dst, len) };
+    }
+}
+
+pub(super) fn cpu_fill(dst: &Mem, byte: u8) -> std::result::Result<(), Arc<str>> {
+    let d = dst.ptr().map_err(|e| Arc::from(e.to_string()))?;
+    with_sync(&[(dst.dmabuf(), sys::dma_buf::SYNC_WRITE)], || {
+        // SAFETY: the range lies inside live memory held by `dst`, accessed only via `copy`.
+        unsafe { copy::fill(d, dst.len(), byte) }
+    })
+}
+
+pub(super) fn kernel_copy(shared: &Shared, dst: &Mem, src: &Mem) -> std::result::Result<(), Arc<str>> {
+    let mut ring = shared.ring.lock().unwrap_or_else(|p| p.into_inner());
+    let r = if let Some((fd, off)) = dst.memfd() {
+        let s = src.ptr().map_err(|e| Arc::from(e.to_string()))?;
+        // SAFETY: the source range lies in live memory held by `src` for the whole call.
+        unsafe { ring.write(fd, s, src.len(), off) }.map_err(|e| format!("io_uring WRITE to memfd: {e}"))
+    } else if let Some((fd, off)) = src.memfd() {
+        let d = dst.ptr().map_err(|e| Arc::from(e.to_string()))?;
+        // SAFETY: the destination range lies in live, writable memory held by `dst`.
+        unsafe { ring.read(fd, d, dst.len(), off) }.map_err(|e| format!("io_uring READ from memfd: {e}"))
+    } else {
+        return Err("kernel copy without a memfd side".into());
+    };
+    r.map_err(Arc::from)
+}

@@ -1,0 +1,219 @@
+//! Events: points in a queue's work, or kernel fences, that complete once.
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// What a completion hook is told: success, or why the event failed.
+pub type Completion = std::result::Result<(), Arc<str>>;
+
+type Hook = Box<dyn FnOnce(Completion) + Send>;
+
+/// A marker in a queue (like a CUDA event) or a kernel fence.
+///
+/// An event is *recorded* on a queue ([`crate::queue::Queue::record`]) and *completes* when the
+/// queue reaches it, i.e. after everything submitted to that queue before it; or it wraps a
+/// sync_file fd and completes when the kernel signals the fence. Recording it again starts a
+/// new generation: queries and waits then refer to the latest record. A never-recorded event
+/// counts as complete. Cloning shares the event.
+#[derive(Clone)]
+pub struct Event {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    /// Generations recorded so far (0: never recorded).
+    recorded: u64,
+    /// Highest generation completed.
+    completed: u64,
+    /// Latest failed generation and why.
+    failed: Option<(u64, Arc<str>)>,
+    /// When the latest completed generation completed.
+    at: Option<Instant>,
+    /// Hooks waiting for a generation.
+    hooks: Vec<(u64, Hook)>,
+}
+
+impl State {
+    fn result_for(&self, generation: u64) -> Option<Completion> {
+        if self.completed < generation {
+            return None;
+        }
+        match &self.failed {
+            Some((g, why)) if *g >= generation => Some(Err(why.clone())),
+            _ => Some(Ok(())),
+        }
+    }
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.lock();
+        f.debug_struct("Event")
+            .field("recorded", &s.recorded)
+            .field("completed", &s.completed)
+            .field("failed", &s.failed.as_ref().map(|f| &f.1))
+            .finish()
+    }
+}
+
+impl Default for Event {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Event {
+    /// A new, never-recorded event (it counts as complete).
+    pub fn new() -> Self {
+        Self { inner: Arc::new(Inner { state: Mutex::new(State::default()), cv: Condvar::new() }) }
+    }
+
+    /// An event that completes when the kernel signals the fence in `sync_file` (a sync_file
+    /// fd, e.g. from [`crate::Segment::export_sync_file`] or a driver). io_uring watches it
+    /// (`IORING_OP_POLL_ADD`), so waiting on it costs no thread.
+    pub fn from_sync_file(sync_file: OwnedFd) -> Result<Self> {
+        let ev = Self::new();
+        let generation = ev.begin_record();
+        super::fence::watch(sync_file, ev.clone(), generation)?;
+        Ok(ev)
+    }
+
+    /// An event for a dma-buf's implicit fences: it completes when the work a CPU access of
+    /// this direction would wait for is done (`DMA_BUF_IOCTL_EXPORT_SYNC_FILE`).
+    pub fn from_dma_buf(seg: &crate::Segment, access: crate::Access) -> Result<Self> {
+        Self::from_sync_file(seg.export_sync_file(access)?)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts a new generation; returns it.
+    pub(crate) fn begin_record(&self) -> u64 {
+        let mut s = self.lock();
+        s.recorded += 1;
+        s.recorded
+    }
+
+    /// Completes `generation` (and every earlier one), successfully or not, and runs the hooks
+    /// waiting for it, on this thread, outside the event's lock.
+    pub(crate) fn complete(&self, generation: u64, result: Completion) {
+        let ready: Vec<Hook> = {
+            let mut s = self.lock();
+            if generation > s.completed {
+                s.completed = generation;
+                s.at = Some(Instant::now());
+            }
+            if let Err(why) = &result {
+                s.failed = Some((generation, why.clone()));
+            }
+            let (ready, waiting): (Vec<_>, Vec<_>) = s.hooks.drain(..).partition(|(g, _)| *g <= generation);
+            s.hooks = waiting;
+            ready.into_iter().map(|(_, h)| h).collect()
+        };
+        self.inner.cv.notify_all();
+        for hook in ready {
+            hook(result.clone());
+        }
+    }
+
+    /// The generation a wait submitted now refers to.
+    pub(crate) fn current_generation(&self) -> u64 {
+        self.lock().recorded
+    }
+
+    /// `Ok(true)` when complete, `Ok(false)` while pending, the failure if it failed.
+    pub fn query(&self) -> Result<bool> {
+        let s = self.lock();
+        match s.result_for(s.recorded) {
+            None => Ok(false),
+            Some(Ok(())) => Ok(true),
+            Some(Err(reason)) => Err(Error::OperationFailed { reason }),
+        }
+    }
+
+    /// True once the latest record has completed (successfully or not).
+    pub fn is_complete(&self) -> bool {
+        let s = self.lock();
+        s.completed >= s.recorded
+    }
+
+    /// Blocks until the latest record completes, or `timeout` passes (`None`: no limit).
+    pub fn synchronize(&self, timeout: Option<Duration>) -> Result<()> {
+        let generation = self.current_generation();
+        self.wait_generation(generation, timeout, None)
+    }
+
+    /// Waits for `generation`; gives up on `timeout` or when `cancel` becomes true (checked
+    /// every few milliseconds).
+    pub(crate) fn wait_generation(
+        &self,
+        generation: u64,
+        timeout: Option<Duration>,
+        cancel: Option<&AtomicBool>,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let mut s = self.lock();
+        loop {
+            if let Some(r) = s.result_for(generation) {
+                return r.map_err(|reason| Error::OperationFailed { reason });
+            }
+            if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
+                return Err(Error::OperationFailed { reason: "queue dropped while waiting for an event".into() });
+            }
+            let mut slice = if cancel.is_some() { Duration::from_millis(5) } else { Duration::from_secs(3600) };
+            if let Some(t) = timeout {
+                let left = t.saturating_sub(start.elapsed());
+                if left.is_zero() {
+                    return Err(Error::Timeout { what: "event", waited: t });
+                }
+                slice = slice.min(left);
+            }
+            s = self.inner.cv.wait_timeout(s, slice).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// Time from `earlier`'s completion to this event's (both must have completed).
+    pub fn elapsed_since(&self, earlier: &Event) -> Result<Duration> {
+        let end = self.completed_at()?;
+        let start = earlier.completed_at()?;
+        Ok(end.saturating_duration_since(start))
+    }
+
+    fn completed_at(&self) -> Result<Instant> {
+        let s = self.lock();
+        if s.recorded == 0 {
+            return Err(Error::NoTiming { why: "never recorded" });
+        }
+        if s.completed < s.recorded {
+            return Err(Error::NoTiming { why: "not complete yet" });
+        }
+        s.at.ok_or(Error::NoTiming { why: "not complete yet" })
+    }
+
+    /// Runs `hook` once the latest record completes: at once (on this thread) if it already
+    /// has, else on the thread that completes it (a queue's executor or the fence watcher).
+    /// This is the completion hook other modules use: no polling, and the completing side
+    /// takes no lock but the event's own. Hooks must be quick and must not block.
+    pub fn on_complete(&self, hook: impl FnOnce(Completion) + Send + 'static) {
+        let mut s = self.lock();
+        let generation = s.recorded;
+        match s.result_for(generation) {
+            Some(r) => {
+                drop(s);
+                hook(r);
+            }
+            None => s.hooks.push((generation, Box::new(hook))),
+        }
+    }
+}

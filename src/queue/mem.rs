@@ -1,0 +1,210 @@
+//! What queue operations read and write: ranges of segments and of host buffers. Holding a
+//! [`Mem`] keeps its memory alive, which is how the API makes it impossible in safe Rust to
+//! free a buffer while an operation on it is in flight.
+#![allow(unsafe_code)]
+
+use std::alloc::Layout;
+use std::os::fd::BorrowedFd;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::copy;
+use crate::error::{Error, Result};
+use crate::segment::Segment;
+
+/// Host memory shared with queues: a zeroed, 64-byte-aligned heap buffer behind an `Arc`.
+/// Queues copy into and out of it while the caller may still hold it, so, like a segment's
+/// mapping, it is accessed only through bounds-checked byte-wise-atomic copies.
+#[derive(Clone)]
+pub struct HostBuffer {
+    inner: Arc<HostAlloc>,
+}
+
+struct HostAlloc {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: the allocation is owned by this value and accessed only through `crate::copy`'s
+// byte-wise atomic copies, so sharing and sending it between threads cannot race.
+unsafe impl Send for HostAlloc {}
+// SAFETY: as above.
+unsafe impl Sync for HostAlloc {}
+
+impl Drop for HostAlloc {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `HostBuffer::new` with this layout; dropped once, when the last
+        // holder (caller or in-flight operation) lets go.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+impl std::fmt::Debug for HostBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostBuffer").field("len", &self.len()).finish()
+    }
+}
+
+impl HostBuffer {
+    /// A zeroed buffer of `len` bytes.
+    pub fn new(len: usize) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::ZeroLength);
+        }
+        let layout = Layout::from_size_align(len, 64).map_err(|_| Error::TooLarge {
+            requested: len as u64,
+            limit: isize::MAX as u64,
+            what: "address space",
+            source_name: "host buffer".into(),
+        })?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::OutOfMemory {
+            requested: len as u64,
+            source_name: "host buffer".into(),
+            source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+        })?;
+        Ok(Self { inner: Arc::new(HostAlloc { ptr, layout }) })
+    }
+
+    /// A buffer holding a copy of `data`.
+    pub fn from_slice(data: &[u8]) -> Result<Self> {
+        let b = Self::new(data.len())?;
+        b.write(0, data)?;
+        Ok(b)
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.layout.size()
+    }
+
+    /// Always false.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() => Ok(()),
+            _ => Err(Error::OutOfBounds { offset, len, size: self.len() }),
+        }
+    }
+
+    /// Copies bytes out.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check(offset, dst.len())?;
+        // SAFETY: in bounds (checked); the buffer is only accessed through `copy`.
+        unsafe { copy::copy(self.as_ptr().wrapping_add(offset), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Copies bytes in.
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check(offset, src.len())?;
+        // SAFETY: in bounds (checked); the buffer is only accessed through `copy`.
+        unsafe { copy::copy(src.as_ptr(), self.as_ptr().wrapping_add(offset), src.len()) };
+        Ok(())
+    }
+
+    /// The contents, copied into a `Vec`.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0; self.len()];
+        let _ = self.read(0, &mut v);
+        v
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.inner.ptr.as_ptr()
+    }
+}
+
+#[derive(Clone)]
+enum Target {
+    Host(HostBuffer),
+    Segment(Arc<Segment>),
+}
+
+/// A byte range of a segment or a host buffer, for queue operations.
+#[derive(Clone)]
+pub struct Mem {
+    target: Target,
+    offset: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for Mem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = match &self.target {
+            Target::Host(_) => "host",
+            Target::Segment(_) => "segment",
+        };
+        write!(f, "Mem({what} {}+{})", self.offset, self.len)
+    }
+}
+
+impl From<&HostBuffer> for Mem {
+    fn from(b: &HostBuffer) -> Self {
+        Mem { len: b.len(), target: Target::Host(b.clone()), offset: 0 }
+    }
+}
+
+impl From<&Arc<Segment>> for Mem {
+    fn from(s: &Arc<Segment>) -> Self {
+        Mem { len: s.len(), target: Target::Segment(Arc::clone(s)), offset: 0 }
+    }
+}
+
+impl Mem {
+    /// The sub-range `[offset, offset + len)` of this range.
+    pub fn range(&self, offset: usize, len: usize) -> Result<Mem> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(Mem { target: self.target.clone(), offset: self.offset + offset, len }),
+            _ => Err(Error::OutOfBounds { offset, len, size: self.len }),
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for an empty range.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The CPU address of the range's first byte.
+    pub(crate) fn ptr(&self) -> Result<*mut u8> {
+        match &self.target {
+            Target::Host(b) => Ok(b.as_ptr().wrapping_add(self.offset)),
+            Target::Segment(s) => s
+                .mapping()
+                .map(|m| m.as_ptr().wrapping_add(self.offset))
+                .ok_or_else(|| Error::Unsupported { what: "segment has no CPU mapping".into() }),
+        }
+    }
+
+    pub(crate) fn writable(&self) -> bool {
+        match &self.target {
+            Target::Host(_) => true,
+            Target::Segment(s) => s.is_writable(),
+        }
+    }
+
+    /// The dma-buf to bracket CPU access with, if the range is in one.
+    pub(crate) fn dmabuf(&self) -> Option<BorrowedFd<'_>> {
+        match &self.target {
+            Target::Segment(s) if s.is_dma_buf() => Some(std::os::fd::AsFd::as_fd(&**s)),
+            _ => None,
+        }
+    }
+
+    /// A memfd and offset that hold the range, for kernel (READ/WRITE) copies.
+    pub(crate) fn memfd(&self) -> Option<(BorrowedFd<'_>, u64)> {
+        match &self.target {
+            Target::Segment(s) => s.memfd().map(|fd| (fd, self.offset as u64)),
+            Target::Host(_) => None,
+        }
+    }
+}

@@ -1,0 +1,312 @@
+//! Queues and events: ordering, cross-queue waits, failures, drops, kernel fences.
+
+mod common;
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{or_skip, pattern};
+use dmabuf_rt::queue::{CopyEngine, Event, HostBuffer, Mem, Queue, copy_now};
+use dmabuf_rt::source::{GemSource, HeapSource, MemorySource, ShmemSource};
+use dmabuf_rt::{Access, Error, Segment, SegmentKind};
+
+fn seg(len: usize) -> Arc<Segment> {
+    Arc::new(ShmemSource::new().allocate(len).unwrap())
+}
+
+fn queues() -> Vec<(&'static str, Queue)> {
+    vec![
+        ("default", Queue::new().unwrap()),
+        ("executor-only", Queue::builder().inline_max(0).build().unwrap()),
+        ("kernel-engine", Queue::builder().engine(CopyEngine::Kernel).build().unwrap()),
+    ]
+}
+
+#[test]
+fn a_chain_of_dependent_copies_and_fills_produces_exactly_the_expected_bytes() {
+    for len in [4096, 1 << 20, 9 << 20] {
+        for (name, q) in queues() {
+            let data = pattern(len, 1);
+            let host_in = HostBuffer::from_slice(&data).unwrap();
+            let host_out = HostBuffer::new(len).unwrap();
+            let (a, b) = (seg(len), seg(len));
+            let half = len / 2;
+            let quarter = len / 4;
+            q.copy(&a, &host_in).unwrap(); // h2d
+            q.fill(&b, 0x11).unwrap();
+            q.copy(Mem::from(&b).range(quarter, half).unwrap(), Mem::from(&a).range(0, half).unwrap()).unwrap(); // d2d
+            q.fill(Mem::from(&a).range(0, quarter).unwrap(), 0x22).unwrap();
+            q.copy(Mem::from(&host_out).range(0, half).unwrap(), Mem::from(&a).range(0, half).unwrap()).unwrap(); // d2h
+            q.copy(Mem::from(&host_out).range(half, half).unwrap(), Mem::from(&b).range(half, half).unwrap()).unwrap();
+            q.synchronize().unwrap();
+
+            let mut want_a = data.clone();
+            want_a[..quarter].fill(0x22);
+            let mut want_b = vec![0x11u8; len];
+            want_b[quarter..quarter + half].copy_from_slice(&data[..half]);
+            let mut want = want_a[..half].to_vec();
+            want.extend_from_slice(&want_b[half..]);
+            assert!(host_out.to_vec() == want, "{name} len {len}: wrong bytes");
+            assert!(q.is_idle());
+        }
+    }
+}
+
+#[test]
+fn copies_between_two_devices_and_within_one_segment() {
+    let q = Queue::new().unwrap();
+    let a = seg(1 << 20);
+    let host = HostBuffer::from_slice(&pattern(1 << 20, 4)).unwrap();
+    q.copy(&a, &host).unwrap();
+    // Overlapping ranges of one segment behave like memmove.
+    q.copy(Mem::from(&a).range(100, 5000).unwrap(), Mem::from(&a).range(0, 5000).unwrap()).unwrap();
+    q.synchronize().unwrap();
+    let mut want = pattern(1 << 20, 4);
+    want.copy_within(0..5000, 100);
+    let out = HostBuffer::new(1 << 20).unwrap();
+    copy_now(&out, &a).unwrap();
+    assert!(out.to_vec() == want);
+}
+
+#[test]
+fn a_cross_queue_wait_orders_work_between_queues() {
+    let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
+    for _ in 0..5 {
+        let a = seg(1 << 20);
+        let out = HostBuffer::new(1 << 20).unwrap();
+        q1.callback(|_| std::thread::sleep(Duration::from_millis(30))).unwrap();
+        q1.fill(&a, 7).unwrap();
+        let done = q1.record().unwrap();
+        q2.wait(&done).unwrap();
+        q2.copy(&out, &a).unwrap();
+        q2.synchronize().unwrap();
+        assert!(done.is_complete());
+        assert!(out.to_vec().iter().all(|&b| b == 7), "q2 copied before q1's fill");
+    }
+}
+
+#[test]
+fn many_queues_at_once() {
+    let results: Vec<bool> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8u8)
+            .map(|i| {
+                s.spawn(move || {
+                    let q = Queue::new().unwrap();
+                    let a = seg(256 << 10);
+                    let out = HostBuffer::new(256 << 10).unwrap();
+                    for round in 0..40u8 {
+                        let byte = i.wrapping_mul(31).wrapping_add(round);
+                        q.fill(&a, byte).unwrap();
+                        q.copy(&out, &a).unwrap();
+                        let e = q.record().unwrap();
+                        e.synchronize(None).unwrap();
+                        if !out.to_vec().iter().all(|&b| b == byte) {
+                            return false;
+                        }
+                    }
+                    true
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(results.iter().all(|&ok| ok), "{results:?}");
+}
+
+/// A memfd segment whose pwrite fails with EPERM at execution (F_SEAL_FUTURE_WRITE added after
+/// our writable mapping exists): a real kernel failure, not a simulated one.
+fn unwritable_by_the_kernel(len: usize) -> Arc<Segment> {
+    let fd = rustix::fs::memfd_create("sealed-later", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
+    rustix::fs::ftruncate(&fd, len as u64).unwrap();
+    rustix::fs::fcntl_add_seals(&fd, rustix::fs::SealFlags::SHRINK).unwrap();
+    let seg = Segment::import(&fd, SegmentKind::Unified).unwrap();
+    rustix::fs::fcntl_add_seals(&fd, rustix::fs::SealFlags::FUTURE_WRITE).unwrap();
+    Arc::new(seg)
+}
+
+#[test]
+fn a_failing_copy_fails_its_event_and_the_work_after_it() {
+    let q = Queue::builder().engine(CopyEngine::Kernel).build().unwrap();
+    let bad = unwritable_by_the_kernel(8192);
+    let after = seg(8192);
+    let host = HostBuffer::from_slice(&[0xab; 8192]).unwrap();
+    let told = Arc::new(Mutex::new(None));
+    q.copy(&bad, &host).unwrap();
+    let e = q.record().unwrap();
+    q.fill(&after, 9).unwrap();
+    let t = told.clone();
+    q.callback(move |r| *t.lock().unwrap() = Some(r.is_err())).unwrap();
+    let err = q.synchronize().unwrap_err();
+    assert!(matches!(err, Error::OperationFailed { .. }), "{err}");
+    assert!(err.to_string().contains("Operation not permitted"), "{err}");
+    assert!(matches!(e.query(), Err(Error::OperationFailed { .. })));
+    assert_eq!(*told.lock().unwrap(), Some(true), "the callback was not told of the failure");
+    let out = HostBuffer::new(8192).unwrap();
+    copy_now(&out, &after).unwrap();
+    assert!(out.to_vec().iter().all(|&b| b == 0), "work after the failure ran");
+
+    // Another queue waiting on the failed event fails too.
+    let q2 = Queue::new().unwrap();
+    q2.wait(&e).unwrap();
+    q2.fill(&after, 5).unwrap();
+    assert!(q2.synchronize().is_err());
+    copy_now(&out, &after).unwrap();
+    assert!(out.to_vec().iter().all(|&b| b == 0));
+
+    // Clearing the error lets the queue run again.
+    assert!(q.clear_error().is_some());
+    q.fill(&after, 3).unwrap();
+    q.synchronize().unwrap();
+    copy_now(&out, &after).unwrap();
+    assert!(out.to_vec().iter().all(|&b| b == 3));
+}
+
+#[test]
+fn bad_submissions_get_clear_errors_and_leave_the_queue_working() {
+    let q = Queue::new().unwrap();
+    let a = seg(8192);
+    let small = HostBuffer::new(100).unwrap();
+    assert!(matches!(q.copy(&a, &small), Err(Error::SizeMismatch { dst: 8192, src: 100 })));
+    assert!(matches!(Mem::from(&a).range(8000, 200), Err(Error::OutOfBounds { .. })));
+    assert!(matches!(Mem::from(&a).range(usize::MAX, 2), Err(Error::OutOfBounds { .. })));
+    let fd = rustix::fs::memfd_create("ro", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
+    rustix::fs::ftruncate(&fd, 4096).unwrap();
+    rustix::fs::fcntl_add_seals(&fd, rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::WRITE).unwrap();
+    let ro = Arc::new(Segment::import(&fd, SegmentKind::Unified).unwrap());
+    assert!(matches!(q.fill(&ro, 1), Err(Error::ReadOnly)));
+    assert!(matches!(HostBuffer::new(0), Err(Error::ZeroLength)));
+    assert!(matches!(HostBuffer::new(usize::MAX), Err(Error::TooLarge { .. })));
+    q.fill(&a, 1).unwrap();
+    q.synchronize().unwrap();
+    assert!(q.error().is_none());
+}
+
+/// A "fence" that never signals: the read end of a pipe nobody writes.
+fn never_signalled() -> (Event, OwnedFd) {
+    let (r, w) = rustix::pipe::pipe().unwrap();
+    (Event::from_sync_file(r).unwrap(), w)
+}
+
+#[test]
+fn fd_events_complete_through_io_uring_and_time_out_clearly() {
+    let (ev, writer) = never_signalled();
+    let t = Instant::now();
+    let e = ev.synchronize(Some(Duration::from_millis(100))).unwrap_err();
+    assert!(t.elapsed() >= Duration::from_millis(100));
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    assert!(e.to_string().contains("did not complete within 100ms"), "{e}");
+    assert!(!ev.is_complete());
+    rustix::io::write(&writer, b"x").unwrap();
+    ev.synchronize(Some(Duration::from_secs(5))).unwrap();
+    assert!(ev.query().unwrap());
+}
+
+#[test]
+fn dropping_a_queue_with_work_in_flight_is_clean() {
+    // Submitted copies still happen: no data is lost.
+    let a = seg(8 << 20);
+    let out = HostBuffer::new(8 << 20).unwrap();
+    let q = Queue::builder().inline_max(0).build().unwrap();
+    q.callback(|_| std::thread::sleep(Duration::from_millis(20))).unwrap();
+    q.fill(&a, 0x42).unwrap();
+    q.copy(&out, &a).unwrap();
+    let last = q.record().unwrap();
+    drop(q);
+    assert!(last.query().unwrap());
+    assert!(out.to_vec().iter().all(|&b| b == 0x42));
+
+    // A wait that can never finish is abandoned: the drop returns, what follows is skipped.
+    let (never, _writer) = never_signalled();
+    let b = seg(4096);
+    let q = Queue::new().unwrap();
+    q.wait(&never).unwrap();
+    q.fill(&b, 1).unwrap();
+    let skipped = q.record().unwrap();
+    let t = Instant::now();
+    drop(q);
+    assert!(t.elapsed() < Duration::from_secs(2), "drop hung on a pending wait");
+    assert!(matches!(skipped.query(), Err(Error::OperationFailed { .. })));
+    let out = HostBuffer::new(4096).unwrap();
+    copy_now(&out, &b).unwrap();
+    assert!(out.to_vec().iter().all(|&b| b == 0));
+}
+
+#[test]
+fn elapsed_time_between_events() {
+    let q = Queue::new().unwrap();
+    let e1 = q.record().unwrap();
+    q.callback(|_| std::thread::sleep(Duration::from_millis(25))).unwrap();
+    let e2 = q.record().unwrap();
+    q.synchronize().unwrap();
+    let dt = e2.elapsed_since(&e1).unwrap();
+    assert!(dt >= Duration::from_millis(25) && dt < Duration::from_secs(5), "{dt:?}");
+    assert!(matches!(Event::new().elapsed_since(&e1), Err(Error::NoTiming { .. })));
+}
+
+#[test]
+fn completion_hooks_run_once_on_completion_without_polling() {
+    let q = Queue::builder().inline_max(0).build().unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    q.callback(|_| std::thread::sleep(Duration::from_millis(20))).unwrap();
+    let e = q.record().unwrap();
+    let r = runs.clone();
+    e.on_complete(move |res| {
+        assert!(res.is_ok());
+        r.fetch_add(1, Ordering::SeqCst);
+    });
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "hook ran before the event completed");
+    q.synchronize().unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // Registered after completion: runs at once.
+    let r = runs.clone();
+    e.on_complete(move |_| {
+        r.fetch_add(1, Ordering::SeqCst);
+    });
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    // Re-recording starts a new generation.
+    q.callback(|_| std::thread::sleep(Duration::from_millis(20))).unwrap();
+    q.record_event(&e).unwrap();
+    assert!(!e.is_complete());
+    e.synchronize(None).unwrap();
+}
+
+#[test]
+fn kernel_lane_a_queue_waits_for_a_vgem_fence() {
+    let Some(gem) = or_skip("queue_vgem_fence", GemSource::open_first(Some("vgem"))) else { return };
+    let src = Arc::new(gem.allocate(1 << 20).unwrap());
+    let data = pattern(src.len(), 8);
+    src.cpu_access(Access::Write).unwrap().write(0, &data).unwrap();
+    let fence = gem.vgem_attach_fence(&src, true).unwrap();
+    let ev = Event::from_dma_buf(&src, Access::Read).unwrap();
+    let out = HostBuffer::new(src.len()).unwrap();
+    let q = Queue::new().unwrap();
+    q.wait(&ev).unwrap();
+    q.copy(&out, &src).unwrap();
+    let copied = q.record().unwrap();
+    std::thread::sleep(Duration::from_millis(150));
+    assert!(!copied.is_complete(), "the copy ran before the fence signalled");
+    assert!(out.to_vec().iter().all(|&b| b == 0));
+    fence.signal().unwrap();
+    copied.synchronize(Some(Duration::from_secs(5))).unwrap();
+    assert!(out.to_vec() == data);
+
+    // A fence never signalled: synchronize times out with a clear error.
+    let pending = gem.vgem_attach_fence(&src, true).unwrap();
+    let ev = Event::from_dma_buf(&src, Access::Read).unwrap();
+    let e = ev.synchronize(Some(Duration::from_millis(200))).unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }) && e.to_string().contains("did not complete"), "{e}");
+    drop(pending);
+    ev.synchronize(Some(Duration::from_secs(5))).unwrap();
+
+    // Device-to-device across two sources (p2p): GEM to the system heap.
+    if let Some(heap) = or_skip("queue_p2p_heap", HeapSource::open("system")) {
+        let dst = Arc::new(heap.allocate(src.len()).unwrap());
+        q.copy(&dst, &src).unwrap();
+        q.synchronize().unwrap();
+        let back = HostBuffer::new(src.len()).unwrap();
+        copy_now(&back, &dst).unwrap();
+        assert!(back.to_vec() == data);
+    }
+}
