@@ -10,32 +10,33 @@ use crate::sys;
 
 /// Brackets CPU access to the dma-buf sides of an operation with DMA_BUF_IOCTL_SYNC.
 fn with_sync<T>(
-    sides: &[(Option<std::os::fd::BorrowedFd<'_>>, u64)],
+    sides: [(Option<std::os::fd::BorrowedFd<'_>>, u64); 2],
     f: impl FnOnce() -> T,
 ) -> std::result::Result<T, Arc<str>> {
-    let mut started = Vec::with_capacity(sides.len());
-    for &(fd, dir) in sides {
+    let mut started = 0;
+    for (i, &(fd, dir)) in sides.iter().enumerate() {
         if let Some(fd) = fd {
             if let Err(e) = sys::dma_buf::sync(fd, sys::dma_buf::SYNC_START | dir) {
-                for (fd, dir) in started {
-                    let _ = sys::dma_buf::sync(fd, sys::dma_buf::SYNC_END | dir);
-                }
+                let _ = end_sync(&sides[..i]); // the start error is the one to report
                 return Err(format!("DMA_BUF_IOCTL_SYNC start: {e}").into());
             }
-            started.push((fd, dir));
         }
+        started = i + 1;
     }
     let out = f();
-    let mut err = None;
-    for (fd, dir) in started {
-        if let Err(e) = sys::dma_buf::sync(fd, sys::dma_buf::SYNC_END | dir) {
-            err = Some(format!("DMA_BUF_IOCTL_SYNC end: {e}"));
+    end_sync(&sides[..started]).map(|()| out)
+}
+
+fn end_sync(sides: &[(Option<std::os::fd::BorrowedFd<'_>>, u64)]) -> std::result::Result<(), Arc<str>> {
+    let mut err = Ok(());
+    for &(fd, dir) in sides {
+        if let Some(fd) = fd {
+            if let Err(e) = sys::dma_buf::sync(fd, sys::dma_buf::SYNC_END | dir) {
+                err = Err(format!("DMA_BUF_IOCTL_SYNC end: {e}").into());
+            }
         }
     }
-    match err {
-        Some(e) => Err(e.into()),
-        None => Ok(out),
-    }
+    err
 }
 
 pub(super) fn cpu_copy(dst: &Mem, src: &Mem) -> std::result::Result<(), Arc<str>> {
@@ -43,7 +44,7 @@ pub(super) fn cpu_copy(dst: &Mem, src: &Mem) -> std::result::Result<(), Arc<str>
         (Ok(d), Ok(s)) => (d, s),
         _ => return Err("copy side has no CPU mapping".into()),
     };
-    with_sync(&[(src.dmabuf(), sys::dma_buf::SYNC_READ), (dst.dmabuf(), sys::dma_buf::SYNC_WRITE)], || {
+    with_sync([(src.dmabuf(), sys::dma_buf::SYNC_READ), (dst.dmabuf(), sys::dma_buf::SYNC_WRITE)], || {
         // SAFETY: both ranges lie inside live memory held by `dst`/`src` (Mem ranges are
         // bounds-checked at construction, and the Arcs they hold keep the memory mapped);
         // they are accessed only through `copy`. Overlapping ranges of one buffer are
@@ -71,7 +72,7 @@ unsafe fn copy_maybe_overlapping(src: *const u8, dst: *mut u8, len: usize) {
 
 pub(super) fn cpu_fill(dst: &Mem, byte: u8) -> std::result::Result<(), Arc<str>> {
     let d = dst.ptr().map_err(|e| Arc::from(e.to_string()))?;
-    with_sync(&[(dst.dmabuf(), sys::dma_buf::SYNC_WRITE)], || {
+    with_sync([(dst.dmabuf(), sys::dma_buf::SYNC_WRITE), (None, 0)], || {
         // SAFETY: the range lies inside live memory held by `dst`, accessed only via `copy`.
         unsafe { copy::fill(d, dst.len(), byte) }
     })

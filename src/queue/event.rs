@@ -41,6 +41,8 @@ struct State {
     at: Option<Instant>,
     /// Hooks waiting for a generation.
     hooks: Vec<(u64, Hook)>,
+    /// Threads blocked in a wait (so completion wakes only when someone sleeps).
+    sleepers: usize,
 }
 
 impl State {
@@ -117,11 +119,18 @@ impl Event {
             if let Err(why) = &result {
                 s.failed = Some((generation, why.clone()));
             }
-            let (ready, waiting): (Vec<_>, Vec<_>) = s.hooks.drain(..).partition(|(g, _)| *g <= generation);
-            s.hooks = waiting;
-            ready.into_iter().map(|(_, h)| h).collect()
+            let ready: Vec<Hook> = if s.hooks.is_empty() {
+                Vec::new()
+            } else {
+                let (ready, waiting): (Vec<_>, Vec<_>) = s.hooks.drain(..).partition(|(g, _)| *g <= generation);
+                s.hooks = waiting;
+                ready.into_iter().map(|(_, h)| h).collect()
+            };
+            if s.sleepers > 0 {
+                self.inner.cv.notify_all();
+            }
+            ready
         };
-        self.inner.cv.notify_all();
         for hook in ready {
             hook(result.clone());
         }
@@ -179,7 +188,9 @@ impl Event {
                 }
                 slice = slice.min(left);
             }
+            s.sleepers += 1;
             s = self.inner.cv.wait_timeout(s, slice).unwrap_or_else(|p| p.into_inner()).0;
+            s.sleepers -= 1;
         }
     }
 

@@ -87,7 +87,7 @@ impl QueueBuilder {
 
     /// Creates the queue: its ring and its executor thread.
     pub fn build(&self) -> Result<Queue> {
-        let ring = Ring::new(8).map_err(Error::io("io_uring_setup"))?;
+        let ring = Ring::new(64).map_err(Error::io("io_uring_setup"))?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             work: Condvar::new(),
@@ -238,13 +238,10 @@ impl Queue {
         let mut s = shared.lock();
         if !s.running && s.ops.is_empty() && inline_ok(shared, &op) {
             s.running = true;
+            let failed = s.error.clone();
             drop(s);
-            execute(shared, op);
-            let mut s = shared.lock();
-            s.running = false;
-            if !s.ops.is_empty() {
-                shared.work.notify_one();
-            }
+            let completes = execute(shared, op, failed);
+            finish(shared, completes);
             return Ok(());
         }
         s.ops.push_back(op);
@@ -301,13 +298,13 @@ fn inline_ok(shared: &Shared, op: &Op) -> bool {
 
 fn executor(shared: &Shared) {
     loop {
-        let op = {
+        let (op, failed) = {
             let mut s = shared.lock();
             loop {
                 if !s.running {
                     if let Some(op) = s.ops.pop_front() {
                         s.running = true;
-                        break op;
+                        break (op, s.error.clone());
                     }
                     if shared.closing.load(Ordering::Acquire) {
                         return;
@@ -316,19 +313,21 @@ fn executor(shared: &Shared) {
                 s = shared.work.wait(s).unwrap_or_else(|p| p.into_inner());
             }
         };
-        execute(shared, op);
-        shared.lock().running = false;
+        let completes = execute(shared, op, failed);
+        finish(shared, completes);
     }
 }
 
-/// Runs one operation (or skips it if the queue has failed) and posts its completion.
-fn execute(shared: &Shared, op: Op) {
-    let failed = shared.lock().error.clone();
+/// Runs one operation (or skips it if the queue has failed, `failed` being its error when the
+/// operation was dequeued) and posts its completion.
+fn execute(shared: &Shared, op: Op, failed: Option<Arc<str>>) -> Option<(Event, u64, Completion)> {
+    let mut completes = None;
     let result: std::result::Result<(), Arc<str>> = match (op, failed) {
         (Op::Record { event, generation }, failed) => {
-            // The event completes from the ring's CQE; after a failure it carries the error.
+            // The event completes from the ring's CQE (after a failure it carries the error),
+            // once the queue no longer counts this operation as running.
             let posted = post_cpu_completion(shared);
-            event.complete(generation, failed.map_or_else(|| posted.clone(), Err));
+            completes = Some((event, generation, failed.map_or_else(|| posted.clone(), Err)));
             posted
         }
         (Op::Callback(f), Some(why)) => {
@@ -344,10 +343,10 @@ fn execute(shared: &Shared, op: Op) {
             if shared.engine == CopyEngine::Kernel && (dst.memfd().is_some() || src.memfd().is_some()) {
                 kernel_copy(shared, &dst, &src)
             } else {
-                cpu_copy(&dst, &src).and_then(|()| post_cpu_completion(shared))
+                cpu_copy(&dst, &src).and_then(|()| post_deferred_completion(shared))
             }
         }
-        (Op::Fill { dst, byte }, None) => cpu_fill(&dst, byte).and_then(|()| post_cpu_completion(shared)),
+        (Op::Fill { dst, byte }, None) => cpu_fill(&dst, byte).and_then(|()| post_deferred_completion(shared)),
         (Op::Wait { event, generation }, None) => event
             .wait_generation(generation, None, Some(&shared.closing))
             .map_err(|e| Arc::from(format!("waited-on event failed: {e}")))
@@ -359,6 +358,27 @@ fn execute(shared: &Shared, op: Op) {
             s.error = Some(why);
         }
     }
+    completes
+}
+
+/// Marks the queue not running, then completes the event a record operation reached.
+fn finish(shared: &Shared, completes: Option<(Event, u64, Completion)>) {
+    let more = {
+        let mut s = shared.lock();
+        s.running = false;
+        !s.ops.is_empty()
+    };
+    if more {
+        shared.work.notify_one();
+    }
+    if let Some((event, generation, result)) = completes {
+        event.complete(generation, result);
+    }
+}
+
+fn post_deferred_completion(shared: &Shared) -> std::result::Result<(), Arc<str>> {
+    let mut ring = shared.ring.lock().unwrap_or_else(|p| p.into_inner());
+    ring.complete_cpu_deferred().map_err(|e| Arc::from(format!("io_uring completion: {e}")))
 }
 
 fn post_cpu_completion(shared: &Shared) -> std::result::Result<(), Arc<str>> {

@@ -9,15 +9,26 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use io_uring::{IoUring, opcode, squeue, types};
 
 /// A queue's ring: every operation's completion arrives here as a CQE.
+///
+/// Work done on the CPU posts a NOP whose submission is deferred: it rides along with the
+/// next operation that must reach the kernel anyway (an event record, a kernel copy, a full
+/// SQ), so a run of small copies costs one `io_uring_enter`, not one each.
 pub(crate) struct Ring {
     ring: IoUring,
+    /// SQEs pushed whose CQEs have not been reaped.
+    in_flight: u32,
 }
 
 impl std::fmt::Debug for Ring {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ring").field("fd", &self.ring.as_raw_fd()).finish()
+        f.debug_struct("Ring").field("fd", &self.ring.as_raw_fd()).field("in_flight", &self.in_flight).finish()
     }
 }
+
+/// user_data of the one operation a caller is waiting for.
+const AWAITED: u64 = 1;
+/// user_data of deferred CPU-completion NOPs.
+const DEFERRED: u64 = 2;
 
 impl Ring {
     pub(crate) fn new(entries: u32) -> io::Result<Self> {
@@ -25,38 +36,75 @@ impl Ring {
         // Completions are reaped by the thread that submitted, right away: no IPIs needed.
         b.setup_coop_taskrun();
         let ring = b.build(entries).or_else(|_| IoUring::new(entries))?;
-        Ok(Self { ring })
+        Ok(Self { ring, in_flight: 0 })
     }
 
-    /// Submits `entry` and waits for its CQE; returns the CQE's result (>= 0) or its errno.
+    /// Pushes an SQE, first flushing the ring if the SQ is full.
+    ///
+    /// # Safety
+    ///
+    /// Every buffer `entry` names must stay valid until its CQE is reaped.
+    unsafe fn push(&mut self, entry: &squeue::Entry) -> io::Result<()> {
+        loop {
+            // SAFETY: the caller's contract.
+            if unsafe { self.ring.submission().push(entry) }.is_ok() {
+                self.in_flight += 1;
+                return Ok(());
+            }
+            self.reap_until(None)?;
+        }
+    }
+
+    /// Submits everything pushed and reaps completions until the awaited one arrives (or, with
+    /// `None`, until nothing is in flight). Returns the awaited CQE's result.
+    fn reap_until(&mut self, awaited: Option<u64>) -> io::Result<Option<i32>> {
+        loop {
+            if self.in_flight == 0 {
+                return Ok(None);
+            }
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+            let mut found = None;
+            for cqe in self.ring.completion() {
+                self.in_flight -= 1;
+                if Some(cqe.user_data()) == awaited {
+                    found = Some(cqe.result());
+                }
+            }
+            if found.is_some() {
+                return Ok(found);
+            }
+        }
+    }
+
+    /// Submits `entry` (with everything deferred before it) and waits for its CQE; returns
+    /// the CQE's result (>= 0) or its errno.
     ///
     /// # Safety
     ///
     /// Every buffer `entry` names must stay valid until this returns (it returns only after
     /// the CQE, so stack or borrowed buffers of the caller qualify).
     unsafe fn run(&mut self, entry: squeue::Entry) -> io::Result<u32> {
-        const TAG: u64 = 0x5155_4555; // "QUEU": the only in-flight user_data on this ring
-        let entry = entry.user_data(TAG);
         // SAFETY: the caller guarantees the buffers outlive the operation, and we wait for it.
-        unsafe { self.ring.submission().push(&entry) }.map_err(|_| io::Error::other("io_uring SQ full"))?;
-        loop {
-            match self.ring.submit_and_wait(1) {
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
-            }
-            if let Some(cqe) = self.ring.completion().next() {
-                debug_assert_eq!(cqe.user_data(), TAG);
-                let r = cqe.result();
-                return if r < 0 { Err(io::Error::from_raw_os_error(-r)) } else { Ok(r as u32) };
-            }
-        }
+        unsafe { self.push(&entry.user_data(AWAITED)) }?;
+        let r = self.reap_until(Some(AWAITED))?.unwrap_or(0);
+        if r < 0 { Err(io::Error::from_raw_os_error(-r)) } else { Ok(r as u32) }
     }
 
-    /// Posts a completion for work done on the CPU (an `IORING_OP_NOP`).
+    /// Posts a completion for work done on the CPU and waits for it (with everything deferred
+    /// before it): used where the completion must be observed now (event records).
     pub(crate) fn complete_cpu(&mut self) -> io::Result<()> {
         // SAFETY: a NOP names no buffer.
         unsafe { self.run(opcode::Nop::new().build()) }.map(drop)
+    }
+
+    /// Posts a completion for work done on the CPU without entering the kernel now.
+    pub(crate) fn complete_cpu_deferred(&mut self) -> io::Result<()> {
+        // SAFETY: a NOP names no buffer.
+        unsafe { self.push(&opcode::Nop::new().build().user_data(DEFERRED)) }
     }
 
     /// `pread` through the ring: reads `len` bytes of `fd` at `offset` into `buf`, looping on
