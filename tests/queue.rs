@@ -310,3 +310,12 @@ fn kernel_lane_a_queue_waits_for_a_vgem_fence() {
         assert!(back.to_vec() == data);
     }
 }
+
+#[test]
+fn queues_and_events_are_shared_between_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Queue>();
+    send_sync::<Event>();
+    send_sync::<HostBuffer>();
+    send_sync::<Mem>();
+}
