@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::{or_skip, pattern};
 use dmabuf_rt::queue::{CopyEngine, Event, HostBuffer, Mem, Queue, copy_now};
-use dmabuf_rt::source::{GemSource, HeapSource, MemorySource, ShmemSource};
+use dmabuf_rt::source::{GemSource, HeapSource, HostSource, MemorySource, ShmemSource};
 use dmabuf_rt::{Access, Error, Segment, SegmentKind};
 
 fn seg(len: usize) -> Arc<Segment> {
@@ -56,18 +56,27 @@ fn a_chain_of_dependent_copies_and_fills_produces_exactly_the_expected_bytes() {
 
 #[test]
 fn copies_between_two_devices_and_within_one_segment() {
-    let q = Queue::new().unwrap();
-    let a = seg(1 << 20);
-    let host = HostBuffer::from_slice(&pattern(1 << 20, 4)).unwrap();
-    q.copy(&a, &host).unwrap();
-    // Overlapping ranges of one segment behave like memmove.
-    q.copy(Mem::from(&a).range(100, 5000).unwrap(), Mem::from(&a).range(0, 5000).unwrap()).unwrap();
-    q.synchronize().unwrap();
-    let mut want = pattern(1 << 20, 4);
-    want.copy_within(0..5000, 100);
-    let out = HostBuffer::new(1 << 20).unwrap();
-    copy_now(&out, &a).unwrap();
-    assert!(out.to_vec() == want);
+    for (name, q) in queues() {
+        // Two different sources: shmem (unified) and pinned host memory.
+        let a = seg(1 << 20);
+        let pinned = Arc::new(HostSource::mlocked().allocate(1 << 20).unwrap());
+        let host = HostBuffer::from_slice(&pattern(1 << 20, 4)).unwrap();
+        q.copy(&a, &host).unwrap();
+        q.copy(&pinned, &a).unwrap();
+        // Overlapping ranges of one segment behave like memmove, on every engine.
+        q.copy(Mem::from(&pinned).range(100, 5000).unwrap(), Mem::from(&pinned).range(0, 5000).unwrap()).unwrap();
+        q.copy(Mem::from(&a).range(0, 5000).unwrap(), Mem::from(&a).range(64, 5000).unwrap()).unwrap();
+        q.synchronize().unwrap();
+        let mut want_pinned = pattern(1 << 20, 4);
+        want_pinned.copy_within(0..5000, 100);
+        let mut want_a = pattern(1 << 20, 4);
+        want_a.copy_within(64..5064, 0);
+        let out = HostBuffer::new(1 << 20).unwrap();
+        copy_now(&out, &pinned).unwrap();
+        assert!(out.to_vec() == want_pinned, "{name}: pinned");
+        copy_now(&out, &a).unwrap();
+        assert!(out.to_vec() == want_a, "{name}: shmem");
+    }
 }
 
 #[test]
@@ -128,39 +137,101 @@ fn unwritable_by_the_kernel(len: usize) -> Arc<Segment> {
 
 #[test]
 fn a_failing_copy_fails_its_event_and_the_work_after_it() {
-    let q = Queue::builder().engine(CopyEngine::Kernel).build().unwrap();
-    let bad = unwritable_by_the_kernel(8192);
-    let after = seg(8192);
-    let host = HostBuffer::from_slice(&[0xab; 8192]).unwrap();
-    let told = Arc::new(Mutex::new(None));
-    q.copy(&bad, &host).unwrap();
-    let e = q.record().unwrap();
-    q.fill(&after, 9).unwrap();
-    let t = told.clone();
-    q.callback(move |r| *t.lock().unwrap() = Some(r.is_err())).unwrap();
-    let err = q.synchronize().unwrap_err();
-    assert!(matches!(err, Error::OperationFailed { .. }), "{err}");
-    assert!(err.to_string().contains("Operation not permitted"), "{err}");
-    assert!(matches!(e.query(), Err(Error::OperationFailed { .. })));
-    assert_eq!(*told.lock().unwrap(), Some(true), "the callback was not told of the failure");
-    let out = HostBuffer::new(8192).unwrap();
-    copy_now(&out, &after).unwrap();
-    assert!(out.to_vec().iter().all(|&b| b == 0), "work after the failure ran");
+    for inline_max in [64 << 10, 0] {
+        let q = Queue::builder().engine(CopyEngine::Kernel).inline_max(inline_max).build().unwrap();
+        let bad = unwritable_by_the_kernel(8192);
+        let after = seg(8192);
+        let host = HostBuffer::from_slice(&[0xab; 8192]).unwrap();
+        let told = Arc::new(Mutex::new(None));
+        // Hold the queue so that a second queue's wait is in place before the failure happens.
+        q.callback(|_| std::thread::sleep(Duration::from_millis(50))).unwrap();
+        q.copy(&bad, &host).unwrap();
+        let e = q.record().unwrap();
+        let q2 = Queue::new().unwrap();
+        q2.wait(&e).unwrap();
+        q2.fill(&after, 5).unwrap();
+        q.fill(&after, 9).unwrap();
+        let t = told.clone();
+        q.callback(move |r| *t.lock().unwrap() = Some(r.is_err())).unwrap();
+        let err = q.synchronize().unwrap_err();
+        assert!(matches!(err, Error::OperationFailed { .. }), "{err}");
+        assert!(err.to_string().contains("Operation not permitted"), "{err}");
+        assert!(matches!(e.query(), Err(Error::OperationFailed { .. })));
+        assert_eq!(*told.lock().unwrap(), Some(true), "the callback was not told of the failure");
+        // The other queue, blocked in its wait when the failure happened, fails in turn.
+        let err2 = q2.synchronize().unwrap_err();
+        assert!(err2.to_string().contains("waited-on event failed"), "{err2}");
+        let out = HostBuffer::new(8192).unwrap();
+        copy_now(&out, &after).unwrap();
+        assert!(out.to_vec().iter().all(|&b| b == 0), "work after the failure ran");
 
-    // Another queue waiting on the failed event fails too.
-    let q2 = Queue::new().unwrap();
-    q2.wait(&e).unwrap();
-    q2.fill(&after, 5).unwrap();
-    assert!(q2.synchronize().is_err());
-    copy_now(&out, &after).unwrap();
-    assert!(out.to_vec().iter().all(|&b| b == 0));
+        // Work queued before clear_error is still skipped; work after it runs.
+        q.callback(|_| std::thread::sleep(Duration::from_millis(30))).unwrap();
+        q.fill(&after, 1).unwrap();
+        assert!(q.clear_error().is_some());
+        q.fill(Mem::from(&after).range(0, 4096).unwrap(), 3).unwrap();
+        q.synchronize().unwrap();
+        copy_now(&out, &after).unwrap();
+        let v = out.to_vec();
+        assert!(v[..4096].iter().all(|&b| b == 3) && v[4096..].iter().all(|&b| b == 0), "inline_max {inline_max}");
+    }
+}
 
-    // Clearing the error lets the queue run again.
-    assert!(q.clear_error().is_some());
-    q.fill(&after, 3).unwrap();
+#[test]
+fn a_panicking_callback_fails_the_queue_instead_of_hanging_it() {
+    let q = Queue::new().unwrap();
+    let a = seg(4096);
+    q.callback(|_| panic!("user code panicked")).unwrap();
+    q.fill(&a, 1).unwrap();
+    let e = q.synchronize_timeout(Duration::from_secs(10)).unwrap_err();
+    assert!(e.to_string().contains("callback panicked"), "{e}");
+    q.clear_error();
+    q.fill(&a, 2).unwrap();
     q.synchronize().unwrap();
-    copy_now(&out, &after).unwrap();
-    assert!(out.to_vec().iter().all(|&b| b == 3));
+    let out = HostBuffer::new(4096).unwrap();
+    copy_now(&out, &a).unwrap();
+    assert!(out.to_vec().iter().all(|&b| b == 2));
+    // A panicking completion hook is contained too.
+    let ev = q.record().unwrap();
+    ev.synchronize(None).unwrap();
+    q.callback(|_| std::thread::sleep(Duration::from_millis(10))).unwrap();
+    q.record_event(&ev).unwrap();
+    ev.on_complete(|_| panic!("hook panicked"));
+    q.synchronize().unwrap();
+    q.fill(&a, 3).unwrap();
+    q.synchronize().unwrap();
+}
+
+#[test]
+fn an_event_re_recorded_on_a_faster_queue_does_not_release_earlier_waits() {
+    let (slow, fast, waiter) = (Queue::new().unwrap(), Queue::new().unwrap(), Queue::new().unwrap());
+    let ev = Event::new();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let o = order.clone();
+    slow.callback(move |_| {
+        std::thread::sleep(Duration::from_millis(60));
+        o.lock().unwrap().push("slow reached the event");
+    })
+    .unwrap();
+    slow.record_event(&ev).unwrap(); // generation 1
+    waiter.wait(&ev).unwrap(); // waits for generation 1
+    let o = order.clone();
+    waiter.callback(move |_| o.lock().unwrap().push("waiter ran")).unwrap();
+    fast.record_event(&ev).unwrap(); // generation 2 completes at once
+    waiter.synchronize().unwrap();
+    slow.synchronize().unwrap();
+    assert_eq!(*order.lock().unwrap(), ["slow reached the event", "waiter ran"]);
+}
+
+#[test]
+fn queues_can_be_dropped_right_after_creation_or_synchronize() {
+    for _ in 0..200 {
+        let q = Queue::new().unwrap();
+        drop(q);
+        let q = Queue::new().unwrap();
+        q.synchronize().unwrap();
+        drop(q);
+    }
 }
 
 #[test]
@@ -186,7 +257,7 @@ fn bad_submissions_get_clear_errors_and_leave_the_queue_working() {
 /// A "fence" that never signals: the read end of a pipe nobody writes.
 fn never_signalled() -> (Event, OwnedFd) {
     let (r, w) = rustix::pipe::pipe().unwrap();
-    (Event::from_sync_file(r).unwrap(), w)
+    (Event::from_readable_fd(r).unwrap(), w)
 }
 
 #[test]
@@ -201,6 +272,16 @@ fn fd_events_complete_through_io_uring_and_time_out_clearly() {
     rustix::io::write(&writer, b"x").unwrap();
     ev.synchronize(Some(Duration::from_secs(5))).unwrap();
     assert!(ev.query().unwrap());
+
+    // Hang-up without data is a failure, not a signal.
+    let (ev, writer) = never_signalled();
+    drop(writer);
+    let e = ev.synchronize(Some(Duration::from_secs(5))).unwrap_err();
+    assert!(e.to_string().contains("without becoming readable"), "{e}");
+    // Only sync_files are fences.
+    let (r, _w) = rustix::pipe::pipe().unwrap();
+    let e = Event::from_sync_file(r).unwrap_err();
+    assert!(matches!(e, Error::BadImport { .. }) && e.to_string().contains("not a sync_file"), "{e}");
 }
 
 #[test]
@@ -265,11 +346,17 @@ fn completion_hooks_run_once_on_completion_without_polling() {
         r.fetch_add(1, Ordering::SeqCst);
     });
     assert_eq!(runs.load(Ordering::SeqCst), 2);
-    // Re-recording starts a new generation.
+    // Re-recording starts a new generation; hooks of the old one do not run again.
     q.callback(|_| std::thread::sleep(Duration::from_millis(20))).unwrap();
     q.record_event(&e).unwrap();
-    assert!(!e.is_complete());
+    assert!(!e.query().unwrap(), "a new generation must be pending until the queue reaches it");
+    let r = runs.clone();
+    e.on_complete(move |_| {
+        r.fetch_add(10, Ordering::SeqCst);
+    });
     e.synchronize(None).unwrap();
+    q.synchronize().unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 12);
 }
 
 #[test]

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use super::ring::RingError;
 use super::{Mem, Shared};
 use crate::copy;
 use crate::sys;
@@ -79,17 +80,38 @@ pub(super) fn cpu_fill(dst: &Mem, byte: u8) -> std::result::Result<(), Arc<str>>
 }
 
 pub(super) fn kernel_copy(shared: &Shared, dst: &Mem, src: &Mem) -> std::result::Result<(), Arc<str>> {
-    let mut ring = shared.ring.lock().unwrap_or_else(|p| p.into_inner());
-    let r = if let Some((fd, off)) = dst.memfd() {
-        let s = src.ptr().map_err(|e| Arc::from(e.to_string()))?;
-        // SAFETY: the source range lies in live memory held by `src` for the whole call.
-        unsafe { ring.write(fd, s, src.len(), off) }.map_err(|e| format!("io_uring WRITE to memfd: {e}"))
-    } else if let Some((fd, off)) = src.memfd() {
-        let d = dst.ptr().map_err(|e| Arc::from(e.to_string()))?;
-        // SAFETY: the destination range lies in live, writable memory held by `dst`.
-        unsafe { ring.read(fd, d, dst.len(), off) }.map_err(|e| format!("io_uring READ from memfd: {e}"))
-    } else {
-        return Err("kernel copy without a memfd side".into());
+    let (d, sp) = match (dst.ptr(), src.ptr()) {
+        (Ok(d), Ok(s)) => (d, s),
+        _ => return Err("copy side has no CPU mapping".into()),
     };
-    r.map_err(Arc::from)
+    let sides = [(src.dmabuf(), sys::dma_buf::SYNC_READ), (dst.dmabuf(), sys::dma_buf::SYNC_WRITE)];
+    let r = with_sync(sides, || {
+        let mut ring = shared.ring();
+        if let Some((fd, off)) = dst.memfd() {
+            // SAFETY: the source range lies in live memory held by `src` for the whole call,
+            // and for good if the ring fails mid-flight (parked below).
+            unsafe { ring.write(fd, sp, src.len(), off) }.map_err(|e| ("io_uring WRITE to memfd", e))
+        } else if let Some((fd, off)) = src.memfd() {
+            // SAFETY: the destination range lies in live, writable memory held by `dst`, and
+            // for good if the ring fails mid-flight (parked below).
+            unsafe { ring.read(fd, d, dst.len(), off) }.map_err(|e| ("io_uring READ from memfd", e))
+        } else {
+            Err(("kernel copy", RingError::NotSubmitted("no memfd side".into())))
+        }
+    })?;
+    r.map_err(|(what, e)| {
+        if matches!(e, RingError::Ring(_)) {
+            park(dst, src);
+        }
+        Arc::from(format!("{what}: {e}"))
+    })
+}
+
+/// Keeps the memory of an operation the kernel may still be using alive for the rest of the
+/// process: after a ring failure there is no way to learn when (or whether) it stops.
+fn park(dst: &Mem, src: &Mem) {
+    static PARKED: std::sync::Mutex<Vec<Mem>> = std::sync::Mutex::new(Vec::new());
+    let mut p = PARKED.lock().unwrap_or_else(|p| p.into_inner());
+    p.push(dst.clone());
+    p.push(src.clone());
 }

@@ -1,5 +1,7 @@
 //! Events: points in a queue's work, or kernel fences, that complete once.
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -33,12 +35,15 @@ struct Inner {
 struct State {
     /// Generations recorded so far (0: never recorded).
     recorded: u64,
-    /// Highest generation completed.
-    completed: u64,
-    /// Latest failed generation and why.
-    failed: Option<(u64, Arc<str>)>,
-    /// When the latest completed generation completed.
-    at: Option<Instant>,
+    /// Every generation up to this one has completed.
+    done_upto: u64,
+    /// Generations above `done_upto` that completed out of order (an event re-recorded on a
+    /// faster queue).
+    done_above: BTreeSet<u64>,
+    /// Generations that failed, and why.
+    failures: BTreeMap<u64, Arc<str>>,
+    /// The latest recorded generation's completion time, once it has completed.
+    at: Option<(u64, Instant)>,
     /// Hooks waiting for a generation.
     hooks: Vec<(u64, Hook)>,
     /// Threads blocked in a wait (so completion wakes only when someone sleeps).
@@ -46,13 +51,27 @@ struct State {
 }
 
 impl State {
+    fn is_done(&self, generation: u64) -> bool {
+        generation <= self.done_upto || self.done_above.contains(&generation)
+    }
+
     fn result_for(&self, generation: u64) -> Option<Completion> {
-        if self.completed < generation {
+        if !self.is_done(generation) {
             return None;
         }
-        match &self.failed {
-            Some((g, why)) if *g >= generation => Some(Err(why.clone())),
-            _ => Some(Ok(())),
+        match self.failures.get(&generation) {
+            Some(why) => Some(Err(why.clone())),
+            None => Some(Ok(())),
+        }
+    }
+
+    fn mark_done(&mut self, generation: u64) {
+        if generation <= self.done_upto {
+            return;
+        }
+        self.done_above.insert(generation);
+        while self.done_above.remove(&(self.done_upto + 1)) {
+            self.done_upto += 1;
         }
     }
 }
@@ -62,8 +81,8 @@ impl std::fmt::Debug for Event {
         let s = self.lock();
         f.debug_struct("Event")
             .field("recorded", &s.recorded)
-            .field("completed", &s.completed)
-            .field("failed", &s.failed.as_ref().map(|f| &f.1))
+            .field("done_upto", &s.done_upto)
+            .field("failures", &s.failures.len())
             .finish()
     }
 }
@@ -82,11 +101,24 @@ impl Event {
 
     /// An event that completes when the kernel signals the fence in `sync_file` (a sync_file
     /// fd, e.g. from [`crate::Segment::export_sync_file`] or a driver). io_uring watches it
-    /// (`IORING_OP_POLL_ADD`), so waiting on it costs no thread.
+    /// (`IORING_OP_POLL_ADD`), so waiting on it costs no thread; a fence that signals with an
+    /// error fails the event. An fd that is not a sync_file is refused.
     pub fn from_sync_file(sync_file: OwnedFd) -> Result<Self> {
+        crate::sys::sync_file::status(std::os::fd::AsFd::as_fd(&sync_file))
+            .map_err(|e| Error::BadImport { reason: format!("not a sync_file (SYNC_IOC_FILE_INFO: {e})") })?;
+        Self::watching(sync_file, super::fence::Kind::SyncFile)
+    }
+
+    /// An event that completes when `fd` becomes readable (an eventfd another runtime signals,
+    /// a pipe); it fails if the fd reports an error or hang-up without becoming readable.
+    pub fn from_readable_fd(fd: OwnedFd) -> Result<Self> {
+        Self::watching(fd, super::fence::Kind::Readable)
+    }
+
+    fn watching(fd: OwnedFd, kind: super::fence::Kind) -> Result<Self> {
         let ev = Self::new();
         let generation = ev.begin_record();
-        super::fence::watch(sync_file, ev.clone(), generation)?;
+        super::fence::watch(fd, ev.clone(), generation, kind)?;
         Ok(ev)
     }
 
@@ -107,22 +139,23 @@ impl Event {
         s.recorded
     }
 
-    /// Completes `generation` (and every earlier one), successfully or not, and runs the hooks
-    /// waiting for it, on this thread, outside the event's lock.
+    /// Completes `generation`, successfully or not, and runs the hooks waiting for it, on this
+    /// thread, outside the event's lock. A panicking hook is contained (and reported on
+    /// stderr): it must not take the completing thread down with it.
     pub(crate) fn complete(&self, generation: u64, result: Completion) {
         let ready: Vec<Hook> = {
             let mut s = self.lock();
-            if generation > s.completed {
-                s.completed = generation;
-                s.at = Some(Instant::now());
-            }
             if let Err(why) = &result {
-                s.failed = Some((generation, why.clone()));
+                s.failures.insert(generation, why.clone());
+            }
+            s.mark_done(generation);
+            if generation == s.recorded {
+                s.at = Some((generation, Instant::now()));
             }
             let ready: Vec<Hook> = if s.hooks.is_empty() {
                 Vec::new()
             } else {
-                let (ready, waiting): (Vec<_>, Vec<_>) = s.hooks.drain(..).partition(|(g, _)| *g <= generation);
+                let (ready, waiting): (Vec<_>, Vec<_>) = s.hooks.drain(..).partition(|(g, _)| *g == generation);
                 s.hooks = waiting;
                 ready.into_iter().map(|(_, h)| h).collect()
             };
@@ -132,8 +165,16 @@ impl Event {
             ready
         };
         for hook in ready {
-            hook(result.clone());
+            let r = result.clone();
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(r))).is_err() {
+                let _ = writeln!(std::io::stderr(), "dmabuf-rt: an event completion hook panicked");
+            }
         }
+    }
+
+    /// Whether `generation` has completed (successfully or not).
+    pub(crate) fn is_generation_complete(&self, generation: u64) -> bool {
+        self.lock().is_done(generation)
     }
 
     /// The generation a wait submitted now refers to.
@@ -154,7 +195,7 @@ impl Event {
     /// True once the latest record has completed (successfully or not).
     pub fn is_complete(&self) -> bool {
         let s = self.lock();
-        s.completed >= s.recorded
+        s.is_done(s.recorded)
     }
 
     /// Blocks until the latest record completes, or `timeout` passes (`None`: no limit).
@@ -206,10 +247,10 @@ impl Event {
         if s.recorded == 0 {
             return Err(Error::NoTiming { why: "never recorded" });
         }
-        if s.completed < s.recorded {
-            return Err(Error::NoTiming { why: "not complete yet" });
+        match s.at {
+            Some((g, at)) if g == s.recorded => Ok(at),
+            _ => Err(Error::NoTiming { why: "not complete yet" }),
         }
-        s.at.ok_or(Error::NoTiming { why: "not complete yet" })
     }
 
     /// Runs `hook` once the latest record completes: at once (on this thread) if it already

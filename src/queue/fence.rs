@@ -1,83 +1,157 @@
 //! The fence watcher: one thread and one io_uring for the whole process, completing events
-//! made from sync_file fds when the kernel signals their fences.
+//! made from sync_files (and other pollable fds) when they become readable.
+//!
+//! If the watcher ever fails (its ring errors, or a completion hook panics on its thread), it
+//! fails every event it was watching and every one handed to it later, so nothing waits on a
+//! dead watcher.
 
 use std::collections::HashMap;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
+use std::panic::AssertUnwindSafe;
 use std::sync::{Mutex, OnceLock};
 
-use rustix::event::{EventfdFlags, eventfd};
+use rustix::event::{EventfdFlags, PollFlags, eventfd};
 
 use super::event::Event;
-use super::ring::PollRing;
+use super::ring::{PollRing, WAKE};
 use crate::error::{Error, Result};
+use crate::sys;
 
-const WAKE: u64 = 0;
+/// What the watched fd is, which decides what "readable" means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// A sync_file: readable when its fences signalled; then its status says whether they
+    /// signalled with an error.
+    SyncFile,
+    /// Any pollable fd: complete when readable.
+    Readable,
+}
+
+struct Pending {
+    fd: OwnedFd,
+    event: Event,
+    generation: u64,
+    kind: Kind,
+}
+
+#[derive(Default)]
+struct Shared {
+    incoming: Vec<Pending>,
+    /// Why the watcher stopped, once it has.
+    dead: Option<String>,
+}
 
 struct Watcher {
     wake: OwnedFd,
-    incoming: Mutex<Vec<(OwnedFd, Event, u64)>>,
+    shared: Mutex<Shared>,
 }
 
 fn watcher() -> Result<&'static Watcher> {
     static W: OnceLock<std::result::Result<Watcher, String>> = OnceLock::new();
     W.get_or_init(|| {
         let wake = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(|e| e.to_string())?;
-        let ring = PollRing::new(256).map_err(|e| format!("io_uring for fences: {e}"))?;
-        let thread_wake = wake.try_clone().map_err(|e| e.to_string())?;
+        let ring = PollRing::new(256, wake.try_clone().map_err(|e| e.to_string())?)
+            .map_err(|e| format!("io_uring for fences: {e}"))?;
         std::thread::Builder::new()
             .name("dmabuf-rt-fences".into())
-            .spawn(move || run(ring, thread_wake))
+            .spawn(move || run(ring))
             .map_err(|e| e.to_string())?;
-        Ok(Watcher { wake, incoming: Mutex::new(Vec::new()) })
+        Ok(Watcher { wake, shared: Mutex::new(Shared::default()) })
     })
     .as_ref()
     .map_err(|e| Error::Io { op: "start the fence watcher", source: std::io::Error::other(e.clone()) })
 }
 
-/// Completes `event`'s `generation` when `sync_file` signals.
-pub(crate) fn watch(sync_file: OwnedFd, event: Event, generation: u64) -> Result<()> {
+fn lock(w: &Watcher) -> std::sync::MutexGuard<'_, Shared> {
+    w.shared.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Completes `event`'s `generation` when `fd` becomes readable.
+pub(crate) fn watch(fd: OwnedFd, event: Event, generation: u64, kind: Kind) -> Result<()> {
     let w = watcher()?;
-    w.incoming.lock().unwrap_or_else(|p| p.into_inner()).push((sync_file, event, generation));
+    {
+        let mut s = lock(w);
+        if let Some(why) = &s.dead {
+            return Err(Error::OperationFailed { reason: format!("fence watcher stopped: {why}").into() });
+        }
+        s.incoming.push(Pending { fd, event, generation, kind });
+    }
     rustix::io::write(&w.wake, &1u64.to_ne_bytes()).map_err(Error::io_rustix("wake the fence watcher"))?;
     Ok(())
 }
 
-fn run(mut ring: PollRing, wake: OwnedFd) {
-    let mut watched: HashMap<u64, (Event, u64)> = HashMap::new();
-    let mut next_id = 1u64;
-    let arm_wake = |ring: &mut PollRing| wake.try_clone().and_then(|fd| ring.poll_in(fd, WAKE));
-    if arm_wake(&mut ring).is_err() {
-        return;
+fn run(mut ring: PollRing) {
+    let mut watched: HashMap<u64, Pending> = HashMap::new();
+    let why = match std::panic::catch_unwind(AssertUnwindSafe(|| serve(&mut ring, &mut watched))) {
+        Ok(e) => e,
+        Err(_) => "a completion hook panicked on the fence watcher's thread".to_string(),
+    };
+    // Fail everything, now and later.
+    let Ok(w) = watcher() else { return };
+    let incoming = {
+        let mut s = lock(w);
+        s.dead = Some(why.clone());
+        std::mem::take(&mut s.incoming)
+    };
+    let reason: std::sync::Arc<str> = format!("fence watcher stopped: {why}").into();
+    for p in watched.into_values().chain(incoming) {
+        let _ = std::panic::catch_unwind(AssertUnwindSafe(|| p.event.complete(p.generation, Err(reason.clone()))));
     }
+}
+
+/// Serves until the ring fails; returns why.
+fn serve(ring: &mut PollRing, watched: &mut HashMap<u64, Pending>) -> String {
+    let mut next_id = WAKE + 1;
     loop {
-        let Ok(done) = ring.wait() else { return };
-        for (id, res, _fd) in done {
+        let done = match ring.wait() {
+            Ok(d) => d,
+            Err(e) => return format!("io_uring wait: {e}"),
+        };
+        for (id, res, fd) in done {
             if id == WAKE {
-                let mut buf = [0u8; 8];
-                let _ = rustix::io::read(&wake, &mut buf);
-                let Ok(w) = watcher() else { return };
-                let new: Vec<_> = std::mem::take(&mut *w.incoming.lock().unwrap_or_else(|p| p.into_inner()));
-                for (fd, ev, generation) in new {
+                ring.drain_wake();
+                let Ok(w) = watcher() else { return "watcher missing".into() };
+                let new = std::mem::take(&mut lock(w).incoming);
+                for p in new {
                     let id = next_id;
                     next_id += 1;
-                    match ring.poll_in(fd, id) {
+                    let fd = p.fd.try_clone();
+                    match fd.and_then(|fd| ring.poll_in(fd, id)) {
                         Ok(()) => {
-                            watched.insert(id, (ev, generation));
+                            watched.insert(id, p);
                         }
-                        Err(e) => ev.complete(generation, Err(format!("cannot watch fence: {e}").into())),
+                        Err(e) => p.event.complete(p.generation, Err(format!("cannot watch fence: {e}").into())),
                     }
                 }
-                if arm_wake(&mut ring).is_err() {
-                    return;
+                if let Err(e) = ring.arm_wake() {
+                    return format!("re-arm wake-up: {e}");
                 }
-            } else if let Some((ev, generation)) = watched.remove(&id) {
-                let result = if res >= 0 {
-                    Ok(())
-                } else {
-                    Err(format!("fence poll failed: {}", std::io::Error::from_raw_os_error(-res)).into())
-                };
-                ev.complete(generation, result);
+            } else if let Some(p) = watched.remove(&id) {
+                drop(fd);
+                let result = outcome(&p, res);
+                p.event.complete(p.generation, result);
             }
         }
     }
+}
+
+/// Turns a poll completion into the event's result.
+fn outcome(p: &Pending, res: i32) -> std::result::Result<(), std::sync::Arc<str>> {
+    if res < 0 {
+        return Err(format!("fence poll failed: {}", std::io::Error::from_raw_os_error(-res)).into());
+    }
+    let revents = PollFlags::from_bits_truncate(res as u16);
+    if !revents.contains(PollFlags::IN) {
+        return Err(format!("fence fd reported {revents:?} without becoming readable").into());
+    }
+    if p.kind == Kind::SyncFile {
+        match sys::sync_file::status(p.fd.as_fd()) {
+            Ok(s) if s < 0 => {
+                return Err(format!("fence signalled with an error: {}", std::io::Error::from_raw_os_error(-s)).into());
+            }
+            Ok(_) => {}
+            Err(e) => return Err(format!("SYNC_IOC_FILE_INFO: {e}").into()),
+        }
+    }
+    Ok(())
 }

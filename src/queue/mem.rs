@@ -174,6 +174,13 @@ impl Mem {
         self.len == 0
     }
 
+    /// Whether two ranges share any byte.
+    pub(crate) fn overlaps(&self, other: &Mem) -> bool {
+        let (Ok(a), Ok(b)) = (self.ptr(), other.ptr()) else { return false };
+        let (a, b) = (a as usize, b as usize);
+        a < b + other.len && b < a + self.len
+    }
+
     /// The CPU address of the range's first byte.
     pub(crate) fn ptr(&self) -> Result<*mut u8> {
         match &self.target {

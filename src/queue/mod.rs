@@ -115,19 +115,40 @@ enum Op {
     Callback(Callback),
 }
 
+/// An operation and the error epoch it was submitted in.
+struct Queued {
+    op: Op,
+    epoch: u64,
+}
+
 #[derive(Default)]
 struct State {
-    ops: VecDeque<Op>,
+    ops: VecDeque<Queued>,
     /// An operation is executing (on the executor or inline).
     running: bool,
-    /// The first failure since the last `clear_error`.
-    error: Option<Arc<str>>,
+    /// Bumped by `clear_error`: operations submitted before a failure are skipped even if the
+    /// error is cleared before they run; those submitted after the clear run.
+    epoch: u64,
+    /// The latest failure and the epoch of the operation that failed.
+    failure: Option<(u64, Arc<str>)>,
+    /// Set (under this lock) when the queue is being dropped.
+    closing: bool,
+    /// Set if the executor thread died; submissions are refused after that.
+    dead: bool,
+}
+
+impl State {
+    /// The failure an operation submitted in `epoch` must honour, if any.
+    fn failure_for(&self, epoch: u64) -> Option<Arc<str>> {
+        self.failure.as_ref().filter(|(e, _)| *e >= epoch).map(|(_, why)| why.clone())
+    }
 }
 
 struct Shared {
     state: Mutex<State>,
     work: Condvar,
     ring: Mutex<Ring>,
+    /// Mirrors `State::closing` for waits that poll it without the state lock.
     closing: AtomicBool,
     engine: CopyEngine,
     inline_max: usize,
@@ -136,6 +157,10 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn ring(&self) -> MutexGuard<'_, Ring> {
+        self.ring.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -148,7 +173,7 @@ pub struct Queue {
 impl std::fmt::Debug for Queue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let s = self.shared.lock();
-        f.debug_struct("Queue").field("pending", &s.ops.len()).field("error", &s.error).finish()
+        f.debug_struct("Queue").field("pending", &s.ops.len()).field("failure", &s.failure).finish()
     }
 }
 
@@ -167,7 +192,7 @@ impl Queue {
     /// everything submitted before. The lengths must match and `dst` must be writable.
     pub fn copy(&self, dst: impl Into<Mem>, src: impl Into<Mem>) -> Result<()> {
         let (dst, src) = (dst.into(), src.into());
-        check_copy(&dst, &src, self.shared.engine)?;
+        check_copy(&dst, &src)?;
         self.submit(Op::Copy { dst, src })
     }
 
@@ -191,7 +216,12 @@ impl Queue {
     /// Records `event` again at this point (a new generation; see [`Event`]).
     pub fn record_event(&self, event: &Event) -> Result<()> {
         let generation = event.begin_record();
-        self.submit(Op::Record { event: event.clone(), generation })
+        let r = self.submit(Op::Record { event: event.clone(), generation });
+        if let Err(e) = &r {
+            // Never leave a generation nobody will complete.
+            event.complete(generation, Err(e.to_string().into()));
+        }
+        r
     }
 
     /// Makes everything submitted after this wait for `event` (from any queue, or a kernel
@@ -202,7 +232,8 @@ impl Queue {
     }
 
     /// Runs `f` on the executor thread after everything submitted before, with the queue's
-    /// error if an earlier operation failed. It must not block for long: the queue waits for it.
+    /// error if an earlier operation failed. It must not block for long: the queue waits for
+    /// it. A panic in `f` is caught and fails the queue like a failed operation.
     pub fn callback(&self, f: impl FnOnce(Result<()>) + Send + 'static) -> Result<()> {
         self.submit(Op::Callback(Box::new(f)))
     }
@@ -223,28 +254,37 @@ impl Queue {
         s.ops.is_empty() && !s.running
     }
 
-    /// The queue's error, if an operation failed.
+    /// The queue's error, if an operation failed (and the error was not cleared since).
     pub fn error(&self) -> Option<Error> {
-        self.shared.lock().error.clone().map(|reason| Error::OperationFailed { reason })
+        let s = self.shared.lock();
+        s.failure_for(s.epoch).map(|reason| Error::OperationFailed { reason })
     }
 
-    /// Clears the error state so later operations run again; returns the error it held.
+    /// Clears the error state so operations submitted from now on run again (those submitted
+    /// before it are still skipped); returns the error it held.
     pub fn clear_error(&self) -> Option<Error> {
-        self.shared.lock().error.take().map(|reason| Error::OperationFailed { reason })
+        let mut s = self.shared.lock();
+        let e = s.failure_for(s.epoch)?;
+        s.epoch += 1;
+        Some(Error::OperationFailed { reason: e })
     }
 
     fn submit(&self, op: Op) -> Result<()> {
         let shared = &*self.shared;
         let mut s = shared.lock();
+        if s.dead {
+            return Err(Error::OperationFailed { reason: "the queue's executor thread died".into() });
+        }
+        let epoch = s.epoch;
         if !s.running && s.ops.is_empty() && inline_ok(shared, &op) {
             s.running = true;
-            let failed = s.error.clone();
+            let failed = s.failure_for(epoch);
             drop(s);
-            let completes = execute(shared, op, failed);
+            let completes = execute(shared, Queued { op, epoch }, failed);
             finish(shared, completes);
             return Ok(());
         }
-        s.ops.push_back(op);
+        s.ops.push_back(Queued { op, epoch });
         if !s.running {
             shared.work.notify_one();
         }
@@ -254,11 +294,16 @@ impl Queue {
 
 impl Drop for Queue {
     fn drop(&mut self) {
-        self.shared.closing.store(true, Ordering::Release);
+        {
+            // Set under the lock the executor checks before it sleeps: no lost wake-up.
+            let mut s = self.shared.lock();
+            s.closing = true;
+            self.shared.closing.store(true, Ordering::Release);
+        }
         self.shared.work.notify_all();
         if let Some(w) = self.worker.take() {
-            // The executor drains what was submitted, then exits; a panic there has already
-            // been reported by the thread itself.
+            // The executor drains what was submitted, then exits. If it died, its guard has
+            // already failed what was left.
             let _ = w.join();
         }
     }
@@ -268,79 +313,118 @@ impl Drop for Queue {
 /// same checks and the same dma-buf bracketing as a queued copy.
 pub fn copy_now(dst: impl Into<Mem>, src: impl Into<Mem>) -> Result<()> {
     let (dst, src) = (dst.into(), src.into());
-    check_copy(&dst, &src, CopyEngine::Cpu)?;
+    check_copy(&dst, &src)?;
     cpu_copy(&dst, &src).map_err(|reason| Error::OperationFailed { reason })
 }
 
-fn check_copy(dst: &Mem, src: &Mem, engine: CopyEngine) -> Result<()> {
+fn check_copy(dst: &Mem, src: &Mem) -> Result<()> {
     if dst.len() != src.len() {
         return Err(Error::SizeMismatch { dst: dst.len(), src: src.len() });
     }
-    let kernel_side = engine == CopyEngine::Kernel && (dst.memfd().is_some() || src.memfd().is_some());
-    if !kernel_side {
-        dst.ptr()?;
-        src.ptr()?;
-    }
-    if !dst.writable() && !kernel_side {
+    dst.ptr()?;
+    src.ptr()?;
+    if !dst.writable() {
         return Err(Error::ReadOnly);
     }
     Ok(())
+}
+
+/// Whether a copy goes to the kernel: the kernel engine, a memfd side, and no overlap (a
+/// pwrite from a mapping of the very pages it writes would read bytes it already changed).
+fn kernel_copy_applies(shared: &Shared, dst: &Mem, src: &Mem) -> bool {
+    shared.engine == CopyEngine::Kernel && (dst.memfd().is_some() || src.memfd().is_some()) && !dst.overlaps(src)
 }
 
 fn inline_ok(shared: &Shared, op: &Op) -> bool {
     match op {
         Op::Copy { dst, .. } | Op::Fill { dst, .. } => dst.len() <= shared.inline_max,
         Op::Record { .. } => true,
-        Op::Wait { event, generation } => event.is_complete() && *generation <= event.current_generation(),
+        Op::Wait { event, generation } => event.is_generation_complete(*generation),
         Op::Callback(_) => false,
     }
 }
 
+/// If the executor thread unwinds (a bug: user code is caught), fail everything it leaves.
+struct ExecutorGuard<'a>(&'a Shared);
+
+impl Drop for ExecutorGuard<'_> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let left: Vec<Queued> = {
+            let mut s = self.0.lock();
+            s.dead = true;
+            s.running = false;
+            s.ops.drain(..).collect()
+        };
+        let why: Arc<str> = "the queue's executor thread died".into();
+        for q in left {
+            cancel(q.op, &why);
+        }
+    }
+}
+
+fn cancel(op: Op, why: &Arc<str>) {
+    match op {
+        Op::Record { event, generation } => event.complete(generation, Err(why.clone())),
+        Op::Callback(f) => {
+            let r = Err(Error::OperationFailed { reason: why.clone() });
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(r)));
+        }
+        _ => {}
+    }
+}
+
 fn executor(shared: &Shared) {
+    let _guard = ExecutorGuard(shared);
     loop {
-        let (op, failed) = {
+        let (queued, failed) = {
             let mut s = shared.lock();
             loop {
                 if !s.running {
-                    if let Some(op) = s.ops.pop_front() {
+                    if let Some(q) = s.ops.pop_front() {
                         s.running = true;
-                        break (op, s.error.clone());
+                        let failed = s.failure_for(q.epoch);
+                        break (q, failed);
                     }
-                    if shared.closing.load(Ordering::Acquire) {
+                    if s.closing {
                         return;
                     }
                 }
                 s = shared.work.wait(s).unwrap_or_else(|p| p.into_inner());
             }
         };
-        let completes = execute(shared, op, failed);
+        let completes = execute(shared, queued, failed);
         finish(shared, completes);
     }
 }
 
-/// Runs one operation (or skips it if the queue has failed, `failed` being its error when the
-/// operation was dequeued) and posts its completion.
-fn execute(shared: &Shared, op: Op, failed: Option<Arc<str>>) -> Option<(Event, u64, Completion)> {
+/// Runs one operation (or skips it if the queue failed in its epoch, `failed` being that
+/// failure) and posts its completion. Returns the event a record reached, to be completed by
+/// [`finish`] once the queue no longer counts the operation as running.
+fn execute(shared: &Shared, queued: Queued, failed: Option<Arc<str>>) -> Option<(Event, u64, Completion)> {
+    let Queued { op, epoch } = queued;
     let mut completes = None;
     let result: std::result::Result<(), Arc<str>> = match (op, failed) {
         (Op::Record { event, generation }, failed) => {
-            // The event completes from the ring's CQE (after a failure it carries the error),
-            // once the queue no longer counts this operation as running.
+            // The event completes from the ring's CQE; after a failure it carries the error.
             let posted = post_cpu_completion(shared);
             completes = Some((event, generation, failed.map_or_else(|| posted.clone(), Err)));
             posted
         }
         (Op::Callback(f), Some(why)) => {
-            f(Err(Error::OperationFailed { reason: why }));
+            let r = Err(Error::OperationFailed { reason: why });
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(r)));
             Ok(())
         }
-        (Op::Callback(f), None) => {
-            f(Ok(()));
-            post_cpu_completion(shared)
-        }
+        (Op::Callback(f), None) => match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(Ok(())))) {
+            Ok(()) => post_cpu_completion(shared),
+            Err(_) => Err("a host callback panicked".into()),
+        },
         (_, Some(_)) => Ok(()), // skipped: the queue has failed
         (Op::Copy { dst, src }, None) => {
-            if shared.engine == CopyEngine::Kernel && (dst.memfd().is_some() || src.memfd().is_some()) {
+            if kernel_copy_applies(shared, &dst, &src) {
                 kernel_copy(shared, &dst, &src)
             } else {
                 cpu_copy(&dst, &src).and_then(|()| post_deferred_completion(shared))
@@ -354,8 +438,8 @@ fn execute(shared: &Shared, op: Op, failed: Option<Arc<str>>) -> Option<(Event, 
     };
     if let Err(why) = result {
         let mut s = shared.lock();
-        if s.error.is_none() {
-            s.error = Some(why);
+        if s.failure.as_ref().is_none_or(|(e, _)| *e < epoch) {
+            s.failure = Some((epoch, why));
         }
     }
     completes
@@ -377,11 +461,9 @@ fn finish(shared: &Shared, completes: Option<(Event, u64, Completion)>) {
 }
 
 fn post_deferred_completion(shared: &Shared) -> std::result::Result<(), Arc<str>> {
-    let mut ring = shared.ring.lock().unwrap_or_else(|p| p.into_inner());
-    ring.complete_cpu_deferred().map_err(|e| Arc::from(format!("io_uring completion: {e}")))
+    shared.ring().complete_cpu_deferred().map_err(|e| Arc::from(format!("io_uring completion: {e}")))
 }
 
 fn post_cpu_completion(shared: &Shared) -> std::result::Result<(), Arc<str>> {
-    let mut ring = shared.ring.lock().unwrap_or_else(|p| p.into_inner());
-    ring.complete_cpu().map_err(|e| Arc::from(format!("io_uring completion: {e}")))
+    shared.ring().complete_cpu().map_err(|e| Arc::from(format!("io_uring completion: {e}")))
 }

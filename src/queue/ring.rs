@@ -1,22 +1,51 @@
-//! io_uring plumbing for queues and fences. The only unsafe in the queue module lives here:
-//! pushing an SQE promises the kernel that its buffers outlive the operation, which holds
-//! because every call below waits for its own CQE before returning.
+//! io_uring plumbing for queues and fences. The only unsafe in the queue module's ring use
+//! lives here: pushing an SQE promises the kernel that its buffers outlive the operation.
+//! Every call below waits for its own CQE before returning; where that cannot be known (the
+//! ring itself failed), the error says so ([`RingError::Ring`]) and the caller must keep the
+//! buffers alive for good.
 #![allow(unsafe_code)]
 
+use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 
 use io_uring::{IoUring, opcode, squeue, types};
+
+/// Why a ring operation did not succeed.
+#[derive(Debug)]
+pub(crate) enum RingError {
+    /// The operation completed with this error: its buffers are no longer in use.
+    Op(io::Error),
+    /// The operation was never submitted: its buffers were never in use.
+    NotSubmitted(String),
+    /// The ring failed while the operation may still be in flight: its buffers must stay
+    /// alive forever.
+    Ring(io::Error),
+}
+
+impl std::fmt::Display for RingError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RingError::Op(e) => write!(f, "{e}"),
+            RingError::NotSubmitted(why) => write!(f, "io_uring unusable: {why}"),
+            RingError::Ring(e) => write!(f, "io_uring failed with the operation in flight: {e}"),
+        }
+    }
+}
 
 /// A queue's ring: every operation's completion arrives here as a CQE.
 ///
 /// Work done on the CPU posts a NOP whose submission is deferred: it rides along with the
 /// next operation that must reach the kernel anyway (an event record, a kernel copy, a full
-/// SQ), so a run of small copies costs one `io_uring_enter`, not one each.
+/// SQ), so a run of small copies costs one `io_uring_enter`, not one each. Every SQE carries a
+/// unique id, so a completion can never be taken for another's.
 pub(crate) struct Ring {
     ring: IoUring,
     /// SQEs pushed whose CQEs have not been reaped.
     in_flight: u32,
+    next_id: u64,
+    /// Set when the ring failed; no SQE is pushed after that.
+    broken: Option<String>,
 }
 
 impl std::fmt::Debug for Ring {
@@ -25,10 +54,8 @@ impl std::fmt::Debug for Ring {
     }
 }
 
-/// user_data of the one operation a caller is waiting for.
-const AWAITED: u64 = 1;
-/// user_data of deferred CPU-completion NOPs.
-const DEFERRED: u64 = 2;
+/// user_data of deferred CPU-completion NOPs (never awaited individually).
+const DEFERRED: u64 = 0;
 
 impl Ring {
     pub(crate) fn new(entries: u32) -> io::Result<Self> {
@@ -36,22 +63,28 @@ impl Ring {
         // Completions are reaped by the thread that submitted, right away: no IPIs needed.
         b.setup_coop_taskrun();
         let ring = b.build(entries).or_else(|_| IoUring::new(entries))?;
-        Ok(Self { ring, in_flight: 0 })
+        Ok(Self { ring, in_flight: 0, next_id: 1, broken: None })
     }
 
     /// Pushes an SQE, first flushing the ring if the SQ is full.
     ///
     /// # Safety
     ///
-    /// Every buffer `entry` names must stay valid until its CQE is reaped.
-    unsafe fn push(&mut self, entry: &squeue::Entry) -> io::Result<()> {
+    /// Every buffer `entry` names must stay valid until its CQE is reaped (or forever, if this
+    /// or a later call reports [`RingError::Ring`]).
+    unsafe fn push(&mut self, entry: &squeue::Entry) -> Result<(), RingError> {
         loop {
+            if let Some(why) = &self.broken {
+                return Err(RingError::NotSubmitted(why.clone()));
+            }
             // SAFETY: the caller's contract.
             if unsafe { self.ring.submission().push(entry) }.is_ok() {
                 self.in_flight += 1;
                 return Ok(());
             }
-            self.reap_until(None)?;
+            // SQ full: nothing of `entry` is in the ring yet, so a failure here leaves its
+            // buffers unused.
+            self.reap_until(None).map_err(|e| RingError::NotSubmitted(e.to_string()))?;
         }
     }
 
@@ -65,7 +98,15 @@ impl Ring {
             match self.ring.submit_and_wait(1) {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
+                // The kernel is short of resources or of CQ room right now: reap what has
+                // completed (below) and try again.
+                Err(e) if matches!(e.raw_os_error(), Some(c) if c == EAGAIN || c == EBUSY) => {
+                    std::thread::yield_now();
+                }
+                Err(e) => {
+                    self.broken = Some(e.to_string());
+                    return Err(e);
+                }
             }
             let mut found = None;
             for cqe in self.ring.completion() {
@@ -80,29 +121,34 @@ impl Ring {
         }
     }
 
-    /// Submits `entry` (with everything deferred before it) and waits for its CQE; returns
-    /// the CQE's result (>= 0) or its errno.
+    /// Submits `entry` (with everything deferred before it) and waits for its CQE.
     ///
     /// # Safety
     ///
-    /// Every buffer `entry` names must stay valid until this returns (it returns only after
-    /// the CQE, so stack or borrowed buffers of the caller qualify).
-    unsafe fn run(&mut self, entry: squeue::Entry) -> io::Result<u32> {
-        // SAFETY: the caller guarantees the buffers outlive the operation, and we wait for it.
-        unsafe { self.push(&entry.user_data(AWAITED)) }?;
-        let r = self.reap_until(Some(AWAITED))?.unwrap_or(0);
-        if r < 0 { Err(io::Error::from_raw_os_error(-r)) } else { Ok(r as u32) }
+    /// Every buffer `entry` names must stay valid until this returns, and forever if it
+    /// returns [`RingError::Ring`].
+    unsafe fn run(&mut self, entry: squeue::Entry) -> Result<u32, RingError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        // SAFETY: the caller's contract.
+        unsafe { self.push(&entry.user_data(id)) }?;
+        match self.reap_until(Some(id)) {
+            Ok(Some(r)) if r < 0 => Err(RingError::Op(io::Error::from_raw_os_error(-r))),
+            Ok(Some(r)) => Ok(r as u32),
+            Ok(None) => Err(RingError::Ring(io::Error::other("completion lost"))),
+            Err(e) => Err(RingError::Ring(e)),
+        }
     }
 
     /// Posts a completion for work done on the CPU and waits for it (with everything deferred
     /// before it): used where the completion must be observed now (event records).
-    pub(crate) fn complete_cpu(&mut self) -> io::Result<()> {
+    pub(crate) fn complete_cpu(&mut self) -> Result<(), RingError> {
         // SAFETY: a NOP names no buffer.
         unsafe { self.run(opcode::Nop::new().build()) }.map(drop)
     }
 
     /// Posts a completion for work done on the CPU without entering the kernel now.
-    pub(crate) fn complete_cpu_deferred(&mut self) -> io::Result<()> {
+    pub(crate) fn complete_cpu_deferred(&mut self) -> Result<(), RingError> {
         // SAFETY: a NOP names no buffer.
         unsafe { self.push(&opcode::Nop::new().build().user_data(DEFERRED)) }
     }
@@ -112,19 +158,26 @@ impl Ring {
     ///
     /// # Safety
     ///
-    /// `[buf, buf + len)` must be valid for writes for the duration of the call, and accessed
-    /// by other threads only under the crate's shared-memory rule (`crate::copy`).
-    pub(crate) unsafe fn read(&mut self, fd: BorrowedFd<'_>, buf: *mut u8, len: usize, offset: u64) -> io::Result<()> {
+    /// `[buf, buf + len)` must be valid for writes until this returns (forever on
+    /// [`RingError::Ring`]), and accessed by other threads only under the crate's
+    /// shared-memory rule (`crate::copy`).
+    pub(crate) unsafe fn read(
+        &mut self,
+        fd: BorrowedFd<'_>,
+        buf: *mut u8,
+        len: usize,
+        offset: u64,
+    ) -> Result<(), RingError> {
         let mut done = 0usize;
         while done < len {
             let chunk = (len - done).min(1 << 30) as u32;
             let e = opcode::Read::new(types::Fd(fd.as_raw_fd()), buf.wrapping_add(done), chunk)
                 .offset(offset + done as u64)
                 .build();
-            // SAFETY: the destination range is valid (caller) and the call waits for the CQE.
+            // SAFETY: the destination range is valid (caller's contract, passed on).
             let n = unsafe { self.run(e) }?;
             if n == 0 {
-                return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
+                return Err(RingError::Op(io::Error::from(io::ErrorKind::UnexpectedEof)));
             }
             done += n as usize;
         }
@@ -135,24 +188,25 @@ impl Ring {
     ///
     /// # Safety
     ///
-    /// `[buf, buf + len)` must be valid for reads for the duration of the call.
+    /// `[buf, buf + len)` must be valid for reads until this returns (forever on
+    /// [`RingError::Ring`]).
     pub(crate) unsafe fn write(
         &mut self,
         fd: BorrowedFd<'_>,
         buf: *const u8,
         len: usize,
         offset: u64,
-    ) -> io::Result<()> {
+    ) -> Result<(), RingError> {
         let mut done = 0usize;
         while done < len {
             let chunk = (len - done).min(1 << 30) as u32;
             let e = opcode::Write::new(types::Fd(fd.as_raw_fd()), buf.wrapping_add(done), chunk)
                 .offset(offset + done as u64)
                 .build();
-            // SAFETY: the source range is valid (caller) and the call waits for the CQE.
+            // SAFETY: the source range is valid (caller's contract, passed on).
             let n = unsafe { self.run(e) }?;
             if n == 0 {
-                return Err(io::Error::from(io::ErrorKind::WriteZero));
+                return Err(RingError::Op(io::Error::from(io::ErrorKind::WriteZero)));
             }
             done += n as usize;
         }
@@ -160,42 +214,72 @@ impl Ring {
     }
 }
 
+const EAGAIN: i32 = rustix::io::Errno::AGAIN.raw_os_error();
+const EBUSY: i32 = rustix::io::Errno::BUSY.raw_os_error();
+
 /// The fence watcher's ring: one-shot `POLL_ADD`s on fds it owns until their completion is
-/// reaped, each tagged with an id. Used by one thread only.
+/// reaped, each tagged with an id, plus a wake-up eventfd it owns and re-arms. Used by one
+/// thread only.
 pub(crate) struct PollRing {
     ring: IoUring,
     /// fds with a poll in flight, by id; closed only after their CQE is reaped.
-    armed: std::collections::HashMap<u64, std::os::fd::OwnedFd>,
+    armed: HashMap<u64, OwnedFd>,
+    wake: OwnedFd,
 }
 
+/// The id completions of the wake-up eventfd carry.
+pub(crate) const WAKE: u64 = 0;
+
 impl PollRing {
-    pub(crate) fn new(entries: u32) -> io::Result<Self> {
-        Ok(Self { ring: IoUring::new(entries)?, armed: std::collections::HashMap::new() })
+    pub(crate) fn new(entries: u32, wake: OwnedFd) -> io::Result<Self> {
+        let mut r = Self { ring: IoUring::new(entries)?, armed: HashMap::new(), wake };
+        r.arm_wake()?;
+        Ok(r)
     }
 
-    /// Arms a one-shot poll for readability of `fd`, reported with `id`; the ring keeps the
-    /// fd open until then.
-    pub(crate) fn poll_in(&mut self, fd: std::os::fd::OwnedFd, id: u64) -> io::Result<()> {
-        let e = opcode::PollAdd::new(types::Fd(fd.as_raw_fd()), rustix::event::PollFlags::IN.bits() as u32)
-            .build()
-            .user_data(id);
+    /// # Safety
+    ///
+    /// `fd` must stay open until the poll's CQE is reaped (it is owned by `armed` or is `wake`).
+    unsafe fn push(&mut self, fd: RawFd, id: u64) -> io::Result<()> {
+        let e = opcode::PollAdd::new(types::Fd(fd), rustix::event::PollFlags::IN.bits() as u32).build().user_data(id);
         loop {
-            // SAFETY: a poll names no buffer, and its fd is kept in `armed` until the CQE.
+            // SAFETY: a poll names no buffer; the fd outlives it (caller).
             match unsafe { self.ring.submission().push(&e) } {
-                Ok(()) => break,
+                Ok(()) => return Ok(()),
                 Err(_) => {
                     // SQ full: hand what is queued to the kernel, then retry.
                     self.ring.submit()?;
                 }
             }
         }
+    }
+
+    /// Re-arms the wake-up poll.
+    pub(crate) fn arm_wake(&mut self) -> io::Result<()> {
+        let raw = self.wake.as_raw_fd();
+        // SAFETY: the eventfd is owned by `self` and so outlives every poll on it.
+        unsafe { self.push(raw, WAKE) }
+    }
+
+    /// Drains the wake-up eventfd.
+    pub(crate) fn drain_wake(&self) {
+        let mut buf = [0u8; 8];
+        let _ = rustix::io::read(&self.wake, &mut buf);
+    }
+
+    /// Arms a one-shot poll for readability of `fd`, reported with `id`; the ring keeps the
+    /// fd open until then.
+    pub(crate) fn poll_in(&mut self, fd: OwnedFd, id: u64) -> io::Result<()> {
+        // SAFETY: `fd` moves into `armed` right below and stays there until its CQE is reaped
+        // by `wait`; nothing reaps between here and the insert.
+        unsafe { self.push(fd.as_raw_fd(), id) }?;
         self.armed.insert(id, fd);
         Ok(())
     }
 
     /// Submits what is queued, waits for at least one completion, and returns every
     /// completion as `(id, result, fd)`.
-    pub(crate) fn wait(&mut self) -> io::Result<Vec<(u64, i32, Option<std::os::fd::OwnedFd>)>> {
+    pub(crate) fn wait(&mut self) -> io::Result<Vec<(u64, i32, Option<OwnedFd>)>> {
         loop {
             match self.ring.submit_and_wait(1) {
                 Ok(_) => break,

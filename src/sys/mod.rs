@@ -14,6 +14,7 @@ pub mod dma_buf;
 pub mod dma_heap;
 pub mod drm;
 pub mod memfd;
+pub mod sync_file;
 pub mod udmabuf;
 
 use std::ffi::c_void;
