@@ -143,6 +143,45 @@ pub enum Error {
         why: &'static str,
     },
 
+    /// A bad allocator setting.
+    #[error("{what}")]
+    Config {
+        /// The setting and what is wrong with it.
+        what: String,
+    },
+
+    /// The caching allocator could not satisfy a request, even after freeing its cache.
+    #[error(
+        "out of memory: tried to allocate {requested} bytes; capacity {capacity} bytes, {allocated} bytes allocated, \
+         {reserved_free} bytes reserved but free (largest free block {largest_free} bytes), {allowed} bytes allowed \
+         for this process{cause}"
+    )]
+    AllocatorOom {
+        /// Bytes requested.
+        requested: u64,
+        /// The device's capacity.
+        capacity: u64,
+        /// Bytes allocated to callers.
+        allocated: u64,
+        /// Bytes reserved from the source but not allocated.
+        reserved_free: u64,
+        /// The largest free block.
+        largest_free: u64,
+        /// The per-process limit (memory fraction).
+        allowed: u64,
+        /// The memory source's own error, if it refused.
+        cause: String,
+    },
+
+    /// A pointer this allocator did not hand out, or one already freed.
+    #[error("invalid free of {ptr:#x}: {why}")]
+    InvalidFree {
+        /// The pointer.
+        ptr: usize,
+        /// Never allocated here, already freed, or inside a block.
+        why: &'static str,
+    },
+
     /// A system call failed.
     #[error("{op}: {source}")]
     Io {

@@ -16,6 +16,7 @@
 //! ```
 #![deny(unsafe_code)]
 
+pub mod caching;
 mod copy;
 pub mod discovery;
 pub mod error;
@@ -23,6 +24,7 @@ pub mod mapping;
 pub mod queue;
 pub mod segment;
 pub mod source;
+mod sync;
 mod sys;
 #[doc(hidden)]
 pub mod testing;

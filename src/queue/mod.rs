@@ -88,7 +88,9 @@ impl QueueBuilder {
     /// Creates the queue: its ring and its executor thread.
     pub fn build(&self) -> Result<Queue> {
         let ring = Ring::new(64).map_err(Error::io("io_uring_setup"))?;
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let shared = Arc::new(Shared {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             state: Mutex::new(State::default()),
             work: Condvar::new(),
             ring: Mutex::new(ring),
@@ -145,6 +147,7 @@ impl State {
 }
 
 struct Shared {
+    id: u64,
     state: Mutex<State>,
     work: Condvar,
     ring: Mutex<Ring>,
@@ -270,26 +273,74 @@ impl Queue {
     }
 
     fn submit(&self, op: Op) -> Result<()> {
-        let shared = &*self.shared;
-        let mut s = shared.lock();
-        if s.dead {
-            return Err(Error::OperationFailed { reason: "the queue's executor thread died".into() });
-        }
-        let epoch = s.epoch;
-        if !s.running && s.ops.is_empty() && inline_ok(shared, &op) {
-            s.running = true;
-            let failed = s.failure_for(epoch);
-            drop(s);
-            let completes = execute(shared, Queued { op, epoch }, failed);
-            finish(shared, completes);
-            return Ok(());
-        }
-        s.ops.push_back(Queued { op, epoch });
-        if !s.running {
-            shared.work.notify_one();
-        }
-        Ok(())
+        submit(&self.shared, op)
     }
+
+    /// This queue's identity (never 0; 0 stands for "no queue" in the allocator).
+    pub fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    /// A cloneable handle that can record events on this queue, for code that must mark a
+    /// point in the queue later (the caching allocator's deferred frees). Once the queue is
+    /// dropped, recording through the handle fails.
+    pub fn handle(&self) -> QueueHandle {
+        QueueHandle { shared: Arc::clone(&self.shared) }
+    }
+}
+
+/// See [`Queue::handle`].
+#[derive(Clone)]
+pub struct QueueHandle {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for QueueHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueueHandle").field("id", &self.shared.id).finish()
+    }
+}
+
+impl QueueHandle {
+    /// The queue's identity.
+    pub fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    /// A new event recorded at the queue's current end.
+    pub fn record(&self) -> Result<Event> {
+        let event = Event::new();
+        let generation = event.begin_record();
+        let r = submit(&self.shared, Op::Record { event: event.clone(), generation });
+        if let Err(e) = &r {
+            event.complete(generation, Err(e.to_string().into()));
+        }
+        r.map(|()| event)
+    }
+}
+
+fn submit(shared: &Shared, op: Op) -> Result<()> {
+    let mut s = shared.lock();
+    if s.dead {
+        return Err(Error::OperationFailed { reason: "the queue's executor thread died".into() });
+    }
+    if s.closing {
+        return Err(Error::OperationFailed { reason: "the queue has been dropped".into() });
+    }
+    let epoch = s.epoch;
+    if !s.running && s.ops.is_empty() && inline_ok(shared, &op) {
+        s.running = true;
+        let failed = s.failure_for(epoch);
+        drop(s);
+        let completes = execute(shared, Queued { op, epoch }, failed);
+        finish(shared, completes);
+        return Ok(());
+    }
+    s.ops.push_back(Queued { op, epoch });
+    if !s.running {
+        shared.work.notify_one();
+    }
+    Ok(())
 }
 
 impl Drop for Queue {

@@ -1,0 +1,1 @@
+//! Model checks live in `tests/`; run them with `loom-tests/run`.

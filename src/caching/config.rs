@@ -1,0 +1,237 @@
+//! `DMABUF_RT_ALLOC_CONF`: the caching allocator's settings, in PyTorch's
+//! `PYTORCH_CUDA_ALLOC_CONF` key syntax.
+//!
+//! ```text
+//! max_split_size_mb:256,roundup_power2_divisions:[256:1,512:2,>:8],garbage_collection_threshold:0.8,
+//! expandable_segments:False,per_process_memory_fraction:0.9
+//! ```
+
+use crate::error::{Error, Result};
+
+/// The environment variable read by [`Config::from_env`].
+pub const ENV: &str = "DMABUF_RT_ALLOC_CONF";
+/// Setting it to `1` bypasses caching (every allocation goes to the memory source).
+pub const NO_CACHING_ENV: &str = "DMABUF_RT_NO_CACHING";
+
+const MB: usize = 1 << 20;
+
+/// Allocator settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Blocks at least this large are never split (`usize::MAX`: no limit).
+    pub max_split_size: usize,
+    /// Round sizes up to one of N divisions between consecutive powers of two: `(upper
+    /// bound, N)` pairs, ascending (see [`Config::divisions_for`]). Empty: plain 512-byte
+    /// rounding.
+    pub roundup_power2_divisions: Vec<(usize, usize)>,
+    /// Fraction of allowed memory above which cached blocks are reclaimed, oldest first
+    /// (0: off).
+    pub garbage_collection_threshold: f64,
+    /// Grow segments by mapping pages into reserved address space.
+    pub expandable_segments: bool,
+    /// Fraction of the device capacity this process may reserve (1.0: all of it).
+    pub per_process_memory_fraction: f64,
+    /// Bypass caching.
+    pub no_caching: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            max_split_size: usize::MAX,
+            roundup_power2_divisions: Vec::new(),
+            garbage_collection_threshold: 0.0,
+            expandable_segments: false,
+            per_process_memory_fraction: 1.0,
+            no_caching: false,
+        }
+    }
+}
+
+fn bad(key: &str, value: &str, why: &str) -> Error {
+    Error::Config { what: format!("{ENV}: `{key}:{value}`: {why}") }
+}
+
+impl Config {
+    /// Reads `DMABUF_RT_ALLOC_CONF` and `DMABUF_RT_NO_CACHING`; unset means defaults.
+    pub fn from_env() -> Result<Self> {
+        let mut c = match std::env::var(ENV) {
+            Ok(s) => Self::parse(&s)?,
+            Err(std::env::VarError::NotPresent) => Self::default(),
+            Err(e) => return Err(Error::Config { what: format!("{ENV}: {e}") }),
+        };
+        c.no_caching = std::env::var(NO_CACHING_ENV).as_deref() == Ok("1");
+        Ok(c)
+    }
+
+    /// Parses the `key:value,key:value` syntax.
+    pub fn parse(s: &str) -> Result<Self> {
+        let mut c = Self::default();
+        for item in split_top_level(s) {
+            let item = item.trim();
+            if item.is_empty() {
+                continue;
+            }
+            let (key, value) = item
+                .split_once(':')
+                .ok_or_else(|| Error::Config { what: format!("{ENV}: `{item}` is not `key:value`") })?;
+            let (key, value) = (key.trim(), value.trim());
+            match key {
+                "max_split_size_mb" => {
+                    let mb: usize = value.parse().map_err(|_| bad(key, value, "expected a whole number of MiB"))?;
+                    if mb <= 20 {
+                        return Err(bad(key, value, "must be more than 20 (the large-segment size), as in PyTorch"));
+                    }
+                    c.max_split_size = mb.checked_mul(MB).ok_or_else(|| bad(key, value, "too large"))?;
+                }
+                "roundup_power2_divisions" => c.roundup_power2_divisions = parse_divisions(key, value)?,
+                "garbage_collection_threshold" => {
+                    let t: f64 = value.parse().map_err(|_| bad(key, value, "expected a number"))?;
+                    if !(t > 0.0 && t < 1.0) {
+                        return Err(bad(key, value, "must be strictly between 0 and 1"));
+                    }
+                    c.garbage_collection_threshold = t;
+                }
+                "expandable_segments" => {
+                    c.expandable_segments = match value {
+                        "True" | "true" | "1" => true,
+                        "False" | "false" | "0" => false,
+                        _ => return Err(bad(key, value, "expected True or False")),
+                    }
+                }
+                "per_process_memory_fraction" => {
+                    let f: f64 = value.parse().map_err(|_| bad(key, value, "expected a number"))?;
+                    if !(f > 0.0 && f <= 1.0) {
+                        return Err(bad(key, value, "must be in (0, 1]"));
+                    }
+                    c.per_process_memory_fraction = f;
+                }
+                other => {
+                    return Err(Error::Config {
+                        what: format!(
+                            "{ENV}: unknown key `{other}` (known: max_split_size_mb, roundup_power2_divisions, \
+                             garbage_collection_threshold, expandable_segments, per_process_memory_fraction)"
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(c)
+    }
+
+    /// The number of divisions for a size (0: no power-of-two rounding).
+    pub fn divisions_for(&self, size: usize) -> usize {
+        self.roundup_power2_divisions.iter().find(|&&(below, _)| size < below).map_or(0, |&(_, d)| d)
+    }
+}
+
+/// Splits on commas that are not inside `[...]`.
+fn split_top_level(s: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let (mut depth, mut start) = (0i32, 0);
+    for (i, ch) in s.char_indices() {
+        match ch {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ',' if depth == 0 => {
+                out.push(&s[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    out.push(&s[start..]);
+    out
+}
+
+fn parse_division_count(key: &str, value: &str, v: &str) -> Result<usize> {
+    let n: usize = v.trim().parse().map_err(|_| bad(key, value, "division counts must be whole numbers"))?;
+    if n != 0 && !n.is_power_of_two() {
+        return Err(bad(key, value, "division counts must be powers of two"));
+    }
+    Ok(n)
+}
+
+/// `4` (every size) or `[256:1,512:2,>:8]` (sizes under 256 MiB: 1 division, from 256 to
+/// 512 MiB: 2, larger: 8), as in PyTorch. Stored as `(upper bound, divisions)`, ascending.
+fn parse_divisions(key: &str, value: &str) -> Result<Vec<(usize, usize)>> {
+    let Some(inner) = value.strip_prefix('[') else {
+        return Ok(vec![(usize::MAX, parse_division_count(key, value, value)?)]);
+    };
+    let inner = inner.strip_suffix(']').ok_or_else(|| bad(key, value, "missing `]`"))?;
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for part in inner.split(',') {
+        let (k, v) = part.split_once(':').ok_or_else(|| bad(key, value, "entries are `size_mb:divisions`"))?;
+        let n = parse_division_count(key, value, v)?;
+        let k = k.trim();
+        let below = if k == ">" {
+            usize::MAX
+        } else {
+            let mb: usize = k.parse().map_err(|_| bad(key, value, "interval sizes are MiB"))?;
+            if !mb.is_power_of_two() {
+                return Err(bad(key, value, "interval sizes must be powers of two"));
+            }
+            mb.checked_mul(MB).ok_or_else(|| bad(key, value, "interval too large"))?
+        };
+        if out.last().is_some_and(|&(prev, _)| below <= prev) {
+            return Err(bad(key, value, "intervals must increase (and `>` must come last)"));
+        }
+        out.push((below, n));
+    }
+    if out.is_empty() {
+        return Err(bad(key, value, "empty list"));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_key() {
+        let c = Config::parse(
+            "max_split_size_mb:256, roundup_power2_divisions:4,garbage_collection_threshold:0.6,\
+             expandable_segments:True,per_process_memory_fraction:0.5",
+        )
+        .unwrap();
+        assert_eq!(c.max_split_size, 256 << 20);
+        assert_eq!(c.divisions_for(1000), 4);
+        assert_eq!(c.garbage_collection_threshold, 0.6);
+        assert!(c.expandable_segments);
+        assert_eq!(c.per_process_memory_fraction, 0.5);
+        assert_eq!(Config::parse("").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn parses_the_bracketed_divisions_form() {
+        let c = Config::parse("roundup_power2_divisions:[256:1,512:2,>:8]").unwrap();
+        assert_eq!(c.divisions_for(1 << 20), 1);
+        assert_eq!(c.divisions_for((256 << 20) - 1), 1);
+        assert_eq!(c.divisions_for(300 << 20), 2);
+        assert_eq!(c.divisions_for(600 << 20), 8);
+        assert_eq!(c.divisions_for(usize::MAX - 1), 8);
+        let c = Config::parse("roundup_power2_divisions:[256:1,512:2]").unwrap();
+        assert_eq!(c.divisions_for(600 << 20), 0, "no `>`: larger sizes keep plain rounding");
+    }
+
+    #[test]
+    fn bad_keys_and_values_are_named() {
+        for (input, needle) in [
+            ("max_split_size_mb:abc", "whole number"),
+            ("max_split_size_mb:10", "more than 20"),
+            ("garbage_collection_threshold:1.5", "between 0 and 1"),
+            ("expandable_segments:maybe", "True or False"),
+            ("per_process_memory_fraction:0", "(0, 1]"),
+            ("roundup_power2_divisions:3", "powers of two"),
+            ("roundup_power2_divisions:[256:1,128:2]", "increase"),
+            ("roundup_power2_divisions:[256:1", "missing `]`"),
+            ("colour:blue", "unknown key `colour`"),
+            ("max_split_size_mb", "not `key:value`"),
+        ] {
+            let e = Config::parse(input).unwrap_err().to_string();
+            assert!(e.contains(needle), "{input}: {e}");
+            assert!(e.contains(ENV), "{input}: {e}");
+        }
+    }
+}

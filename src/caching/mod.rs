@@ -1,0 +1,386 @@
+//! The caching allocator: PyTorch's CUDACachingAllocator (seed 003) over any
+//! [`MemorySource`], with seed 002's stats, deferred frees fed by queue completions, and a
+//! lock-free free path.
+//!
+//! Rules, as in seed 003:
+//! - Sizes are rounded up to 512 bytes (or to a power-of-two division, see
+//!   [`Config::roundup_power2_divisions`]).
+//! - Requests of at most 1 MiB come from the small pool, packed into 2 MiB segments; larger
+//!   ones from the large pool: 1–10 MiB requests carve 20 MiB segments, larger ones get a
+//!   segment of their size rounded up to 2 MiB.
+//! - Best fit by (queue, size); a block is split when the rest is worth keeping (at least
+//!   512 bytes in the small pool, more than 1 MiB in the large pool) and freed neighbours
+//!   merge back. Blocks of at least `max_split_size` are never split, and serve only
+//!   requests within 20 MiB of their size.
+//! - A block is bound to the queue it was allocated on. Used on other queues
+//!   ([`Allocation::record_stream`]), its free records an event on each of them and the block
+//!   returns to its pool only when they complete, reported through the events' completion
+//!   hooks, never by polling.
+//! - On a miss: garbage-collect old cached blocks above the threshold, ask the source; if it
+//!   refuses, free cached oversize blocks and retry, then wait for pending frees, free every
+//!   unsplit cached block and retry; then fail with an [`Error::AllocatorOom`] that says what
+//!   was requested, the capacity, what is allocated, what is cached and the largest free
+//!   block.
+//!
+//! The free path never takes the allocator's lock: dropping an [`Allocation`] (or a queue
+//! completion finishing a deferred free) pushes onto a lock-free list ([`free_list`]) that the
+//! next allocation, or any call that needs the pools, drains under the lock.
+
+pub mod config;
+pub mod free_list;
+mod pool;
+pub mod stats;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+pub use config::Config;
+use free_list::{FreeList, Node};
+use pool::{BlockId, Pool};
+pub use pool::{BlockState, HistoryEvent, HistoryKind, SegmentSnapshot, Snapshot};
+pub use stats::{DeviceStats, SimpleStats, Stat};
+
+use crate::error::{Error, Result};
+use crate::queue::{Mem, Queue, QueueHandle};
+use crate::segment::Segment;
+use crate::source::MemorySource;
+
+/// What the free list carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FreeMsg {
+    /// The caller let go and no other queue used the block: free it now.
+    Free(BlockId),
+    /// The caller let go; events on other queues must complete first.
+    Requested(BlockId),
+    /// Those events completed.
+    Completed(BlockId),
+}
+
+pub(crate) struct Inner {
+    pool: Mutex<Pool>,
+    frees: FreeList<FreeMsg>,
+    /// Deferred frees whose events have not all completed.
+    pending: AtomicUsize,
+    raw: RawTable,
+}
+
+/// The allocator. Cheap to clone (all clones share one cache).
+#[derive(Clone)]
+pub struct CachingAllocator {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for CachingAllocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CachingAllocator").field("stats", &self.stats().simple()).finish()
+    }
+}
+
+/// Settings for a [`CachingAllocator`].
+#[derive(Debug)]
+pub struct AllocatorBuilder {
+    source: Box<dyn MemorySource>,
+    config: Option<Config>,
+    capacity: Option<u64>,
+}
+
+impl AllocatorBuilder {
+    /// Settings (default: from `DMABUF_RT_ALLOC_CONF`).
+    pub fn config(mut self, config: Config) -> Self {
+        self.config = Some(config);
+        self
+    }
+
+    /// The device's capacity in bytes (default: this machine's RAM). The memory fraction
+    /// and the garbage-collection threshold are fractions of it.
+    pub fn capacity(mut self, bytes: u64) -> Self {
+        self.capacity = Some(bytes);
+        self
+    }
+
+    /// Builds the allocator.
+    pub fn build(self) -> Result<CachingAllocator> {
+        let config = match self.config {
+            Some(c) => c,
+            None => Config::from_env()?,
+        };
+        if config.expandable_segments {
+            return Err(Error::Config {
+                what: "expandable_segments:True is not implemented yet; classic segments only".into(),
+            });
+        }
+        let capacity = self.capacity.unwrap_or_else(|| {
+            let info = rustix::system::sysinfo();
+            (info.totalram as u64).saturating_mul(u64::from(info.mem_unit.max(1)))
+        });
+        Ok(CachingAllocator {
+            inner: Arc::new(Inner {
+                pool: Mutex::new(Pool::new(self.source, config, capacity)),
+                frees: FreeList::new(),
+                pending: AtomicUsize::new(0),
+                raw: RawTable::default(),
+            }),
+        })
+    }
+}
+
+impl CachingAllocator {
+    /// Settings for an allocator over `source`.
+    pub fn builder(source: impl MemorySource + 'static) -> AllocatorBuilder {
+        AllocatorBuilder { source: Box::new(source), config: None, capacity: None }
+    }
+
+    /// An allocator over `source` with settings from the environment.
+    pub fn new(source: impl MemorySource + 'static) -> Result<Self> {
+        Self::builder(source).build()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Pool> {
+        let mut pool = self.inner.pool.lock().unwrap_or_else(|p| p.into_inner());
+        pool.drain(&self.inner.frees);
+        pool
+    }
+
+    /// `size` bytes for use on `queue` (`None`: host-side use, no queue). The block is bound to
+    /// that queue: after it is freed, only allocations on the same queue reuse it directly.
+    pub fn allocate(&self, size: usize, queue: Option<&Queue>) -> Result<Allocation> {
+        let stream = queue.map_or(0, Queue::id);
+        let node = Node::new(FreeMsg::Free(0));
+        let mut pool = self.lock();
+        let wait_pending = |pool: &mut Pool| self.wait_for_pending(pool);
+        let b = pool.allocate(size, stream, wait_pending)?;
+        drop(pool);
+        Ok(Allocation {
+            inner: Arc::clone(&self.inner),
+            node: Some(node),
+            id: b.id,
+            seg: b.segment,
+            offset: b.offset,
+            size,
+            stream,
+            uses: Vec::new(),
+        })
+    }
+
+    /// Blocks until every deferred free has completed, draining them into the pools. Called
+    /// under the lock, which is safe: completions push lock-free and never take it.
+    fn wait_for_pending(&self, pool: &mut Pool) {
+        while self.inner.pending.load(Ordering::Acquire) > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(50));
+            pool.drain(&self.inner.frees);
+        }
+        pool.drain(&self.inner.frees);
+    }
+
+    /// Returns every cached, unsplit segment to the source (after waiting for pending frees).
+    pub fn empty_cache(&self) {
+        let mut pool = self.lock();
+        self.wait_for_pending(&mut pool);
+        pool.release_cached(None);
+    }
+
+    /// The statistics, with every free made so far accounted for.
+    pub fn stats(&self) -> DeviceStats {
+        self.lock().stats().clone()
+    }
+
+    /// Zeroes the accumulated counters.
+    pub fn reset_accumulated_stats(&self) {
+        self.lock().stats_mut().reset_accumulated();
+    }
+
+    /// Sets every peak to its current value.
+    pub fn reset_peak_stats(&self) {
+        self.lock().stats_mut().reset_peak();
+    }
+
+    /// Segments with their blocks.
+    pub fn snapshot(&self) -> Snapshot {
+        self.lock().snapshot()
+    }
+
+    /// The recent allocator events (bounded), oldest first.
+    pub fn history(&self) -> Vec<HistoryEvent> {
+        self.lock().history()
+    }
+
+    /// The configured settings.
+    pub fn config(&self) -> Config {
+        self.lock().config().clone()
+    }
+
+    /// Changes the fraction of the capacity this process may reserve.
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(Error::Config { what: format!("memory fraction {fraction} is not in (0, 1]") });
+        }
+        self.lock().set_fraction(fraction);
+        Ok(())
+    }
+
+    /// `size` bytes as a raw pointer into the segment's mapping, for C callers and seed 002's
+    /// raw deleter: free it with [`CachingAllocator::free_raw`].
+    pub fn allocate_raw(&self, size: usize, queue: Option<&Queue>) -> Result<*mut u8> {
+        let a = self.allocate(size, queue)?;
+        let ptr = a.as_ptr();
+        self.inner.raw.insert(ptr as usize, a);
+        Ok(ptr)
+    }
+
+    /// Frees a pointer from [`CachingAllocator::allocate_raw`]. A pointer this allocator never
+    /// returned, one already freed, or one into the middle of a block is refused with
+    /// [`Error::InvalidFree`] and changes nothing. Takes a shard lock of the pointer table,
+    /// never the allocator's lock.
+    pub fn free_raw(&self, ptr: *mut u8) -> Result<()> {
+        if ptr.is_null() {
+            return Err(Error::InvalidFree { ptr: 0, why: "null pointer" });
+        }
+        match self.inner.raw.remove(ptr as usize) {
+            Some(a) => {
+                drop(a);
+                Ok(())
+            }
+            None => {
+                let why = self.lock().classify_foreign(ptr as usize);
+                Err(Error::InvalidFree { ptr: ptr as usize, why })
+            }
+        }
+    }
+
+    /// Marks a raw allocation as used on `queue` (see [`Allocation::record_stream`]).
+    pub fn record_stream_raw(&self, ptr: *mut u8, queue: &Queue) -> Result<()> {
+        self.inner
+            .raw
+            .with(ptr as usize, |a| a.record_stream(queue))
+            .ok_or(Error::InvalidFree { ptr: ptr as usize, why: "not a live allocation of this allocator" })
+    }
+
+    /// The live raw allocation at `ptr` as a queue range (for copies through the C ABI).
+    pub fn raw_mem(&self, ptr: *mut u8, len: usize) -> Result<Mem> {
+        self.inner
+            .raw
+            .with(ptr as usize, |a| a.mem().range(0, len))
+            .ok_or(Error::InvalidFree { ptr: ptr as usize, why: "not a live allocation of this allocator" })?
+    }
+}
+
+/// Memory from a [`CachingAllocator`]. Dropping it frees it (lock-free); if it was used on
+/// other queues, the memory returns to the pool only after those queues finish with it.
+pub struct Allocation {
+    inner: Arc<Inner>,
+    node: Option<Box<Node<FreeMsg>>>,
+    id: BlockId,
+    seg: Arc<Segment>,
+    offset: usize,
+    size: usize,
+    stream: u64,
+    uses: Vec<QueueHandle>,
+}
+
+impl std::fmt::Debug for Allocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Allocation").field("size", &self.size).field("offset", &self.offset).finish()
+    }
+}
+
+// SAFETY-free note: Allocation is Send + Sync through its fields (Arc, Box, Vec of handles).
+
+impl Allocation {
+    /// The size asked for.
+    pub fn len(&self) -> usize {
+        self.size
+    }
+
+    /// Always false (zero-sized requests are refused).
+    pub fn is_empty(&self) -> bool {
+        self.size == 0
+    }
+
+    /// The segment the block lives in, and the block's offset in it.
+    pub fn segment(&self) -> (&Arc<Segment>, usize) {
+        (&self.seg, self.offset)
+    }
+
+    /// The block as a queue range.
+    pub fn mem(&self) -> Mem {
+        Mem::from(&self.seg).range(self.offset, self.size).expect("blocks lie inside their segment")
+    }
+
+    /// The CPU address of the block (segments are always mapped), for code that follows the
+    /// crate's shared-memory access rule.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.seg.mapping().map_or(std::ptr::null_mut(), |m| m.as_ptr().wrapping_add(self.offset))
+    }
+
+    /// The queue the block is bound to (0: none).
+    pub fn stream(&self) -> u64 {
+        self.stream
+    }
+
+    /// Records that `queue` uses this memory: when it is freed, the block waits for the work
+    /// submitted to `queue` until then before anyone can reuse it (PyTorch's `recordStream`).
+    pub fn record_stream(&mut self, queue: &Queue) {
+        if queue.id() != self.stream && !self.uses.iter().any(|h| h.id() == queue.id()) {
+            self.uses.push(queue.handle());
+        }
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        let Some(mut node) = self.node.take() else { return };
+        if self.uses.is_empty() {
+            node.value = FreeMsg::Free(self.id);
+            self.inner.frees.push(node);
+            return;
+        }
+        node.value = FreeMsg::Requested(self.id);
+        self.inner.frees.push(node);
+        self.inner.pending.fetch_add(1, Ordering::AcqRel);
+        let left = Arc::new(AtomicUsize::new(self.uses.len()));
+        let id = self.id;
+        for q in self.uses.drain(..) {
+            let inner = Arc::clone(&self.inner);
+            let left = Arc::clone(&left);
+            let done = move || {
+                if left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    inner.frees.push(Node::new(FreeMsg::Completed(id)));
+                    inner.pending.fetch_sub(1, Ordering::AcqRel);
+                }
+            };
+            match q.record() {
+                // Failed or not, the queue is past its uses of the block once the event is.
+                Ok(ev) => ev.on_complete(move |_| done()),
+                // The queue is gone: its work has finished (dropping a queue drains it).
+                Err(_) => done(),
+            }
+        }
+    }
+}
+
+/// Raw allocations by address, sharded so that frees from many threads rarely meet.
+#[derive(Default)]
+struct RawTable {
+    shards: [Mutex<HashMap<usize, Allocation>>; 16],
+}
+
+impl RawTable {
+    fn shard(&self, ptr: usize) -> MutexGuard<'_, HashMap<usize, Allocation>> {
+        // Blocks are 512-byte aligned; mix the higher bits.
+        let i = ((ptr >> 9) ^ (ptr >> 17)) % self.shards.len();
+        self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn insert(&self, ptr: usize, a: Allocation) {
+        self.shard(ptr).insert(ptr, a);
+    }
+
+    fn remove(&self, ptr: usize) -> Option<Allocation> {
+        self.shard(ptr).remove(&ptr)
+    }
+
+    fn with<T>(&self, ptr: usize, f: impl FnOnce(&mut Allocation) -> T) -> Option<T> {
+        self.shard(ptr).get_mut(&ptr).map(f)
+    }
+}

@@ -1,0 +1,780 @@
+//! The allocator's state, guarded by its lock: segments, blocks, the two pools, stats, and
+//! the history. All of seed 003's rules live here.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::fmt::Write;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::FreeMsg;
+use super::config::Config;
+use super::free_list::FreeList;
+use super::stats::{self, DeviceStats, LARGE_POOL, SMALL_POOL};
+use crate::error::{Error, Result};
+use crate::segment::Segment;
+use crate::source::MemorySource;
+
+pub(crate) type BlockId = u32;
+
+/// Smallest block, and the rounding unit.
+pub(crate) const MIN_BLOCK: usize = 512;
+/// Largest request served by the small pool.
+pub(crate) const SMALL_SIZE: usize = 1 << 20;
+/// Small-pool segment size.
+pub(crate) const SMALL_BUFFER: usize = 2 << 20;
+/// Large-pool segment size for 1–10 MiB requests.
+pub(crate) const LARGE_BUFFER: usize = 20 << 20;
+/// Requests from this size get their own segment.
+pub(crate) const MIN_LARGE_ALLOC: usize = 10 << 20;
+/// Large segments are rounded to this.
+pub(crate) const ROUND_LARGE: usize = 2 << 20;
+/// Bounded history length.
+const HISTORY: usize = 10_000;
+
+#[derive(Debug, Clone)]
+struct Block {
+    seg: u32,
+    offset: usize,
+    size: usize,
+    requested: usize,
+    stream: u64,
+    /// Handed out (or its free is waiting for events).
+    allocated: bool,
+    prev: Option<BlockId>,
+    next: Option<BlockId>,
+    pool: usize,
+    /// The allocation-miss count when the block was last cached (for GC age).
+    cached_at: u64,
+}
+
+impl Block {
+    fn is_split(&self) -> bool {
+        self.prev.is_some() || self.next.is_some()
+    }
+}
+
+struct SegEntry {
+    seg: Arc<Segment>,
+    base: usize,
+    size: usize,
+    pool: usize,
+    stream: u64,
+}
+
+/// A free block's key in its pool: best fit is the first key at or after
+/// `(stream, size, 0, 0)`.
+type Key = (u64, usize, usize, BlockId);
+
+/// A block handed to the allocator's caller.
+pub(crate) struct Handed {
+    pub(crate) id: BlockId,
+    pub(crate) segment: Arc<Segment>,
+    pub(crate) offset: usize,
+}
+
+/// A block's state in a [`Snapshot`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockState {
+    /// Handed out.
+    Allocated,
+    /// Freed by the caller, waiting for other queues' events.
+    PendingFree,
+    /// Cached, free.
+    Free,
+}
+
+/// One block in a [`SegmentSnapshot`].
+#[derive(Debug, Clone)]
+pub struct BlockSnapshot {
+    /// Offset in the segment.
+    pub offset: usize,
+    /// Rounded size.
+    pub size: usize,
+    /// Size asked for (0 when free).
+    pub requested: usize,
+    /// State.
+    pub state: BlockState,
+}
+
+/// One segment with its blocks, in address order.
+#[derive(Debug, Clone)]
+pub struct SegmentSnapshot {
+    /// Base address of its mapping.
+    pub address: usize,
+    /// Size.
+    pub size: usize,
+    /// "small" or "large".
+    pub pool: &'static str,
+    /// The queue it is bound to (0: none).
+    pub stream: u64,
+    /// Blocks, by offset.
+    pub blocks: Vec<BlockSnapshot>,
+}
+
+/// Every segment the allocator holds.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    /// Segments, by address.
+    pub segments: Vec<SegmentSnapshot>,
+}
+
+impl Snapshot {
+    /// As JSON.
+    pub fn to_json(&self) -> String {
+        let mut s = String::from("{\"segments\":[");
+        for (i, seg) in self.segments.iter().enumerate() {
+            if i > 0 {
+                s.push(',');
+            }
+            let _ = write!(
+                s,
+                "{{\"address\":{},\"total_size\":{},\"pool\":\"{}\",\"stream\":{},\"blocks\":[",
+                seg.address, seg.size, seg.pool, seg.stream
+            );
+            for (j, b) in seg.blocks.iter().enumerate() {
+                if j > 0 {
+                    s.push(',');
+                }
+                let state = match b.state {
+                    BlockState::Allocated => "active_allocated",
+                    BlockState::PendingFree => "active_pending_free",
+                    BlockState::Free => "inactive",
+                };
+                let _ = write!(
+                    s,
+                    "{{\"offset\":{},\"size\":{},\"requested_size\":{},\"state\":\"{state}\"}}",
+                    b.offset, b.size, b.requested
+                );
+            }
+            s.push_str("]}");
+        }
+        s.push_str("]}");
+        s
+    }
+}
+
+/// What happened, for the bounded history.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HistoryKind {
+    /// A block was handed out.
+    Alloc,
+    /// The caller freed a block used on other queues; it waits for their events.
+    FreeRequested,
+    /// A block returned to its pool.
+    FreeCompleted,
+    /// A segment was obtained from the source.
+    SegmentAlloc,
+    /// A segment was returned to the source.
+    SegmentFree,
+    /// A request failed with out-of-memory.
+    Oom,
+}
+
+/// One history entry.
+#[derive(Debug, Clone, Copy)]
+pub struct HistoryEvent {
+    /// Nanoseconds since the allocator was created.
+    pub t_ns: u64,
+    /// What happened.
+    pub kind: HistoryKind,
+    /// Address of the block or segment (0 for an OOM).
+    pub addr: usize,
+    /// Its size (the request's, for an OOM).
+    pub size: usize,
+    /// The queue (0: none).
+    pub stream: u64,
+}
+
+impl HistoryEvent {
+    /// As one JSON object.
+    pub fn to_json(&self) -> String {
+        let kind = match self.kind {
+            HistoryKind::Alloc => "alloc",
+            HistoryKind::FreeRequested => "free_requested",
+            HistoryKind::FreeCompleted => "free_completed",
+            HistoryKind::SegmentAlloc => "segment_alloc",
+            HistoryKind::SegmentFree => "segment_free",
+            HistoryKind::Oom => "oom",
+        };
+        format!(
+            "{{\"t\":{},\"action\":\"{kind}\",\"addr\":{},\"size\":{},\"stream\":{}}}",
+            self.t_ns, self.addr, self.size, self.stream
+        )
+    }
+}
+
+pub(crate) struct Pool {
+    source: Box<dyn MemorySource>,
+    config: Config,
+    capacity: u64,
+    allowed: u64,
+    blocks: Vec<Block>,
+    free_ids: Vec<BlockId>,
+    segments: Vec<Option<SegEntry>>,
+    free_segs: Vec<u32>,
+    pools: [BTreeSet<Key>; 3],
+    stats: DeviceStats,
+    /// Reused free-list nodes.
+    misses: u64,
+    history: VecDeque<HistoryEvent>,
+    started: Instant,
+}
+
+fn pool_name(pool: usize) -> &'static str {
+    if pool == SMALL_POOL { "small" } else { "large" }
+}
+
+impl Pool {
+    pub(crate) fn new(source: Box<dyn MemorySource>, config: Config, capacity: u64) -> Self {
+        let allowed = (capacity as f64 * config.per_process_memory_fraction) as u64;
+        let stats = DeviceStats { max_split_size: config.max_split_size as u64, ..Default::default() };
+        Self {
+            source,
+            config,
+            capacity,
+            allowed,
+            blocks: Vec::new(),
+            free_ids: Vec::new(),
+            segments: Vec::new(),
+            free_segs: Vec::new(),
+            pools: Default::default(),
+            stats,
+            misses: 0,
+            history: VecDeque::new(),
+            started: Instant::now(),
+        }
+    }
+
+    pub(crate) fn stats(&self) -> &DeviceStats {
+        &self.stats
+    }
+
+    pub(crate) fn stats_mut(&mut self) -> &mut DeviceStats {
+        &mut self.stats
+    }
+
+    pub(crate) fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub(crate) fn set_fraction(&mut self, fraction: f64) {
+        self.config.per_process_memory_fraction = fraction;
+        self.allowed = (self.capacity as f64 * fraction) as u64;
+    }
+
+    pub(crate) fn history(&self) -> Vec<HistoryEvent> {
+        self.history.iter().copied().collect()
+    }
+
+    fn log(&mut self, kind: HistoryKind, addr: usize, size: usize, stream: u64) {
+        if self.history.len() == HISTORY {
+            self.history.pop_front();
+        }
+        let t_ns = self.started.elapsed().as_nanos() as u64;
+        self.history.push_back(HistoryEvent { t_ns, kind, addr, size, stream });
+    }
+
+    fn addr(&self, id: BlockId) -> usize {
+        let b = &self.blocks[id as usize];
+        self.segments[b.seg as usize].as_ref().map_or(0, |s| s.base) + b.offset
+    }
+
+    fn key(&self, id: BlockId) -> Key {
+        let b = &self.blocks[id as usize];
+        (b.stream, b.size, self.addr(id), id)
+    }
+
+    // ---- rounding and pool choice (seed 003) ----
+
+    /// Rounds a request: 512-byte minimum and granularity, or a power-of-two division.
+    pub(crate) fn round_size(&self, size: usize) -> Option<usize> {
+        if size < MIN_BLOCK {
+            return Some(MIN_BLOCK);
+        }
+        let divisions = self.config.divisions_for(size);
+        if divisions > 0 && size > MIN_BLOCK * divisions {
+            // Round up to the next of `divisions` equal steps between two powers of two.
+            let floor = 1usize << (usize::BITS - 1 - size.leading_zeros());
+            if floor == size {
+                return Some(size);
+            }
+            let step = floor / divisions;
+            return size.checked_next_multiple_of(step);
+        }
+        size.checked_next_multiple_of(MIN_BLOCK)
+    }
+
+    fn allocation_size(&self, size: usize) -> Option<usize> {
+        if self.config.no_caching {
+            return size.checked_next_multiple_of(crate::source::page_size());
+        }
+        if size <= SMALL_SIZE {
+            Some(SMALL_BUFFER)
+        } else if size < MIN_LARGE_ALLOC {
+            Some(LARGE_BUFFER)
+        } else {
+            size.checked_next_multiple_of(ROUND_LARGE)
+        }
+    }
+
+    fn pool_for(size: usize) -> usize {
+        if size <= SMALL_SIZE { SMALL_POOL } else { LARGE_POOL }
+    }
+
+    // ---- pool membership, keeping inactive_split stats ----
+
+    fn pool_insert(&mut self, id: BlockId) {
+        let key = self.key(id);
+        let b = &self.blocks[id as usize];
+        let (pool, split, size) = (b.pool, b.is_split(), b.size as i64);
+        self.pools[pool].insert(key);
+        if split {
+            stats::update_array(&mut self.stats.inactive_split, pool, 1);
+            stats::update_array(&mut self.stats.inactive_split_bytes, pool, size);
+        }
+    }
+
+    fn pool_remove(&mut self, id: BlockId) {
+        let key = self.key(id);
+        let b = &self.blocks[id as usize];
+        let (pool, split, size) = (b.pool, b.is_split(), b.size as i64);
+        let removed = self.pools[pool].remove(&key);
+        debug_assert!(removed, "block {id} was not in its pool");
+        if split {
+            stats::update_array(&mut self.stats.inactive_split, pool, -1);
+            stats::update_array(&mut self.stats.inactive_split_bytes, pool, -size);
+        }
+    }
+
+    fn new_block(&mut self, b: Block) -> BlockId {
+        match self.free_ids.pop() {
+            Some(id) => {
+                self.blocks[id as usize] = b;
+                id
+            }
+            None => {
+                self.blocks.push(b);
+                (self.blocks.len() - 1) as BlockId
+            }
+        }
+    }
+
+    // ---- the free path, drained under the lock ----
+
+    /// Applies every free pushed since the last drain.
+    pub(crate) fn drain(&mut self, frees: &FreeList<FreeMsg>) {
+        if frees.is_empty() {
+            return;
+        }
+        // Oldest first: the list yields newest first.
+        let mut msgs: Vec<FreeMsg> = frees.take_all().map(|n| n.value).collect();
+        msgs.reverse();
+        for m in msgs {
+            match m {
+                FreeMsg::Free(id) => {
+                    self.account_free_request(id);
+                    self.free_block(id);
+                }
+                FreeMsg::Requested(id) => {
+                    self.account_free_request(id);
+                    let (addr, size, stream) =
+                        (self.addr(id), self.blocks[id as usize].size, self.blocks[id as usize].stream);
+                    self.log(HistoryKind::FreeRequested, addr, size, stream);
+                }
+                FreeMsg::Completed(id) => self.free_block(id),
+            }
+        }
+    }
+
+    /// The caller let go: it no longer counts as allocated (it stays active until free).
+    fn account_free_request(&mut self, id: BlockId) {
+        let b = &self.blocks[id as usize];
+        let (pool, size, requested) = (b.pool, b.size as i64, b.requested as i64);
+        stats::update_array(&mut self.stats.allocation, pool, -1);
+        stats::update_array(&mut self.stats.allocated_bytes, pool, -size);
+        stats::update_array(&mut self.stats.requested_bytes, pool, -requested);
+        if b.size >= self.config.max_split_size {
+            self.stats.oversize_allocations.update(-1);
+        }
+        // A block still allocated with nothing requested is waiting for its events.
+        self.blocks[id as usize].requested = 0;
+    }
+
+    /// Returns a block to its pool, merging it with free neighbours.
+    fn free_block(&mut self, id: BlockId) {
+        let (addr, size, stream, pool) = {
+            let b = &self.blocks[id as usize];
+            (self.addr(id), b.size, b.stream, b.pool)
+        };
+        self.log(HistoryKind::FreeCompleted, addr, size, stream);
+        stats::update_array(&mut self.stats.active, pool, -1);
+        stats::update_array(&mut self.stats.active_bytes, pool, -(size as i64));
+        let b = &mut self.blocks[id as usize];
+        b.allocated = false;
+        b.requested = 0;
+        if let Some(p) = b.prev.filter(|&p| !self.blocks[p as usize].allocated) {
+            self.merge(id, p);
+        }
+        if let Some(n) = self.blocks[id as usize].next.filter(|&n| !self.blocks[n as usize].allocated) {
+            self.merge(id, n);
+        }
+        self.blocks[id as usize].cached_at = self.misses;
+        self.pool_insert(id);
+        if self.config.no_caching && !self.blocks[id as usize].is_split() {
+            self.release_block(id);
+        }
+    }
+
+    /// Absorbs free neighbour `other` into `id`.
+    fn merge(&mut self, id: BlockId, other: BlockId) {
+        self.pool_remove(other);
+        let o = self.blocks[other as usize].clone();
+        let b = &mut self.blocks[id as usize];
+        if o.offset < b.offset {
+            b.offset = o.offset;
+            b.prev = o.prev;
+            if let Some(pp) = o.prev {
+                self.blocks[pp as usize].next = Some(id);
+            }
+        } else {
+            b.next = o.next;
+            if let Some(nn) = o.next {
+                self.blocks[nn as usize].prev = Some(id);
+            }
+        }
+        self.blocks[id as usize].size += o.size;
+        self.free_ids.push(other);
+    }
+
+    // ---- allocation (seed 003's malloc) ----
+
+    pub(crate) fn allocate(
+        &mut self,
+        size: usize,
+        stream: u64,
+        mut wait_pending: impl FnMut(&mut Pool),
+    ) -> Result<Handed> {
+        if size == 0 {
+            return Err(Error::ZeroLength);
+        }
+        let too_large = || Error::TooLarge {
+            requested: size as u64,
+            limit: isize::MAX as u64,
+            what: "address space",
+            source_name: "caching allocator".into(),
+        };
+        let rounded = self.round_size(size).filter(|&r| r <= isize::MAX as usize).ok_or_else(too_large)?;
+        let alloc_size = self.allocation_size(rounded).ok_or_else(too_large)?;
+        let pool = Self::pool_for(rounded);
+
+        let mut found = if self.config.no_caching { None } else { self.get_free_block(rounded, stream, pool) };
+        let mut cause = String::new();
+        if found.is_none() {
+            self.misses += 1;
+            if self.config.garbage_collection_threshold > 0.0 {
+                self.garbage_collect();
+            }
+            found = self.alloc_segment(alloc_size, pool, stream, &mut cause);
+            if found.is_none() && !self.config.no_caching {
+                self.stats.num_alloc_retries += 1;
+                if self.release_available_cached(rounded, stream) {
+                    found = self.alloc_segment(alloc_size, pool, stream, &mut cause);
+                }
+                if found.is_none() {
+                    wait_pending(self);
+                    // A pending free may have made a fit.
+                    found = self.get_free_block(rounded, stream, pool);
+                    if found.is_none() {
+                        self.release_cached(None);
+                        found = self.alloc_segment(alloc_size, pool, stream, &mut cause);
+                    }
+                }
+            }
+        }
+        let Some(id) = found else {
+            self.stats.num_ooms += 1;
+            self.log(HistoryKind::Oom, 0, size, stream);
+            let largest = self.pools.iter().flat_map(|p| p.iter()).map(|k| k.1).max().unwrap_or(0);
+            let reserved = self.stats.reserved_bytes[stats::AGGREGATE].current as u64;
+            let allocated = self.stats.allocated_bytes[stats::AGGREGATE].current as u64;
+            return Err(Error::AllocatorOom {
+                requested: size as u64,
+                capacity: self.capacity,
+                allocated,
+                reserved_free: reserved.saturating_sub(allocated),
+                largest_free: largest as u64,
+                allowed: self.allowed,
+                cause,
+            });
+        };
+        self.pool_remove(id);
+        if self.should_split(id, rounded) {
+            let b = self.blocks[id as usize].clone();
+            let rest = self.new_block(Block {
+                seg: b.seg,
+                offset: b.offset + rounded,
+                size: b.size - rounded,
+                requested: 0,
+                stream: b.stream,
+                allocated: false,
+                prev: Some(id),
+                next: b.next,
+                pool: b.pool,
+                cached_at: self.misses,
+            });
+            if let Some(n) = b.next {
+                self.blocks[n as usize].prev = Some(rest);
+            }
+            let bm = &mut self.blocks[id as usize];
+            bm.next = Some(rest);
+            bm.size = rounded;
+            self.pool_insert(rest);
+        }
+        let b = &mut self.blocks[id as usize];
+        b.allocated = true;
+        b.requested = size;
+        let (bsize, bpool, bseg, boff) = (b.size, b.pool, b.seg, b.offset);
+        stats::update_array(&mut self.stats.allocation, bpool, 1);
+        stats::update_array(&mut self.stats.allocated_bytes, bpool, bsize as i64);
+        stats::update_array(&mut self.stats.requested_bytes, bpool, size as i64);
+        stats::update_array(&mut self.stats.active, bpool, 1);
+        stats::update_array(&mut self.stats.active_bytes, bpool, bsize as i64);
+        if bsize >= self.config.max_split_size {
+            self.stats.oversize_allocations.update(1);
+        }
+        let addr = self.addr(id);
+        self.log(HistoryKind::Alloc, addr, bsize, stream);
+        let segment = Arc::clone(&self.segments[bseg as usize].as_ref().expect("live segment").seg);
+        Ok(Handed { id, segment, offset: boff })
+    }
+
+    /// Best fit in `pool` for `size` on `stream`, honouring the oversize rules.
+    fn get_free_block(&mut self, size: usize, stream: u64, pool: usize) -> Option<BlockId> {
+        let key = *self.pools[pool].range((stream, size, 0, 0)..).next()?;
+        if key.0 != stream {
+            return None;
+        }
+        let max_split = self.config.max_split_size;
+        // Oversize blocks serve only oversize requests...
+        if size < max_split && key.1 >= max_split {
+            return None;
+        }
+        // ...and only those within a large buffer of their size.
+        if size >= max_split && key.1 >= size.saturating_add(LARGE_BUFFER) {
+            return None;
+        }
+        Some(key.3)
+    }
+
+    fn should_split(&self, id: BlockId, size: usize) -> bool {
+        if self.config.no_caching {
+            return false;
+        }
+        let b = &self.blocks[id as usize];
+        let remaining = b.size - size;
+        if b.pool == SMALL_POOL {
+            remaining >= MIN_BLOCK
+        } else {
+            size < self.config.max_split_size && remaining > SMALL_SIZE
+        }
+    }
+
+    /// Gets a segment from the source, within the allowed memory; returns its single block.
+    fn alloc_segment(&mut self, size: usize, pool: usize, stream: u64, cause: &mut String) -> Option<BlockId> {
+        let reserved = self.stats.reserved_bytes[stats::AGGREGATE].current as u64;
+        if reserved.saturating_add(size as u64) > self.allowed {
+            *cause = format!(
+                "; the allowed memory ({} bytes = fraction {} of capacity) would be exceeded",
+                self.allowed, self.config.per_process_memory_fraction
+            );
+            return None;
+        }
+        let seg = match self.source.allocate(size) {
+            Ok(s) => s,
+            Err(e) => {
+                *cause = format!("; {} refused: {e}", self.source.name());
+                return None;
+            }
+        };
+        let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
+        let seg_size = seg.len();
+        let entry = SegEntry { seg: Arc::new(seg), base, size: seg_size, pool, stream };
+        let seg_idx = match self.free_segs.pop() {
+            Some(i) => {
+                self.segments[i as usize] = Some(entry);
+                i
+            }
+            None => {
+                self.segments.push(Some(entry));
+                (self.segments.len() - 1) as u32
+            }
+        };
+        self.stats.num_device_alloc += 1;
+        stats::update_array(&mut self.stats.segment, pool, 1);
+        stats::update_array(&mut self.stats.reserved_bytes, pool, seg_size as i64);
+        if seg_size >= self.config.max_split_size {
+            self.stats.oversize_segments.update(1);
+        }
+        self.log(HistoryKind::SegmentAlloc, base, seg_size, stream);
+        let id = self.new_block(Block {
+            seg: seg_idx,
+            offset: 0,
+            size: seg_size,
+            requested: 0,
+            stream,
+            allocated: false,
+            prev: None,
+            next: None,
+            pool,
+            cached_at: self.misses,
+        });
+        self.pool_insert(id);
+        Some(id)
+    }
+
+    /// Returns a free, unsplit block's segment to the source.
+    fn release_block(&mut self, id: BlockId) {
+        self.pool_remove(id);
+        let b = self.blocks[id as usize].clone();
+        debug_assert!(!b.is_split() && !b.allocated);
+        if let Some(entry) = self.segments[b.seg as usize].take() {
+            self.stats.num_device_free += 1;
+            stats::update_array(&mut self.stats.segment, entry.pool, -1);
+            stats::update_array(&mut self.stats.reserved_bytes, entry.pool, -(entry.size as i64));
+            if entry.size >= self.config.max_split_size {
+                self.stats.oversize_segments.update(-1);
+            }
+            self.log(HistoryKind::SegmentFree, entry.base, entry.size, entry.stream);
+            self.free_segs.push(b.seg);
+            drop(entry); // unmaps and closes once no queue operation holds the segment
+        }
+        self.free_ids.push(id);
+    }
+
+    /// Seed 003's `release_available_cached_blocks`: free cached oversize blocks, the
+    /// smallest that covers the request or else the largest ones until enough is freed.
+    fn release_available_cached(&mut self, size: usize, stream: u64) -> bool {
+        if self.config.max_split_size == usize::MAX {
+            return false;
+        }
+        let max_split = self.config.max_split_size;
+        let want = size.max(max_split);
+        let candidates: Vec<Key> = self.pools[LARGE_POOL]
+            .range((stream, max_split, 0, 0)..(stream, usize::MAX, usize::MAX, BlockId::MAX))
+            .copied()
+            .filter(|k| !self.blocks[k.3 as usize].is_split())
+            .collect();
+        if let Some(k) = candidates.iter().find(|k| k.1 >= want) {
+            self.release_block(k.3);
+            return true;
+        }
+        let mut freed = 0;
+        for k in candidates.iter().rev() {
+            if freed >= size {
+                break;
+            }
+            freed += k.1;
+            self.release_block(k.3);
+        }
+        freed >= size
+    }
+
+    /// Frees every cached unsplit block (of `stream`, or all): seed 003's
+    /// `release_cached_blocks` and `empty_cache`.
+    pub(crate) fn release_cached(&mut self, stream: Option<u64>) {
+        for pool in [SMALL_POOL, LARGE_POOL] {
+            let ids: Vec<BlockId> = self.pools[pool]
+                .iter()
+                .filter(|k| stream.is_none_or(|s| k.0 == s))
+                .map(|k| k.3)
+                .filter(|&id| !self.blocks[id as usize].is_split())
+                .collect();
+            for id in ids {
+                self.release_block(id);
+            }
+        }
+    }
+
+    /// Seed 003's garbage collection: above `threshold` of the allowed memory, free cached
+    /// unsplit blocks at least as old as the average, oldest first, until below it.
+    fn garbage_collect(&mut self) {
+        let target = (self.config.garbage_collection_threshold * self.allowed as f64) as i64;
+        if self.stats.reserved_bytes[stats::AGGREGATE].current <= target {
+            return;
+        }
+        let mut aged: Vec<(u64, BlockId)> = self
+            .pools
+            .iter()
+            .flat_map(|p| p.iter())
+            .map(|k| k.3)
+            .filter(|&id| !self.blocks[id as usize].is_split())
+            .map(|id| (self.misses - self.blocks[id as usize].cached_at, id))
+            .collect();
+        if aged.is_empty() {
+            return;
+        }
+        let avg = aged.iter().map(|a| a.0).sum::<u64>() / aged.len() as u64;
+        aged.sort_unstable_by_key(|a| std::cmp::Reverse(a.0)); // oldest first
+        for (age, id) in aged {
+            if self.stats.reserved_bytes[stats::AGGREGATE].current <= target || age < avg {
+                break;
+            }
+            self.release_block(id);
+        }
+    }
+
+    /// Why a pointer passed to a raw free is not a live allocation.
+    pub(crate) fn classify_foreign(&self, ptr: usize) -> &'static str {
+        let inside = self.segments.iter().flatten().any(|s| ptr >= s.base && ptr < s.base + s.size);
+        if !inside {
+            return "not a pointer this allocator handed out";
+        }
+        let starts_free_block = self.pools.iter().flat_map(|p| p.iter()).any(|k| k.2 == ptr);
+        if starts_free_block {
+            "already freed (double free)"
+        } else {
+            "not the start of a live allocation (a pointer into a block, or already freed)"
+        }
+    }
+
+    pub(crate) fn snapshot(&self) -> Snapshot {
+        let mut segments: Vec<SegmentSnapshot> = Vec::new();
+        let mut by_seg: Vec<Vec<BlockSnapshot>> = vec![Vec::new(); self.segments.len()];
+        let free: std::collections::HashSet<BlockId> = self.pools.iter().flat_map(|p| p.iter()).map(|k| k.3).collect();
+        let dead: std::collections::HashSet<BlockId> = self.free_ids.iter().copied().collect();
+        for (id, b) in self.blocks.iter().enumerate() {
+            let live = self.segments.get(b.seg as usize).is_some_and(Option::is_some) && !dead.contains(&(id as u32));
+            if !live {
+                continue;
+            }
+            let state = if free.contains(&(id as BlockId)) {
+                BlockState::Free
+            } else if b.allocated && b.requested == 0 {
+                BlockState::PendingFree
+            } else {
+                BlockState::Allocated
+            };
+            by_seg[b.seg as usize].push(BlockSnapshot {
+                offset: b.offset,
+                size: b.size,
+                requested: b.requested,
+                state,
+            });
+        }
+        for (i, s) in self.segments.iter().enumerate() {
+            if let Some(s) = s {
+                let mut blocks = std::mem::take(&mut by_seg[i]);
+                blocks.sort_by_key(|b| b.offset);
+                segments.push(SegmentSnapshot {
+                    address: s.base,
+                    size: s.size,
+                    pool: pool_name(s.pool),
+                    stream: s.stream,
+                    blocks,
+                });
+            }
+        }
+        segments.sort_by_key(|s| s.address);
+        Snapshot { segments }
+    }
+}

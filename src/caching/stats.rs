@@ -1,0 +1,225 @@
+//! Allocator statistics: PyTorch's `DeviceStats` schema, and seed 002's simpler view.
+
+use std::fmt::Write;
+
+/// One counter: its current value, its peak, and the totals added and removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stat {
+    /// Current value.
+    pub current: i64,
+    /// Highest value since the last peak reset.
+    pub peak: i64,
+    /// Total added since the last accumulated reset.
+    pub allocated: i64,
+    /// Total removed since the last accumulated reset.
+    pub freed: i64,
+}
+
+impl Stat {
+    pub(crate) fn update(&mut self, amount: i64) {
+        self.current += amount;
+        debug_assert!(self.current >= 0, "stat went negative");
+        self.peak = self.peak.max(self.current);
+        if amount > 0 {
+            self.allocated += amount;
+        } else {
+            self.freed -= amount;
+        }
+    }
+
+    fn reset_accumulated(&mut self) {
+        self.allocated = 0;
+        self.freed = 0;
+    }
+
+    fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+}
+
+/// Which pools a stat covers: index 0 all, 1 the small pool, 2 the large pool.
+pub type StatArray = [Stat; 3];
+
+/// Index of the aggregate entry in a [`StatArray`].
+pub const AGGREGATE: usize = 0;
+/// Index of the small-pool entry.
+pub const SMALL_POOL: usize = 1;
+/// Index of the large-pool entry.
+pub const LARGE_POOL: usize = 2;
+
+pub(crate) fn update_array(a: &mut StatArray, pool: usize, amount: i64) {
+    a[AGGREGATE].update(amount);
+    a[pool].update(amount);
+}
+
+/// PyTorch's `DeviceStats`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeviceStats {
+    /// Blocks handed to callers.
+    pub allocation: StatArray,
+    /// Segments obtained from the memory source.
+    pub segment: StatArray,
+    /// Blocks allocated or waiting for their deferred free.
+    pub active: StatArray,
+    /// Free blocks that are parts of split segments (fragmentation).
+    pub inactive_split: StatArray,
+    /// Bytes handed to callers (rounded sizes).
+    pub allocated_bytes: StatArray,
+    /// Bytes obtained from the memory source.
+    pub reserved_bytes: StatArray,
+    /// Bytes in active blocks.
+    pub active_bytes: StatArray,
+    /// Bytes in inactive split blocks.
+    pub inactive_split_bytes: StatArray,
+    /// Bytes callers asked for (unrounded).
+    pub requested_bytes: StatArray,
+    /// Allocations that had to free cached memory and retry.
+    pub num_alloc_retries: i64,
+    /// Allocations that failed with out-of-memory.
+    pub num_ooms: i64,
+    /// Segments obtained from the memory source.
+    pub num_device_alloc: i64,
+    /// Segments returned to the memory source.
+    pub num_device_free: i64,
+    /// Allocations at least `max_split_size`.
+    pub oversize_allocations: Stat,
+    /// Segments at least `max_split_size`.
+    pub oversize_segments: Stat,
+    /// The configured `max_split_size`.
+    pub max_split_size: u64,
+}
+
+/// Seed 002's view, what a PyTorch out-of-tree backend's `getDeviceStats` reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SimpleStats {
+    /// Bytes currently allocated to callers.
+    pub current_allocated: i64,
+    /// Peak of `current_allocated`.
+    pub peak_allocated: i64,
+    /// Allocations made.
+    pub num_allocs: i64,
+    /// Frees completed.
+    pub num_frees: i64,
+    /// Out-of-memory failures.
+    pub num_ooms: i64,
+}
+
+impl DeviceStats {
+    fn arrays_mut(&mut self) -> [&mut StatArray; 9] {
+        [
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+            &mut self.inactive_split,
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.requested_bytes,
+        ]
+    }
+
+    /// Zeroes the accumulated totals (allocated/freed) and the event counters.
+    pub fn reset_accumulated(&mut self) {
+        for a in self.arrays_mut() {
+            a.iter_mut().for_each(Stat::reset_accumulated);
+        }
+        self.oversize_allocations.reset_accumulated();
+        self.oversize_segments.reset_accumulated();
+        self.num_alloc_retries = 0;
+        self.num_ooms = 0;
+        self.num_device_alloc = 0;
+        self.num_device_free = 0;
+    }
+
+    /// Sets every peak to its current value.
+    pub fn reset_peak(&mut self) {
+        for a in self.arrays_mut() {
+            a.iter_mut().for_each(Stat::reset_peak);
+        }
+        self.oversize_allocations.reset_peak();
+        self.oversize_segments.reset_peak();
+    }
+
+    /// Seed 002's view of these stats.
+    pub fn simple(&self) -> SimpleStats {
+        SimpleStats {
+            current_allocated: self.allocated_bytes[AGGREGATE].current,
+            peak_allocated: self.allocated_bytes[AGGREGATE].peak,
+            num_allocs: self.allocation[AGGREGATE].allocated,
+            num_frees: self.allocation[AGGREGATE].freed,
+            num_ooms: self.num_ooms,
+        }
+    }
+
+    /// As JSON, with PyTorch's `memory_stats()` key names (`allocated_bytes.all.current`, ...).
+    pub fn to_json(&self) -> String {
+        let mut out = String::from("{");
+        let names = [
+            ("allocation", &self.allocation),
+            ("segment", &self.segment),
+            ("active", &self.active),
+            ("inactive_split", &self.inactive_split),
+            ("allocated_bytes", &self.allocated_bytes),
+            ("reserved_bytes", &self.reserved_bytes),
+            ("active_bytes", &self.active_bytes),
+            ("inactive_split_bytes", &self.inactive_split_bytes),
+            ("requested_bytes", &self.requested_bytes),
+        ];
+        for (name, arr) in names {
+            for (pool, p) in [(AGGREGATE, "all"), (SMALL_POOL, "small_pool"), (LARGE_POOL, "large_pool")] {
+                let s = arr[pool];
+                let _ = write!(
+                    out,
+                    "\"{name}.{p}.current\":{},\"{name}.{p}.peak\":{},\"{name}.{p}.allocated\":{},\"{name}.{p}.freed\":{},",
+                    s.current, s.peak, s.allocated, s.freed
+                );
+            }
+        }
+        for (name, s) in
+            [("oversize_allocations", self.oversize_allocations), ("oversize_segments", self.oversize_segments)]
+        {
+            let _ = write!(
+                out,
+                "\"{name}.current\":{},\"{name}.peak\":{},\"{name}.allocated\":{},\"{name}.freed\":{},",
+                s.current, s.peak, s.allocated, s.freed
+            );
+        }
+        let _ = write!(
+            out,
+            "\"num_alloc_retries\":{},\"num_ooms\":{},\"num_device_alloc\":{},\"num_device_free\":{},\"max_split_size\":{}}}",
+            self.num_alloc_retries, self.num_ooms, self.num_device_alloc, self.num_device_free, self.max_split_size
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_tracks_current_peak_and_totals() {
+        let mut s = Stat::default();
+        s.update(10);
+        s.update(5);
+        s.update(-12);
+        assert_eq!(s, Stat { current: 3, peak: 15, allocated: 15, freed: 12 });
+        s.reset_peak();
+        assert_eq!(s.peak, 3);
+        s.reset_accumulated();
+        assert_eq!((s.allocated, s.freed, s.current), (0, 0, 3));
+    }
+
+    #[test]
+    fn json_has_pytorch_key_names() {
+        let mut d = DeviceStats::default();
+        update_array(&mut d.allocated_bytes, SMALL_POOL, 512);
+        let j = d.to_json();
+        assert!(j.contains("\"allocated_bytes.all.current\":512"));
+        assert!(j.contains("\"allocated_bytes.small_pool.peak\":512"));
+        assert!(j.contains("\"allocated_bytes.large_pool.current\":0"));
+        assert!(j.starts_with('{') && j.ends_with('}'));
+        assert_eq!(d.simple().current_allocated, 512);
+    }
+}

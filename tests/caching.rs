@@ -1,0 +1,420 @@
+//! The caching allocator: seed 003's rules one by one, seed 002's stats, deferred frees, and
+//! bad input.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use dmabuf_rt::caching::stats::{AGGREGATE, LARGE_POOL, SMALL_POOL};
+use dmabuf_rt::caching::{BlockState, CachingAllocator, Config, HistoryKind};
+use dmabuf_rt::queue::{HostBuffer, Queue};
+use dmabuf_rt::source::{MemorySource, ShmemSource};
+use dmabuf_rt::{Error, Result, Segment, SegmentKind};
+
+const MB: usize = 1 << 20;
+const KB: usize = 1 << 10;
+
+/// Sparse shmem segments with a byte budget, counting what the allocator asks for.
+#[derive(Debug)]
+struct Budget {
+    inner: ShmemSource,
+    left: AtomicUsize,
+    calls: AtomicUsize,
+}
+
+impl Budget {
+    fn new(bytes: usize) -> Self {
+        Self { inner: ShmemSource::new().reserve(false), left: AtomicUsize::new(bytes), calls: AtomicUsize::new(0) }
+    }
+}
+
+impl MemorySource for Budget {
+    fn name(&self) -> String {
+        "budget".into()
+    }
+    fn kind(&self) -> SegmentKind {
+        SegmentKind::Device
+    }
+    fn allocate(&self, len: usize) -> Result<Segment> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let mut left = self.left.load(Ordering::SeqCst);
+        loop {
+            if len > left {
+                return Err(Error::OutOfMemory {
+                    requested: len as u64,
+                    source_name: "budget".into(),
+                    source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+                });
+            }
+            match self.left.compare_exchange(left, left - len, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(_) => break,
+                Err(l) => left = l,
+            }
+        }
+        self.inner.allocate(len)
+    }
+}
+
+fn alloc(cfg: &str, capacity: usize) -> CachingAllocator {
+    CachingAllocator::builder(ShmemSource::new().reserve(false))
+        .config(Config::parse(cfg).unwrap())
+        .capacity(capacity as u64)
+        .build()
+        .unwrap()
+}
+
+fn block_sizes(a: &CachingAllocator) -> Vec<(usize, Vec<(usize, BlockState)>)> {
+    a.snapshot().segments.iter().map(|s| (s.size, s.blocks.iter().map(|b| (b.size, b.state)).collect())).collect()
+}
+
+#[test]
+fn sizes_round_to_512_or_to_power_of_two_divisions() {
+    let a = alloc("", 1 << 30);
+    for (ask, got) in [(1, 512), (512, 512), (513, 1024), (1000, 1024), (MB + 1, MB + 512)] {
+        let x = a.allocate(ask, None).unwrap();
+        assert_eq!(a.stats().allocated_bytes[AGGREGATE].current as usize, got, "ask {ask}");
+        assert_eq!(a.stats().requested_bytes[AGGREGATE].current as usize, ask);
+        drop(x);
+    }
+    let a = alloc("roundup_power2_divisions:4", 1 << 30);
+    for (ask, got) in
+        [(1100 * KB, 1280 * KB), (MB, MB), (3 * MB, 3 * MB), (5 * MB + 1, 6 * MB), (600, 1024), (2049, 2560)]
+    {
+        let x = a.allocate(ask, None).unwrap();
+        assert_eq!(a.stats().allocated_bytes[AGGREGATE].current as usize, got, "ask {ask}");
+        drop(x);
+    }
+}
+
+#[test]
+fn pools_and_segment_sizes_follow_seed_003() {
+    let a = alloc("", 1 << 30);
+    // Largest first, so that no request fits in the rest of an earlier segment.
+    let huge = a.allocate(13 * MB - 7, None).unwrap(); // >= 10 MiB: own segment, 2 MiB rounding
+    let big = a.allocate(11 * MB, None).unwrap();
+    let mid = a.allocate(MB + 1, None).unwrap(); // 1-10 MiB: carves a 20 MiB segment
+    let small = a.allocate(MB, None).unwrap(); // <= 1 MiB: a 2 MiB small-pool segment
+    // A 9 MiB request now fits in the 20 MiB segment's remainder: best fit before the source.
+    let fits = a.allocate(9 * MB, None).unwrap();
+    let segs: Vec<usize> = a.snapshot().segments.iter().map(|s| s.size).collect();
+    let mut sorted = segs.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, [2 * MB, 12 * MB, 14 * MB, 20 * MB], "{segs:?}");
+    let st = a.stats();
+    assert_eq!(st.segment[SMALL_POOL].current, 1);
+    assert_eq!(st.segment[LARGE_POOL].current, 3);
+    assert_eq!(st.reserved_bytes[AGGREGATE].current as usize, 48 * MB);
+    drop((small, mid, big, huge, fits));
+}
+
+#[test]
+fn blocks_split_and_merge_back() {
+    let a = alloc("", 1 << 30);
+    let blocks: Vec<_> = (0..4).map(|_| a.allocate(512 * KB, None).unwrap()).collect();
+    assert_eq!(a.stats().segment[AGGREGATE].current, 1, "four 512 KiB blocks share one 2 MiB segment");
+    let mut it = blocks.into_iter();
+    let (b0, b1, b2, b3) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
+    drop(b1);
+    drop(b2);
+    let st = a.stats();
+    assert_eq!(st.inactive_split[AGGREGATE].current, 1, "the two freed neighbours merged");
+    assert_eq!(st.inactive_split_bytes[AGGREGATE].current as usize, MB);
+    // The merged hole is reused by a fitting request, split again.
+    let c = a.allocate(700 * KB, None).unwrap();
+    assert_eq!(a.stats().segment[AGGREGATE].current, 1);
+    drop((b0, b3, c));
+    let st = a.stats();
+    assert_eq!(st.inactive_split[AGGREGATE].current, 0);
+    assert_eq!(block_sizes(&a), vec![(2 * MB, vec![(2 * MB, BlockState::Free)])]);
+
+    // Large pool: split only when more than 1 MiB would remain.
+    let x = a.allocate(19 * MB, None).unwrap();
+    let y = a.allocate(2 * MB, None).unwrap(); // carves a 20 MiB segment
+    let snap = block_sizes(&a);
+    assert!(snap.contains(&(20 * MB, vec![(2 * MB, BlockState::Allocated), (18 * MB, BlockState::Free)])), "{snap:?}");
+    let z = a.allocate(17 * MB + 512 * KB, None).unwrap(); // 18 MiB - 17.5 MiB = 0.5 MiB: not split
+    let snap = block_sizes(&a);
+    assert!(
+        snap.contains(&(20 * MB, vec![(2 * MB, BlockState::Allocated), (18 * MB, BlockState::Allocated)])),
+        "{snap:?}"
+    );
+    drop((x, y, z));
+}
+
+#[test]
+fn oversize_blocks_are_not_split_and_reused_only_within_a_bound() {
+    let a = alloc("max_split_size_mb:40", 1 << 30);
+    drop(a.allocate(100 * MB, None).unwrap());
+    let before = a.stats().num_device_alloc;
+    // Below max_split_size: never served from an oversize block.
+    let s = a.allocate(30 * MB, None).unwrap();
+    assert_eq!(a.stats().num_device_alloc, before + 1);
+    // Oversize but more than 20 MiB smaller than the cached block: not reused either.
+    let t = a.allocate(60 * MB, None).unwrap();
+    assert_eq!(a.stats().num_device_alloc, before + 2);
+    // Within 20 MiB: reused whole, not split.
+    let u = a.allocate(85 * MB, None).unwrap();
+    assert_eq!(a.stats().num_device_alloc, before + 2);
+    assert_eq!(a.stats().allocated_bytes[AGGREGATE].current as usize, 30 * MB + 60 * MB + 100 * MB);
+    let st = a.stats();
+    assert_eq!(st.oversize_allocations.current, 2);
+    assert_eq!(st.oversize_segments.current, 2);
+    drop((s, t, u));
+}
+
+#[test]
+fn blocks_stay_with_their_queue() {
+    let a = alloc("", 1 << 30);
+    let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
+    drop(a.allocate(MB, Some(&q1)).unwrap());
+    let n = a.stats().num_device_alloc;
+    let on_q2 = a.allocate(MB, Some(&q2)).unwrap();
+    assert_eq!(a.stats().num_device_alloc, n + 1, "a block cached for q1 was handed to q2");
+    let on_q1 = a.allocate(MB, Some(&q1)).unwrap();
+    assert_eq!(a.stats().num_device_alloc, n + 1, "q1's cached block was not reused on q1");
+    assert_eq!(on_q1.stream(), q1.id());
+    drop((on_q1, on_q2));
+}
+
+#[test]
+fn a_block_used_on_another_queue_returns_only_after_that_queue_is_done() {
+    let a = alloc("", 1 << 30);
+    let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
+    let mut x = a.allocate(MB, Some(&q1)).unwrap();
+    let addr = x.as_ptr();
+    x.record_stream(&q2);
+    let host = HostBuffer::new(MB).unwrap();
+    q2.callback(|_| std::thread::sleep(Duration::from_millis(100))).unwrap();
+    q2.copy(&host, x.mem()).unwrap();
+    drop(x);
+    let st = a.stats();
+    assert_eq!(st.allocation[AGGREGATE].current, 0, "the caller's free is accounted at once");
+    assert_eq!(st.active[AGGREGATE].current, 1, "the block stays active while q2 may use it");
+    let y = a.allocate(MB, Some(&q1)).unwrap();
+    assert_ne!(y.as_ptr(), addr, "the block was reused while q2 still used it");
+    q2.synchronize().unwrap();
+    // The completion hook pushed the free; the next call drains it.
+    let st = a.stats();
+    assert_eq!(st.active[AGGREGATE].current, 1, "only y is active now");
+    let z = a.allocate(MB, Some(&q1)).unwrap();
+    assert_eq!(z.as_ptr(), addr, "the block came back to q1's pool after q2 finished");
+    let kinds: Vec<HistoryKind> = a.history().iter().map(|h| h.kind).collect();
+    assert!(kinds.contains(&HistoryKind::FreeRequested) && kinds.contains(&HistoryKind::FreeCompleted));
+    drop((y, z));
+}
+
+#[test]
+fn the_oom_ladder_frees_oversize_blocks_then_every_cached_block_then_fails_clearly() {
+    // Rung 1: cached oversize blocks are released to make room.
+    let a = alloc("max_split_size_mb:40", 150 * MB);
+    drop(a.allocate(100 * MB, None).unwrap());
+    let b = a.allocate(120 * MB, None).unwrap();
+    let st = a.stats();
+    assert_eq!(st.num_alloc_retries, 1);
+    assert_eq!(st.num_device_free, 1);
+    drop(b);
+
+    // Rung 2: every unsplit cached block (here small-pool segments) is released.
+    let a = alloc("", 64 * MB);
+    // 40 blocks of 1 MiB: two to a 2 MiB small-pool segment.
+    let smalls: Vec<_> = (0..40).map(|_| a.allocate(MB, None).unwrap()).collect();
+    drop(smalls);
+    assert_eq!(a.stats().reserved_bytes[AGGREGATE].current as usize, 40 * MB);
+    let big = a.allocate(60 * MB, None).unwrap();
+    assert_eq!(a.stats().reserved_bytes[AGGREGATE].current as usize, 60 * MB);
+    assert!(a.stats().num_alloc_retries >= 1);
+
+    // Rung 3: a clear error with the figures, and the allocator still works after it.
+    let e = a.allocate(10 * MB, None).unwrap_err();
+    match &e {
+        Error::AllocatorOom { requested, capacity, allocated, reserved_free, largest_free, .. } => {
+            assert_eq!(*requested as usize, 10 * MB);
+            assert_eq!(*capacity as usize, 64 * MB);
+            assert_eq!(*allocated as usize, 60 * MB);
+            assert_eq!(*reserved_free, 0);
+            assert_eq!(*largest_free, 0);
+        }
+        other => panic!("expected AllocatorOom, got {other}"),
+    }
+    let text = e.to_string();
+    assert!(text.contains("tried to allocate 10485760 bytes") && text.contains("capacity 67108864"), "{text}");
+    assert_eq!(a.stats().num_ooms, 1);
+    assert_eq!(a.history().last().unwrap().kind, HistoryKind::Oom);
+    drop(big);
+    let ok = a.allocate(10 * MB, None).unwrap();
+    drop(ok);
+}
+
+#[test]
+fn the_memory_fraction_caps_what_the_process_reserves() {
+    let a = alloc("per_process_memory_fraction:0.5", 100 * MB);
+    let x = a.allocate(40 * MB, None).unwrap();
+    let e = a.allocate(40 * MB, None).unwrap_err();
+    assert!(e.to_string().contains("allowed memory") && e.to_string().contains("fraction 0.5"), "{e}");
+    a.set_memory_fraction(1.0).unwrap();
+    let y = a.allocate(40 * MB, None).unwrap();
+    assert!(a.set_memory_fraction(1.5).is_err());
+    drop((x, y));
+}
+
+#[test]
+fn garbage_collection_frees_the_oldest_cached_blocks_first() {
+    let a = alloc("garbage_collection_threshold:0.5", 100 * MB);
+    // Cache 12, 14, 16 and 18 MiB segments in that order: each allocation is a miss, which
+    // ages what is already cached. Reserved ends at 60 MiB, above the 50 MiB threshold.
+    let mut addrs = Vec::new();
+    for size in [12 * MB, 14 * MB, 16 * MB, 18 * MB] {
+        let x = a.allocate(size, None).unwrap();
+        addrs.push(x.as_ptr() as usize);
+    }
+    assert_eq!(a.stats().reserved_bytes[AGGREGATE].current as usize, 60 * MB);
+    // The next miss collects cached blocks at least as old as the average, oldest first,
+    // until reserved is back under the threshold: only the 12 MiB one goes.
+    let _big = a.allocate(30 * MB, None).unwrap();
+    let after: Vec<usize> = a.snapshot().segments.iter().map(|s| s.address).collect();
+    assert!(!after.contains(&addrs[0]), "the oldest cached segment survived GC");
+    for kept in &addrs[1..] {
+        assert!(after.contains(kept), "a younger segment was collected");
+    }
+    assert_eq!(a.stats().reserved_bytes[AGGREGATE].current as usize, 48 * MB + 30 * MB);
+}
+
+#[test]
+fn empty_cache_returns_everything_unused() {
+    let a = alloc("", 1 << 30);
+    let keep = a.allocate(100, None).unwrap();
+    for s in [MB, 3 * MB, 30 * MB] {
+        drop(a.allocate(s, None).unwrap());
+    }
+    a.empty_cache();
+    let st = a.stats();
+    assert_eq!(st.segment[AGGREGATE].current, 1, "only the segment with a live block stays");
+    assert_eq!(st.reserved_bytes[AGGREGATE].current as usize, 2 * MB);
+    drop(keep);
+    a.empty_cache();
+    assert_eq!(a.stats().reserved_bytes[AGGREGATE].current, 0);
+    assert_eq!(a.stats().num_device_alloc, a.stats().num_device_free);
+}
+
+#[test]
+fn seed_002_stats_and_resets() {
+    let a = alloc("", 1 << 30);
+    let x = a.allocate(1000, None).unwrap();
+    let y = a.allocate(3000, None).unwrap();
+    drop(x);
+    let s = a.stats().simple();
+    assert_eq!(s.current_allocated, 3072);
+    assert_eq!(s.peak_allocated, 1024 + 3072);
+    assert_eq!((s.num_allocs, s.num_frees, s.num_ooms), (2, 1, 0));
+    a.reset_peak_stats();
+    assert_eq!(a.stats().simple().peak_allocated, 3072);
+    a.reset_accumulated_stats();
+    let s = a.stats().simple();
+    assert_eq!((s.num_allocs, s.num_frees, s.current_allocated), (0, 0, 3072));
+    let json = a.stats().to_json();
+    assert!(json.contains("\"allocated_bytes.all.current\":3072"), "{json}");
+    drop(y);
+    assert_eq!(a.stats().simple().current_allocated, 0);
+}
+
+#[test]
+fn snapshot_and_history_export_as_json() {
+    let a = alloc("", 1 << 30);
+    let x = a.allocate(4096, None).unwrap();
+    let j = a.snapshot().to_json();
+    assert!(j.contains("\"pool\":\"small\"") && j.contains("\"state\":\"active_allocated\""), "{j}");
+    assert!(j.contains("\"requested_size\":4096"), "{j}");
+    drop(x);
+    let h: Vec<String> = a.history().iter().map(|e| e.to_json()).collect();
+    assert!(h.iter().any(|l| l.contains("\"action\":\"segment_alloc\"")));
+    assert!(h.iter().any(|l| l.contains("\"action\":\"alloc\"")));
+    assert!(h.iter().any(|l| l.contains("\"action\":\"free_completed\"")));
+}
+
+#[test]
+fn no_caching_goes_to_the_source_every_time() {
+    let a = CachingAllocator::builder(ShmemSource::new().reserve(false))
+        .config(Config { no_caching: true, ..Config::default() })
+        .capacity(1 << 30)
+        .build()
+        .unwrap();
+    for _ in 0..3 {
+        drop(a.allocate(4096, None).unwrap());
+    }
+    let st = a.stats();
+    assert_eq!(st.num_device_alloc, 3);
+    assert_eq!(st.num_device_free, 3);
+    assert_eq!(st.reserved_bytes[AGGREGATE].current, 0);
+}
+
+#[test]
+fn bad_input_gets_clear_errors_and_leaves_the_allocator_intact() {
+    let a = alloc("", 1 << 30);
+    assert!(matches!(a.allocate(0, None), Err(Error::ZeroLength)));
+    for huge in [usize::MAX, usize::MAX - 511, isize::MAX as usize + 1] {
+        assert!(matches!(a.allocate(huge, None), Err(Error::TooLarge { .. })), "{huge}");
+    }
+    let p = a.allocate_raw(4096, None).unwrap();
+    let q = a.allocate_raw(4096, None).unwrap();
+    let e = a.free_raw(p.wrapping_add(512)).unwrap_err();
+    assert!(e.to_string().contains("not the start of a live allocation"), "{e}");
+    a.free_raw(p).unwrap();
+    let e = a.free_raw(p).unwrap_err();
+    assert!(matches!(e, Error::InvalidFree { .. }), "{e}");
+    let mut local = [0u8; 16];
+    let e = a.free_raw(local.as_mut_ptr()).unwrap_err();
+    assert!(e.to_string().contains("not a pointer this allocator handed out"), "{e}");
+    let e = a.free_raw(std::ptr::null_mut()).unwrap_err();
+    assert!(e.to_string().contains("null"), "{e}");
+    // Intact: the stats add up and allocation still works.
+    let st = a.stats();
+    assert_eq!(st.allocation[AGGREGATE].current, 1);
+    assert_eq!(st.allocated_bytes[AGGREGATE].current, 4096);
+    a.free_raw(q).unwrap();
+    let again = a.allocate_raw(4096, None).unwrap();
+    a.free_raw(again).unwrap();
+    assert_eq!(a.stats().allocation[AGGREGATE].current, 0);
+}
+
+#[test]
+fn a_source_that_refuses_is_reported_as_the_cause() {
+    let src = Budget::new(4 * MB);
+    let a = CachingAllocator::builder(src).config(Config::default()).capacity(1 << 30).build().unwrap();
+    let x = a.allocate(MB, None).unwrap();
+    let e = a.allocate(3 * MB, None).unwrap_err();
+    assert!(e.to_string().contains("budget refused"), "{e}");
+    drop(x);
+}
+
+#[test]
+fn frees_from_many_threads_while_others_allocate() {
+    let a = Arc::new(alloc("", 1 << 30));
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let a = Arc::clone(&a);
+            s.spawn(move || {
+                let mut live = Vec::new();
+                for i in 0..2000usize {
+                    live.push(a.allocate(512 + (i * 37 + t * 101) % (64 * KB), None).unwrap());
+                    if i % 3 == 0 {
+                        live.swap_remove((i * 7) % live.len());
+                    }
+                }
+                // Free the rest on another thread.
+                std::thread::spawn(move || drop(live)).join().unwrap();
+            });
+        }
+    });
+    let st = a.stats();
+    assert_eq!(st.allocation[AGGREGATE].current, 0);
+    assert_eq!(st.allocated_bytes[AGGREGATE].current, 0);
+    assert_eq!(st.active[AGGREGATE].current, 0);
+    assert_eq!(st.simple().num_allocs, 8000);
+    assert_eq!(st.simple().num_frees, 8000);
+    // Everything merged back: each segment is one free block.
+    for seg in a.snapshot().segments {
+        assert_eq!(seg.blocks.len(), 1, "{seg:?}");
+    }
+}
