@@ -418,3 +418,75 @@ fn frees_from_many_threads_while_others_allocate() {
         assert_eq!(seg.blocks.len(), 1, "{seg:?}");
     }
 }
+
+#[test]
+fn pinned_host_blocks_are_power_of_two_never_split_and_reused_after_their_queues() {
+    use dmabuf_rt::caching::HostCachingAllocator;
+    use dmabuf_rt::source::HostSource;
+    let h = HostCachingAllocator::new(HostSource::mlocked());
+    let a = h.allocate(5000).unwrap();
+    assert_eq!(a.segment().len(), 8192, "rounded to a power of two");
+    assert_eq!(a.segment().kind(), SegmentKind::PinnedHost);
+    let seg_addr = a.segment().mapping().unwrap().as_ptr();
+    drop(a);
+    let b = h.allocate(8000).unwrap();
+    assert_eq!(b.segment().mapping().unwrap().as_ptr(), seg_addr, "the cached block was not reused");
+    assert_eq!(h.stats().num_source_allocs, 1);
+    // Used on a queue: not reused until the queue passes the free.
+    let q = Queue::new().unwrap();
+    let mut b = b;
+    b.record_stream(&q);
+    q.callback(|_| std::thread::sleep(Duration::from_millis(80))).unwrap();
+    drop(b);
+    let c = h.allocate(8000).unwrap();
+    assert_ne!(c.segment().mapping().unwrap().as_ptr(), seg_addr, "reused while the queue might still use it");
+    q.synchronize().unwrap();
+    let d = h.allocate(8000).unwrap();
+    assert_eq!(d.segment().mapping().unwrap().as_ptr(), seg_addr);
+    let st = h.stats();
+    assert_eq!((st.num_allocs, st.num_frees, st.num_source_allocs), (4, 2, 2));
+    assert_eq!(st.allocated_bytes, 2 * 8192);
+    drop((c, d));
+    h.empty_cache();
+    let st = h.stats();
+    assert_eq!((st.reserved_bytes, st.allocated_bytes, st.num_source_frees), (0, 0, 2));
+    assert!(matches!(h.allocate(0), Err(Error::ZeroLength)));
+    assert!(matches!(h.allocate(usize::MAX), Err(Error::TooLarge { .. })));
+}
+
+#[test]
+fn replay_cli_prints_every_figure() {
+    let dir = common::TempDir::new("replay");
+    let path = dir.0.join("trace.jsonl");
+    let mut text = String::new();
+    for i in 0..50u64 {
+        text.push_str(&format!("{{\"t\":{i},\"op\":\"alloc\",\"addr\":{i},\"size\":{}}}\n", 4096 + i * 1000));
+        if i % 2 == 1 {
+            text.push_str(&format!("{{\"t\":{i},\"op\":\"free\",\"addr\":{}}}\n", i - 1));
+        }
+    }
+    std::fs::write(&path, text).unwrap();
+    let bin = std::env::var_os("DMABUF_RT_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_dmabuf-rt").into());
+    let out = std::process::Command::new(&bin)
+        .args(["replay", path.to_str().unwrap(), "--json", "--find-min-capacity"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let j = String::from_utf8(out.stdout).unwrap();
+    for k in [
+        "ops\":75",
+        "peak_allocated_bytes",
+        "peak_reserved_bytes",
+        "ratio",
+        "backend_allocs\":1",
+        "ns_per_op",
+        "min_capacity_bytes\":2097152",
+        "ooms\":0",
+    ] {
+        assert!(j.contains(k), "{k} missing: {j}");
+    }
+    std::fs::write(&path, "{\"op\":\"alloc\"}\n").unwrap();
+    let out = std::process::Command::new(&bin).args(["replay", path.to_str().unwrap()]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("line 1"), "{out:?}");
+}

@@ -2,10 +2,16 @@
 
 use std::process::ExitCode;
 
+use dmabuf_rt::caching::Config;
+use dmabuf_rt::caching::replay::{ReplaySource, find_min_capacity, parse_trace, replay};
+
 const USAGE: &str = "usage: dmabuf-rt <command>
 
 commands:
   devices    list DMA-BUF heaps, udmabuf and DRM nodes, and whether this process may open them
+  replay FILE.jsonl [--source virtual|shmem] [--capacity BYTES] [--find-min-capacity] [--json]
+             replay an allocation trace ({\"t\":ns,\"op\":\"alloc\"|\"free\",\"addr\":n,\"size\":n} per line)
+             through the caching allocator (settings from DMABUF_RT_ALLOC_CONF)
   help       this text";
 
 fn main() -> ExitCode {
@@ -15,6 +21,13 @@ fn main() -> ExitCode {
             print!("{}", dmabuf_rt::discovery::discover());
             ExitCode::SUCCESS
         }
+        Some("replay") => match run_replay(&args[1..]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("dmabuf-rt replay: {e}");
+                ExitCode::from(1)
+            }
+        },
         Some("help" | "-h" | "--help") => {
             println!("{USAGE}");
             ExitCode::SUCCESS
@@ -28,4 +41,59 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+fn run_replay(args: &[String]) -> Result<(), String> {
+    let mut file = None;
+    let mut source = ReplaySource::Virtual;
+    let mut capacity: u64 = 1 << 40;
+    let (mut find_min, mut json) = (false, false);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--source" => {
+                source = match it.next().map(String::as_str) {
+                    Some("virtual") => ReplaySource::Virtual,
+                    Some("shmem") => ReplaySource::Shmem,
+                    other => return Err(format!("--source takes virtual or shmem, not {other:?}")),
+                }
+            }
+            "--capacity" => {
+                capacity = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .filter(|&c| c > 0)
+                    .ok_or("--capacity takes a positive number of bytes")?;
+            }
+            "--find-min-capacity" => find_min = true,
+            "--json" => json = true,
+            f if !f.starts_with("--") && file.is_none() => file = Some(f.to_string()),
+            other => return Err(format!("unexpected argument `{other}`")),
+        }
+    }
+    let file = file.ok_or("missing the trace file")?;
+    let text = std::fs::read_to_string(&file).map_err(|e| format!("{file}: {e}"))?;
+    let trace = parse_trace(&text).map_err(|e| e.to_string())?;
+    let config = Config::from_env().map_err(|e| e.to_string())?;
+    let mut report = replay(&trace, source, capacity, &config).map_err(|e| e.to_string())?;
+    if find_min {
+        report.min_capacity_bytes = find_min_capacity(&trace, source, capacity, &config).map_err(|e| e.to_string())?;
+    }
+    if json {
+        println!("{}", report.to_json());
+    } else {
+        println!("ops                   {}", report.ops);
+        println!("peak_allocated_bytes  {}", report.peak_allocated_bytes);
+        println!("peak_reserved_bytes   {}", report.peak_reserved_bytes);
+        println!("ratio                 {:.4}", report.ratio);
+        println!("backend_allocs        {}", report.backend_allocs);
+        println!("backend_frees         {}", report.backend_frees);
+        println!("ns_per_op             {:.1}", report.ns_per_op);
+        match report.min_capacity_bytes {
+            Some(c) => println!("min_capacity_bytes    {c}"),
+            None => println!("min_capacity_bytes    -"),
+        }
+        println!("ooms                  {}", report.ooms);
+    }
+    Ok(())
 }

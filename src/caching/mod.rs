@@ -28,7 +28,9 @@
 
 pub mod config;
 pub mod free_list;
+mod host;
 mod pool;
+pub mod replay;
 pub mod stats;
 
 use std::collections::HashMap;
@@ -37,6 +39,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use config::Config;
 use free_list::{FreeList, Node};
+pub use host::{HostAllocation, HostCachingAllocator, HostStats};
 use pool::{BlockId, Pool};
 pub use pool::{BlockState, HistoryEvent, HistoryKind, SegmentSnapshot, Snapshot};
 pub use stats::{DeviceStats, SimpleStats, Stat};
@@ -129,6 +132,11 @@ impl CachingAllocator {
     /// Settings for an allocator over `source`.
     pub fn builder(source: impl MemorySource + 'static) -> AllocatorBuilder {
         AllocatorBuilder { source: Box::new(source), config: None, capacity: None }
+    }
+
+    /// Settings for an allocator over a boxed source.
+    pub fn builder_boxed(source: Box<dyn MemorySource>) -> AllocatorBuilder {
+        AllocatorBuilder { source, config: None, capacity: None }
     }
 
     /// An allocator over `source` with settings from the environment.

@@ -11,6 +11,7 @@ pub mod gem;
 pub mod heap;
 pub mod host;
 pub mod shmem;
+pub mod sparse;
 
 use std::fmt::Debug;
 use std::io;
@@ -19,6 +20,7 @@ pub use gem::{GemImport, GemSource, VgemFence};
 pub use heap::HeapSource;
 pub use host::{HostBacking, HostSource};
 pub use shmem::{ShmemSource, Udmabuf};
+pub use sparse::SparseSource;
 
 use crate::error::{Error, Result};
 use crate::segment::{Segment, SegmentKind};

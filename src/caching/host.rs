@@ -1,0 +1,211 @@
+//! A caching allocator for pinned host memory, in the style of PyTorch's
+//! `CachingHostAllocator`: sizes round up to powers of two, blocks are never split, a freed
+//! block is reused for the same power of two once every queue that used it has passed the
+//! point of its free, and frees are lock-free.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::free_list::{FreeList, Node};
+use crate::error::{Error, Result};
+use crate::queue::{Mem, Queue, QueueHandle};
+use crate::segment::Segment;
+use crate::source::{HostSource, MemorySource};
+
+/// The smallest block.
+const MIN_SIZE: usize = 4096;
+
+/// Host allocator statistics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostStats {
+    /// Bytes in blocks handed out (rounded).
+    pub allocated_bytes: u64,
+    /// Bytes obtained from the source.
+    pub reserved_bytes: u64,
+    /// Peak of `allocated_bytes`.
+    pub peak_allocated_bytes: u64,
+    /// Blocks handed out.
+    pub num_allocs: u64,
+    /// Blocks returned.
+    pub num_frees: u64,
+    /// Blocks obtained from the source.
+    pub num_source_allocs: u64,
+    /// Blocks returned to the source.
+    pub num_source_frees: u64,
+}
+
+struct State {
+    /// Free blocks by power-of-two size.
+    free: HashMap<usize, Vec<Arc<Segment>>>,
+    stats: HostStats,
+}
+
+struct Inner {
+    source: Box<dyn MemorySource>,
+    state: Mutex<State>,
+    frees: FreeList<Arc<Segment>>,
+}
+
+/// The pinned-host caching allocator. Cheap to clone.
+#[derive(Clone)]
+pub struct HostCachingAllocator {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for HostCachingAllocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostCachingAllocator").field("stats", &self.stats()).finish()
+    }
+}
+
+impl Default for HostCachingAllocator {
+    fn default() -> Self {
+        Self::new(HostSource::new())
+    }
+}
+
+impl HostCachingAllocator {
+    /// An allocator over a pinned-host source (any [`MemorySource`] works).
+    pub fn new(source: impl MemorySource + 'static) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                source: Box::new(source),
+                state: Mutex::new(State { free: HashMap::new(), stats: HostStats::default() }),
+                frees: FreeList::new(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        let mut s = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        for n in self.inner.frees.take_all() {
+            let seg = n.value;
+            s.stats.allocated_bytes -= seg.len() as u64;
+            s.stats.num_frees += 1;
+            s.free.entry(seg.len()).or_default().push(seg);
+        }
+        s
+    }
+
+    /// At least `size` bytes of pinned host memory (rounded up to a power of two).
+    pub fn allocate(&self, size: usize) -> Result<HostAllocation> {
+        if size == 0 {
+            return Err(Error::ZeroLength);
+        }
+        let rounded = size.max(MIN_SIZE).checked_next_power_of_two().ok_or(Error::TooLarge {
+            requested: size as u64,
+            limit: 1 << (usize::BITS - 1),
+            what: "address space",
+            source_name: "host caching allocator".into(),
+        })?;
+        let mut s = self.lock();
+        let seg = match s.free.get_mut(&rounded).and_then(Vec::pop) {
+            Some(seg) => seg,
+            None => {
+                drop(s);
+                let seg = Arc::new(self.inner.source.allocate(rounded)?);
+                s = self.lock();
+                s.stats.reserved_bytes += seg.len() as u64;
+                s.stats.num_source_allocs += 1;
+                seg
+            }
+        };
+        s.stats.allocated_bytes += seg.len() as u64;
+        s.stats.peak_allocated_bytes = s.stats.peak_allocated_bytes.max(s.stats.allocated_bytes);
+        s.stats.num_allocs += 1;
+        drop(s);
+        Ok(HostAllocation { inner: Arc::clone(&self.inner), seg: Some(seg), size, uses: Vec::new() })
+    }
+
+    /// Returns every cached block to the source.
+    pub fn empty_cache(&self) {
+        let mut s = self.lock();
+        let freed: Vec<Arc<Segment>> = s.free.drain().flat_map(|(_, v)| v).collect();
+        for seg in &freed {
+            s.stats.reserved_bytes -= seg.len() as u64;
+            s.stats.num_source_frees += 1;
+        }
+        drop(s);
+        drop(freed);
+    }
+
+    /// Statistics, with every free so far accounted for.
+    pub fn stats(&self) -> HostStats {
+        self.lock().stats
+    }
+}
+
+/// Pinned host memory from a [`HostCachingAllocator`]; freed (lock-free) on drop, reusable
+/// once the queues it was used on have passed that point.
+pub struct HostAllocation {
+    inner: Arc<Inner>,
+    seg: Option<Arc<Segment>>,
+    size: usize,
+    uses: Vec<QueueHandle>,
+}
+
+impl std::fmt::Debug for HostAllocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostAllocation").field("size", &self.size).finish()
+    }
+}
+
+impl HostAllocation {
+    /// The size asked for.
+    pub fn len(&self) -> usize {
+        self.size
+    }
+
+    /// Always false.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    fn seg(&self) -> &Arc<Segment> {
+        self.seg.as_ref().expect("present until drop")
+    }
+
+    /// The memory as a queue range.
+    pub fn mem(&self) -> Mem {
+        Mem::from(self.seg()).range(0, self.size).expect("the block holds the request")
+    }
+
+    /// The segment (a pinned dma-buf or an mlocked memfd).
+    pub fn segment(&self) -> &Arc<Segment> {
+        self.seg()
+    }
+
+    /// Records that `queue` uses this memory (see [`super::Allocation::record_stream`]).
+    pub fn record_stream(&mut self, queue: &Queue) {
+        if !self.uses.iter().any(|h| h.id() == queue.id()) {
+            self.uses.push(queue.handle());
+        }
+    }
+}
+
+impl Drop for HostAllocation {
+    fn drop(&mut self) {
+        let Some(seg) = self.seg.take() else { return };
+        if self.uses.is_empty() {
+            self.inner.frees.push(Node::new(seg));
+            return;
+        }
+        let left = Arc::new(AtomicUsize::new(self.uses.len()));
+        let slot = Arc::new(Mutex::new(Some(seg)));
+        for q in self.uses.drain(..) {
+            let (inner, left, slot) = (Arc::clone(&self.inner), Arc::clone(&left), Arc::clone(&slot));
+            let done = move || {
+                if left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    if let Some(seg) = slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                        inner.frees.push(Node::new(seg));
+                    }
+                }
+            };
+            match q.record() {
+                Ok(ev) => ev.on_complete(move |_| done()),
+                Err(_) => done(),
+            }
+        }
+    }
+}
