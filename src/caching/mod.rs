@@ -154,8 +154,8 @@ impl CachingAllocator {
     /// that queue: after it is freed, only allocations on the same queue reuse it directly.
     pub fn allocate(&self, size: usize, queue: Option<&Queue>) -> Result<Allocation> {
         let stream = queue.map_or(0, Queue::id);
-        let node = Node::new(FreeMsg::Free(0));
         let mut pool = self.lock();
+        let node = pool.take_node();
         let wait_pending = |pool: &mut Pool| self.wait_for_pending(pool);
         let b = pool.allocate(size, stream, wait_pending)?;
         drop(pool);
@@ -206,6 +206,12 @@ impl CachingAllocator {
     /// Segments with their blocks.
     pub fn snapshot(&self) -> Snapshot {
         self.lock().snapshot()
+    }
+
+    /// Records every allocation and free in the history too (off by default: it costs a
+    /// clock read per operation). Segment events and OOMs are always recorded.
+    pub fn record_history(&self, all: bool) {
+        self.lock().set_record_all(all);
     }
 
     /// The recent allocator events (bounded), oldest first.

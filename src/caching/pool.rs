@@ -1,14 +1,15 @@
 //! The allocator's state, guarded by its lock: segments, blocks, the two pools, stats, and
 //! the history. All of seed 003's rules live here.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::fmt::Write;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::FreeMsg;
 use super::config::Config;
-use super::free_list::FreeList;
+use super::free_list::{FreeList, Node};
 use super::stats::{self, DeviceStats, LARGE_POOL, SMALL_POOL};
 use crate::error::{Error, Result};
 use crate::segment::Segment;
@@ -45,6 +46,8 @@ struct Block {
     pool: usize,
     /// The allocation-miss count when the block was last cached (for GC age).
     cached_at: u64,
+    /// In the quick cache (free, unmerged, not in a pool).
+    in_quick: bool,
 }
 
 impl Block {
@@ -214,10 +217,44 @@ pub(crate) struct Pool {
     free_segs: Vec<u32>,
     pools: [BTreeSet<Key>; 3],
     stats: DeviceStats,
-    /// Reused free-list nodes.
+    /// Allocation misses so far (the GC clock).
     misses: u64,
     history: VecDeque<HistoryEvent>,
+    /// Record alloc/free events too (segment events and OOMs are always recorded).
+    record_all: bool,
     started: Instant,
+    /// Free-list nodes kept for reuse, so the hot path does not allocate.
+    nodes: Vec<Box<Node<FreeMsg>>>,
+    /// Scratch for draining the free list in push order.
+    scratch: Vec<FreeMsg>,
+    /// Freed blocks kept unmerged for exact reuse, by (stream, size): the fast path for
+    /// periodic workloads. Flushed into the pools (with merging) on a miss.
+    quick: HashMap<(u64, usize), Vec<BlockId>, BuildHasherDefault<FxHasher>>,
+    quick_len: usize,
+}
+
+/// How many freed blocks the quick cache holds before it is flushed into the pools.
+const QUICK_MAX: usize = 1024;
+
+/// A fast multiplicative hasher for the quick cache's small integer keys.
+#[derive(Default)]
+pub(crate) struct FxHasher(u64);
+
+impl Hasher for FxHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    fn write_usize(&mut self, v: usize) {
+        self.write_u64(v as u64);
+    }
 }
 
 fn pool_name(pool: usize) -> &'static str {
@@ -241,7 +278,12 @@ impl Pool {
             stats,
             misses: 0,
             history: VecDeque::new(),
+            record_all: false,
             started: Instant::now(),
+            nodes: Vec::new(),
+            scratch: Vec::new(),
+            quick: HashMap::default(),
+            quick_len: 0,
         }
     }
 
@@ -266,7 +308,15 @@ impl Pool {
         self.history.iter().copied().collect()
     }
 
+    pub(crate) fn set_record_all(&mut self, on: bool) {
+        self.record_all = on;
+    }
+
     fn log(&mut self, kind: HistoryKind, addr: usize, size: usize, stream: u64) {
+        let always = matches!(kind, HistoryKind::SegmentAlloc | HistoryKind::SegmentFree | HistoryKind::Oom);
+        if !always && !self.record_all {
+            return;
+        }
         if self.history.len() == HISTORY {
             self.history.pop_front();
         }
@@ -366,10 +416,16 @@ impl Pool {
         if frees.is_empty() {
             return;
         }
-        // Oldest first: the list yields newest first.
-        let mut msgs: Vec<FreeMsg> = frees.take_all().map(|n| n.value).collect();
-        msgs.reverse();
-        for m in msgs {
+        // The list yields newest first; apply oldest first (a deferred free's Requested must
+        // precede its Completed).
+        let mut msgs = std::mem::take(&mut self.scratch);
+        for n in frees.take_all() {
+            msgs.push(n.value);
+            if self.nodes.len() < 4096 {
+                self.nodes.push(n);
+            }
+        }
+        for &m in msgs.iter().rev() {
             match m {
                 FreeMsg::Free(id) => {
                     self.account_free_request(id);
@@ -384,6 +440,13 @@ impl Pool {
                 FreeMsg::Completed(id) => self.free_block(id),
             }
         }
+        msgs.clear();
+        self.scratch = msgs;
+    }
+
+    /// A free-list node for a new allocation (reused when possible).
+    pub(crate) fn take_node(&mut self) -> Box<Node<FreeMsg>> {
+        self.nodes.pop().unwrap_or_else(|| Node::new(FreeMsg::Free(0)))
     }
 
     /// The caller let go: it no longer counts as allocated (it stays active until free).
@@ -400,25 +463,90 @@ impl Pool {
         self.blocks[id as usize].requested = 0;
     }
 
-    /// Returns a block to its pool, merging it with free neighbours.
+    /// Returns a block: into the quick cache (unmerged, for exact reuse) when caching, else
+    /// into its pool, merged with free neighbours.
     fn free_block(&mut self, id: BlockId) {
-        let (addr, size, stream, pool) = {
+        // Make room first, while this block still counts as allocated (so the flush's merges
+        // leave it alone).
+        if self.quick_len >= QUICK_MAX {
+            self.flush_quick();
+        }
+        let (size, stream, pool) = {
             let b = &self.blocks[id as usize];
-            (self.addr(id), b.size, b.stream, b.pool)
+            (b.size, b.stream, b.pool)
         };
-        self.log(HistoryKind::FreeCompleted, addr, size, stream);
+        if self.record_all {
+            let addr = self.addr(id);
+            self.log(HistoryKind::FreeCompleted, addr, size, stream);
+        }
         stats::update_array(&mut self.stats.active, pool, -1);
         stats::update_array(&mut self.stats.active_bytes, pool, -(size as i64));
+        let misses = self.misses;
         let b = &mut self.blocks[id as usize];
         b.allocated = false;
         b.requested = 0;
-        if let Some(p) = b.prev.filter(|&p| !self.blocks[p as usize].allocated) {
+        b.cached_at = misses;
+        if !self.config.no_caching && size < self.config.max_split_size {
+            self.quick_insert(id);
+            return;
+        }
+        self.pool_free(id);
+    }
+
+    fn quick_insert(&mut self, id: BlockId) {
+        let b = &mut self.blocks[id as usize];
+        b.in_quick = true;
+        let (key, pool, split, size) = ((b.stream, b.size), b.pool, b.is_split(), b.size as i64);
+        self.quick.entry(key).or_default().push(id);
+        self.quick_len += 1;
+        if split {
+            stats::update_array(&mut self.stats.inactive_split, pool, 1);
+            stats::update_array(&mut self.stats.inactive_split_bytes, pool, size);
+        }
+    }
+
+    fn quick_take(&mut self, stream: u64, size: usize) -> Option<BlockId> {
+        let id = self.quick.get_mut(&(stream, size))?.pop()?;
+        self.quick_len -= 1;
+        let b = &mut self.blocks[id as usize];
+        b.in_quick = false;
+        let (pool, split, size) = (b.pool, b.is_split(), b.size as i64);
+        if split {
+            stats::update_array(&mut self.stats.inactive_split, pool, -1);
+            stats::update_array(&mut self.stats.inactive_split_bytes, pool, -size);
+        }
+        Some(id)
+    }
+
+    /// Moves every quick-cached block into its pool, merging neighbours.
+    pub(crate) fn flush_quick(&mut self) {
+        if self.quick_len == 0 {
+            return;
+        }
+        let ids: Vec<BlockId> = self.quick.values_mut().flat_map(std::mem::take).collect();
+        self.quick_len = 0;
+        // One at a time: a neighbour still marked quick is not merged until its own turn.
+        for id in ids {
+            let b = &mut self.blocks[id as usize];
+            b.in_quick = false;
+            let (pool, split, size) = (b.pool, b.is_split(), b.size as i64);
+            if split {
+                stats::update_array(&mut self.stats.inactive_split, pool, -1);
+                stats::update_array(&mut self.stats.inactive_split_bytes, pool, -size);
+            }
+            self.pool_free(id);
+        }
+    }
+
+    /// Puts a free block into its pool, merged with its free (pooled) neighbours.
+    fn pool_free(&mut self, id: BlockId) {
+        let mergeable = |b: &Block| !b.allocated && !b.in_quick;
+        if let Some(p) = self.blocks[id as usize].prev.filter(|&p| mergeable(&self.blocks[p as usize])) {
             self.merge(id, p);
         }
-        if let Some(n) = self.blocks[id as usize].next.filter(|&n| !self.blocks[n as usize].allocated) {
+        if let Some(n) = self.blocks[id as usize].next.filter(|&n| mergeable(&self.blocks[n as usize])) {
             self.merge(id, n);
         }
-        self.blocks[id as usize].cached_at = self.misses;
         self.pool_insert(id);
         if self.config.no_caching && !self.blocks[id as usize].is_split() {
             self.release_block(id);
@@ -467,7 +595,15 @@ impl Pool {
         let alloc_size = self.allocation_size(rounded).ok_or_else(too_large)?;
         let pool = Self::pool_for(rounded);
 
+        if let Some(id) = self.quick_take(stream, rounded) {
+            return Ok(self.hand_out(id, size, stream));
+        }
         let mut found = if self.config.no_caching { None } else { self.get_free_block(rounded, stream, pool) };
+        if found.is_none() && self.quick_len > 0 {
+            // Unmerged frees may add up to a fit.
+            self.flush_quick();
+            found = self.get_free_block(rounded, stream, pool);
+        }
         let mut cause = String::new();
         if found.is_none() {
             self.misses += 1;
@@ -521,6 +657,7 @@ impl Pool {
                 next: b.next,
                 pool: b.pool,
                 cached_at: self.misses,
+                in_quick: false,
             });
             if let Some(n) = b.next {
                 self.blocks[n as usize].prev = Some(rest);
@@ -530,6 +667,11 @@ impl Pool {
             bm.size = rounded;
             self.pool_insert(rest);
         }
+        Ok(self.hand_out(id, size, stream))
+    }
+
+    /// Marks a block allocated for a request of `size` and accounts for it.
+    fn hand_out(&mut self, id: BlockId, size: usize, stream: u64) -> Handed {
         let b = &mut self.blocks[id as usize];
         b.allocated = true;
         b.requested = size;
@@ -542,10 +684,12 @@ impl Pool {
         if bsize >= self.config.max_split_size {
             self.stats.oversize_allocations.update(1);
         }
-        let addr = self.addr(id);
-        self.log(HistoryKind::Alloc, addr, bsize, stream);
+        if self.record_all {
+            let addr = self.addr(id);
+            self.log(HistoryKind::Alloc, addr, bsize, stream);
+        }
         let segment = Arc::clone(&self.segments[bseg as usize].as_ref().expect("live segment").seg);
-        Ok(Handed { id, segment, offset: boff })
+        Handed { id, segment, offset: boff }
     }
 
     /// Best fit in `pool` for `size` on `stream`, honouring the oversize rules.
@@ -627,6 +771,7 @@ impl Pool {
             next: None,
             pool,
             cached_at: self.misses,
+            in_quick: false,
         });
         self.pool_insert(id);
         Some(id)
@@ -682,6 +827,7 @@ impl Pool {
     /// Frees every cached unsplit block (of `stream`, or all): seed 003's
     /// `release_cached_blocks` and `empty_cache`.
     pub(crate) fn release_cached(&mut self, stream: Option<u64>) {
+        self.flush_quick();
         for pool in [SMALL_POOL, LARGE_POOL] {
             let ids: Vec<BlockId> = self.pools[pool]
                 .iter()
@@ -702,6 +848,7 @@ impl Pool {
         if self.stats.reserved_bytes[stats::AGGREGATE].current <= target {
             return;
         }
+        self.flush_quick();
         let mut aged: Vec<(u64, BlockId)> = self
             .pools
             .iter()
@@ -729,7 +876,8 @@ impl Pool {
         if !inside {
             return "not a pointer this allocator handed out";
         }
-        let starts_free_block = self.pools.iter().flat_map(|p| p.iter()).any(|k| k.2 == ptr);
+        let starts_free_block = self.pools.iter().flat_map(|p| p.iter()).any(|k| k.2 == ptr)
+            || self.quick.values().flatten().any(|&id| self.addr(id) == ptr);
         if starts_free_block {
             "already freed (double free)"
         } else {
@@ -740,7 +888,13 @@ impl Pool {
     pub(crate) fn snapshot(&self) -> Snapshot {
         let mut segments: Vec<SegmentSnapshot> = Vec::new();
         let mut by_seg: Vec<Vec<BlockSnapshot>> = vec![Vec::new(); self.segments.len()];
-        let free: std::collections::HashSet<BlockId> = self.pools.iter().flat_map(|p| p.iter()).map(|k| k.3).collect();
+        let free: std::collections::HashSet<BlockId> = self
+            .pools
+            .iter()
+            .flat_map(|p| p.iter())
+            .map(|k| k.3)
+            .chain(self.quick.values().flatten().copied())
+            .collect();
         let dead: std::collections::HashSet<BlockId> = self.free_ids.iter().copied().collect();
         for (id, b) in self.blocks.iter().enumerate() {
             let live = self.segments.get(b.seg as usize).is_some_and(Option::is_some) && !dead.contains(&(id as u32));

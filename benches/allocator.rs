@@ -1,0 +1,203 @@
+//! The caching allocator against two offset allocators measured in the same run: xalloc's
+//! TLSF and offset-allocator (Sebastian Aaltonen's design). The peers manage offsets only (no
+//! memory, no handles, no queues, no stats, single-threaded), so this is the cost of our
+//! bookkeeping against the fastest pure bookkeeping there is. Our segments come from the
+//! sparse source (address space only), and the cache is warm before timing.
+//!
+//! Run: `cargo bench --bench allocator`
+
+use std::hint::black_box;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use dmabuf_rt::caching::{CachingAllocator, Config};
+use dmabuf_rt::source::SparseSource;
+
+const PAIRS: usize = 200_000;
+
+fn ours() -> CachingAllocator {
+    CachingAllocator::builder(SparseSource).config(Config::default()).capacity(1 << 40).build().unwrap()
+}
+
+fn ns(t: Instant, n: usize) -> f64 {
+    t.elapsed().as_nanos() as f64 / n as f64
+}
+
+/// A small xorshift generator, so every allocator sees the same sequence.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Log-uniform between 512 B and 4 MiB.
+    fn size(&mut self) -> usize {
+        let bits = 9 + self.next() % 14;
+        (1usize << bits) + (self.next() as usize % (1usize << bits))
+    }
+}
+
+fn pair_ours(size: usize, loaded: bool) -> f64 {
+    let a = ours();
+    let live: Vec<_> = if loaded {
+        (0..2000).map(|i| a.allocate(512 + (i * 4096) % (2 << 20), None).unwrap()).collect()
+    } else {
+        Vec::new()
+    };
+    drop(a.allocate(size, None).unwrap());
+    let t = Instant::now();
+    for _ in 0..PAIRS {
+        let x = a.allocate(black_box(size), None).unwrap();
+        drop(black_box(x));
+    }
+    let r = ns(t, PAIRS);
+    drop(live);
+    r
+}
+
+fn pair_xalloc(size: usize, loaded: bool) -> f64 {
+    let mut t = xalloc::SysTlsf::<u64>::new(1 << 40);
+    let live: Vec<_> =
+        if loaded { (0..2000).map(|i| t.alloc(512 + (i * 4096) % (2 << 20)).unwrap().0).collect() } else { Vec::new() };
+    let start = Instant::now();
+    for _ in 0..PAIRS {
+        let (r, off) = t.alloc(black_box(size as u64)).unwrap();
+        black_box(off);
+        t.dealloc(r).unwrap();
+    }
+    let r = ns(start, PAIRS);
+    for l in live {
+        t.dealloc(l).unwrap();
+    }
+    r
+}
+
+fn pair_offset(size: usize, loaded: bool) -> f64 {
+    let mut t = offset_allocator::Allocator::<u32>::with_max_allocs(u32::MAX, 8192);
+    let live: Vec<_> = if loaded {
+        (0..2000u32).map(|i| t.allocate(512 + (i * 4096) % (2 << 20)).unwrap()).collect()
+    } else {
+        Vec::new()
+    };
+    let start = Instant::now();
+    for _ in 0..PAIRS {
+        let a = t.allocate(black_box(size as u32)).unwrap();
+        black_box(a.offset);
+        t.free(a);
+    }
+    let r = ns(start, PAIRS);
+    for l in live {
+        t.free(l);
+    }
+    r
+}
+
+/// Random workload: 400k operations, about 1000 live blocks, log-uniform sizes.
+fn random_ours() -> f64 {
+    let a = ours();
+    let mut rng = Rng(0x9e3779b97f4a7c15);
+    let mut live = Vec::new();
+    let t = Instant::now();
+    for _ in 0..400_000 {
+        if live.len() < 1000 || rng.next() % 2 == 0 {
+            live.push(a.allocate(rng.size(), None).unwrap());
+        } else {
+            let i = rng.next() as usize % live.len();
+            drop(live.swap_remove(i));
+        }
+    }
+    ns(t, 400_000)
+}
+
+fn random_xalloc() -> f64 {
+    let mut a = xalloc::SysTlsf::<u64>::new(1 << 40);
+    let mut rng = Rng(0x9e3779b97f4a7c15);
+    let mut live = Vec::new();
+    let t = Instant::now();
+    for _ in 0..400_000 {
+        if live.len() < 1000 || rng.next() % 2 == 0 {
+            live.push(a.alloc(rng.size() as u64).unwrap().0);
+        } else {
+            let i = rng.next() as usize % live.len();
+            a.dealloc(live.swap_remove(i)).unwrap();
+        }
+    }
+    ns(t, 400_000)
+}
+
+fn random_offset() -> f64 {
+    let mut a = offset_allocator::Allocator::<u32>::with_max_allocs(u32::MAX, 1 << 16);
+    let mut rng = Rng(0x9e3779b97f4a7c15);
+    let mut live = Vec::new();
+    let t = Instant::now();
+    for _ in 0..400_000 {
+        if live.len() < 1000 || rng.next() % 2 == 0 {
+            live.push(a.allocate(rng.size() as u32).unwrap());
+        } else {
+            let i = rng.next() as usize % live.len();
+            a.free(live.swap_remove(i));
+        }
+    }
+    ns(t, 400_000)
+}
+
+/// One thread allocates 4 KiB blocks, another frees them (handed over in batches of 64).
+fn cross_thread<A: Send + 'static, F: Send + 'static>(alloc: impl Fn() -> A + Send + 'static, free: F) -> f64
+where
+    F: Fn(A) + Send + Clone,
+{
+    const N: usize = 200_000;
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<A>>(16);
+    let t = Instant::now();
+    let consumer = std::thread::spawn(move || {
+        for batch in rx {
+            for x in batch {
+                free(x);
+            }
+        }
+    });
+    let mut batch = Vec::with_capacity(64);
+    for _ in 0..N {
+        batch.push(alloc());
+        if batch.len() == 64 {
+            tx.send(std::mem::replace(&mut batch, Vec::with_capacity(64))).unwrap();
+        }
+    }
+    tx.send(batch).unwrap();
+    drop(tx);
+    consumer.join().unwrap();
+    ns(t, N)
+}
+
+fn main() {
+    println!("{:<34}{:>12}{:>12}{:>18}{:>12}", "ns per operation", "ours", "xalloc", "offset-allocator", "ours/xalloc");
+    for (label, size, loaded) in [
+        ("alloc+free 4 KiB, empty", 4096, false),
+        ("alloc+free 4 KiB, 2000 live", 4096, true),
+        ("alloc+free 1 MiB, empty", 1 << 20, false),
+        ("alloc+free 1 MiB, 2000 live", 1 << 20, true),
+    ] {
+        let (o, x, f) = (pair_ours(size, loaded), pair_xalloc(size, loaded), pair_offset(size, loaded));
+        println!("{label:<34}{o:>12.1}{x:>12.1}{f:>18.1}{:>12.2}", o / x);
+    }
+    let (o, x, f) = (random_ours(), random_xalloc(), random_offset());
+    println!("{:<34}{o:>12.1}{x:>12.1}{f:>18.1}{:>12.2}", "random workload (per op)", o / x);
+
+    let a = ours();
+    let a2 = a.clone();
+    let o = cross_thread(move || a2.allocate(4096, None).unwrap(), drop);
+    drop(a);
+    let tlsf = Arc::new(Mutex::new(xalloc::SysTlsf::<u64>::new(1 << 40)));
+    let (t1, t2) = (tlsf.clone(), tlsf.clone());
+    let x = cross_thread(
+        move || t1.lock().unwrap().alloc(4096).unwrap().0,
+        move |r| t2.lock().unwrap().dealloc(r).unwrap(),
+    );
+    let off = Arc::new(Mutex::new(offset_allocator::Allocator::<u32>::with_max_allocs(u32::MAX, 1 << 16)));
+    let (f1, f2) = (off.clone(), off.clone());
+    let f = cross_thread(move || f1.lock().unwrap().allocate(4096).unwrap(), move |r| f2.lock().unwrap().free(r));
+    println!("{:<34}{o:>12.1}{x:>12.1}{f:>18.1}{:>12.2}", "cross-thread frees, 2 threads", o / x);
+    println!("# peers behind a Mutex for the cross-thread row; ours frees lock-free");
+}
