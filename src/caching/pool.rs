@@ -224,6 +224,10 @@ pub(crate) struct Pool {
     record_all: bool,
     started: Instant,
     /// Free-list nodes kept for reuse, so the hot path does not allocate.
+    #[allow(
+        clippy::vec_box,
+        reason = "the nodes travel through the lock-free list as boxes; keeping them boxed is the point"
+    )]
     nodes: Vec<Box<Node<FreeMsg>>>,
     /// Scratch for draining the free list in push order.
     scratch: Vec<FreeMsg>,
