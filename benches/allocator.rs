@@ -144,9 +144,10 @@ fn random_offset() -> f64 {
 }
 
 /// One thread allocates 4 KiB blocks, another frees them (handed over in batches of 64).
-fn cross_thread<A: Send + 'static, F: Send + 'static>(alloc: impl Fn() -> A + Send + 'static, free: F) -> f64
+fn cross_thread<A, F>(alloc: impl Fn() -> A + Send + 'static, free: F) -> f64
 where
-    F: Fn(A) + Send + Clone,
+    A: Send + 'static,
+    F: Fn(A) + Send + 'static,
 {
     const N: usize = 200_000;
     let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<A>>(16);
