@@ -99,6 +99,13 @@ pub struct Drain<T> {
     next: *mut Node<T>,
 }
 
+impl<T> Drain<T> {
+    /// True when no node is left.
+    pub fn is_done(&self) -> bool {
+        self.next.is_null()
+    }
+}
+
 impl<T> Iterator for Drain<T> {
     type Item = Box<Node<T>>;
 

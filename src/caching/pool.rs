@@ -383,8 +383,8 @@ impl Pool {
         let (pool, split, size) = (b.pool, b.is_split(), b.size as i64);
         self.pools[pool].insert(key);
         if split {
-            stats::update_array(&mut self.stats.inactive_split, pool, 1);
-            stats::update_array(&mut self.stats.inactive_split_bytes, pool, size);
+            stats::inc_array(&mut self.stats.inactive_split, pool, 1);
+            stats::inc_array(&mut self.stats.inactive_split_bytes, pool, size);
         }
     }
 
@@ -395,8 +395,8 @@ impl Pool {
         let removed = self.pools[pool].remove(&key);
         debug_assert!(removed, "block {id} was not in its pool");
         if split {
-            stats::update_array(&mut self.stats.inactive_split, pool, -1);
-            stats::update_array(&mut self.stats.inactive_split_bytes, pool, -size);
+            stats::dec_array(&mut self.stats.inactive_split, pool, 1);
+            stats::dec_array(&mut self.stats.inactive_split_bytes, pool, size);
         }
     }
 
@@ -422,30 +422,49 @@ impl Pool {
         }
         // The list yields newest first; apply oldest first (a deferred free's Requested must
         // precede its Completed).
+        let mut drained = frees.take_all();
+        let Some(first) = drained.next() else { return };
+        if drained.is_done() {
+            // One free (the common case): no reordering needed.
+            let m = first.value;
+            self.recycle(first);
+            self.apply(m);
+            return;
+        }
         let mut msgs = std::mem::take(&mut self.scratch);
-        for n in frees.take_all() {
+        msgs.push(first.value);
+        self.recycle(first);
+        for n in drained {
             msgs.push(n.value);
-            if self.nodes.len() < 4096 {
-                self.nodes.push(n);
-            }
+            self.recycle(n);
         }
         for &m in msgs.iter().rev() {
-            match m {
-                FreeMsg::Free(id) => {
-                    self.account_free_request(id);
-                    self.free_block(id);
-                }
-                FreeMsg::Requested(id) => {
-                    self.account_free_request(id);
-                    let (addr, size, stream) =
-                        (self.addr(id), self.blocks[id as usize].size, self.blocks[id as usize].stream);
-                    self.log(HistoryKind::FreeRequested, addr, size, stream);
-                }
-                FreeMsg::Completed(id) => self.free_block(id),
-            }
+            self.apply(m);
         }
         msgs.clear();
         self.scratch = msgs;
+    }
+
+    fn recycle(&mut self, node: Box<Node<FreeMsg>>) {
+        if self.nodes.len() < 4096 {
+            self.nodes.push(node);
+        }
+    }
+
+    fn apply(&mut self, m: FreeMsg) {
+        match m {
+            FreeMsg::Free(id) => {
+                self.account_free_request(id);
+                self.free_block(id);
+            }
+            FreeMsg::Requested(id) => {
+                self.account_free_request(id);
+                let (addr, size, stream) =
+                    (self.addr(id), self.blocks[id as usize].size, self.blocks[id as usize].stream);
+                self.log(HistoryKind::FreeRequested, addr, size, stream);
+            }
+            FreeMsg::Completed(id) => self.free_block(id),
+        }
     }
 
     /// A free-list node for a new allocation (reused when possible).
@@ -457,9 +476,9 @@ impl Pool {
     fn account_free_request(&mut self, id: BlockId) {
         let b = &self.blocks[id as usize];
         let (pool, size, requested) = (b.pool, b.size as i64, b.requested as i64);
-        stats::update_array(&mut self.stats.allocation, pool, -1);
-        stats::update_array(&mut self.stats.allocated_bytes, pool, -size);
-        stats::update_array(&mut self.stats.requested_bytes, pool, -requested);
+        stats::dec_array(&mut self.stats.allocation, pool, 1);
+        stats::dec_array(&mut self.stats.allocated_bytes, pool, size);
+        stats::dec_array(&mut self.stats.requested_bytes, pool, requested);
         if b.size >= self.config.max_split_size {
             self.stats.oversize_allocations.update(-1);
         }
@@ -483,8 +502,8 @@ impl Pool {
             let addr = self.addr(id);
             self.log(HistoryKind::FreeCompleted, addr, size, stream);
         }
-        stats::update_array(&mut self.stats.active, pool, -1);
-        stats::update_array(&mut self.stats.active_bytes, pool, -(size as i64));
+        stats::dec_array(&mut self.stats.active, pool, 1);
+        stats::dec_array(&mut self.stats.active_bytes, pool, size as i64);
         let misses = self.misses;
         let b = &mut self.blocks[id as usize];
         b.allocated = false;
@@ -504,8 +523,8 @@ impl Pool {
         self.quick.entry(key).or_default().push(id);
         self.quick_len += 1;
         if split {
-            stats::update_array(&mut self.stats.inactive_split, pool, 1);
-            stats::update_array(&mut self.stats.inactive_split_bytes, pool, size);
+            stats::inc_array(&mut self.stats.inactive_split, pool, 1);
+            stats::inc_array(&mut self.stats.inactive_split_bytes, pool, size);
         }
     }
 
@@ -516,8 +535,8 @@ impl Pool {
         b.in_quick = false;
         let (pool, split, size) = (b.pool, b.is_split(), b.size as i64);
         if split {
-            stats::update_array(&mut self.stats.inactive_split, pool, -1);
-            stats::update_array(&mut self.stats.inactive_split_bytes, pool, -size);
+            stats::dec_array(&mut self.stats.inactive_split, pool, 1);
+            stats::dec_array(&mut self.stats.inactive_split_bytes, pool, size);
         }
         Some(id)
     }
@@ -535,8 +554,8 @@ impl Pool {
             b.in_quick = false;
             let (pool, split, size) = (b.pool, b.is_split(), b.size as i64);
             if split {
-                stats::update_array(&mut self.stats.inactive_split, pool, -1);
-                stats::update_array(&mut self.stats.inactive_split_bytes, pool, -size);
+                stats::dec_array(&mut self.stats.inactive_split, pool, 1);
+                stats::dec_array(&mut self.stats.inactive_split_bytes, pool, size);
             }
             self.pool_free(id);
         }
@@ -680,11 +699,11 @@ impl Pool {
         b.allocated = true;
         b.requested = size;
         let (bsize, bpool, bseg, boff) = (b.size, b.pool, b.seg, b.offset);
-        stats::update_array(&mut self.stats.allocation, bpool, 1);
-        stats::update_array(&mut self.stats.allocated_bytes, bpool, bsize as i64);
-        stats::update_array(&mut self.stats.requested_bytes, bpool, size as i64);
-        stats::update_array(&mut self.stats.active, bpool, 1);
-        stats::update_array(&mut self.stats.active_bytes, bpool, bsize as i64);
+        stats::inc_array(&mut self.stats.allocation, bpool, 1);
+        stats::inc_array(&mut self.stats.allocated_bytes, bpool, bsize as i64);
+        stats::inc_array(&mut self.stats.requested_bytes, bpool, size as i64);
+        stats::inc_array(&mut self.stats.active, bpool, 1);
+        stats::inc_array(&mut self.stats.active_bytes, bpool, bsize as i64);
         if bsize >= self.config.max_split_size {
             self.stats.oversize_allocations.update(1);
         }
@@ -758,8 +777,8 @@ impl Pool {
             }
         };
         self.stats.num_device_alloc += 1;
-        stats::update_array(&mut self.stats.segment, pool, 1);
-        stats::update_array(&mut self.stats.reserved_bytes, pool, seg_size as i64);
+        stats::inc_array(&mut self.stats.segment, pool, 1);
+        stats::inc_array(&mut self.stats.reserved_bytes, pool, seg_size as i64);
         if seg_size >= self.config.max_split_size {
             self.stats.oversize_segments.update(1);
         }
@@ -788,8 +807,8 @@ impl Pool {
         debug_assert!(!b.is_split() && !b.allocated);
         if let Some(entry) = self.segments[b.seg as usize].take() {
             self.stats.num_device_free += 1;
-            stats::update_array(&mut self.stats.segment, entry.pool, -1);
-            stats::update_array(&mut self.stats.reserved_bytes, entry.pool, -(entry.size as i64));
+            stats::dec_array(&mut self.stats.segment, entry.pool, 1);
+            stats::dec_array(&mut self.stats.reserved_bytes, entry.pool, entry.size as i64);
             if entry.size >= self.config.max_split_size {
                 self.stats.oversize_segments.update(-1);
             }

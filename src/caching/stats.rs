@@ -17,14 +17,21 @@ pub struct Stat {
 
 impl Stat {
     pub(crate) fn update(&mut self, amount: i64) {
+        if amount >= 0 { self.inc(amount) } else { self.dec(-amount) }
+    }
+
+    #[inline]
+    pub(crate) fn inc(&mut self, amount: i64) {
         self.current += amount;
-        debug_assert!(self.current >= 0, "stat went negative");
         self.peak = self.peak.max(self.current);
-        if amount > 0 {
-            self.allocated += amount;
-        } else {
-            self.freed -= amount;
-        }
+        self.allocated += amount;
+    }
+
+    #[inline]
+    pub(crate) fn dec(&mut self, amount: i64) {
+        self.current -= amount;
+        debug_assert!(self.current >= 0, "stat went negative");
+        self.freed += amount;
     }
 
     fn reset_accumulated(&mut self) {
@@ -47,9 +54,18 @@ pub const SMALL_POOL: usize = 1;
 /// Index of the large-pool entry.
 pub const LARGE_POOL: usize = 2;
 
-pub(crate) fn update_array(a: &mut StatArray, pool: usize, amount: i64) {
-    a[AGGREGATE].update(amount);
-    a[pool].update(amount);
+/// Adds `amount` (>= 0) to the aggregate and the pool's entry.
+#[inline]
+pub(crate) fn inc_array(a: &mut StatArray, pool: usize, amount: i64) {
+    a[AGGREGATE].inc(amount);
+    a[pool].inc(amount);
+}
+
+/// Subtracts `amount` (>= 0) from the aggregate and the pool's entry.
+#[inline]
+pub(crate) fn dec_array(a: &mut StatArray, pool: usize, amount: i64) {
+    a[AGGREGATE].dec(amount);
+    a[pool].dec(amount);
 }
 
 /// PyTorch's `DeviceStats`.
@@ -214,7 +230,7 @@ mod tests {
     #[test]
     fn json_has_pytorch_key_names() {
         let mut d = DeviceStats::default();
-        update_array(&mut d.allocated_bytes, SMALL_POOL, 512);
+        inc_array(&mut d.allocated_bytes, SMALL_POOL, 512);
         let j = d.to_json();
         assert!(j.contains("\"allocated_bytes.all.current\":512"));
         assert!(j.contains("\"allocated_bytes.small_pool.peak\":512"));
