@@ -377,27 +377,33 @@ impl Pool {
 
     // ---- pool membership, keeping inactive_split stats ----
 
-    fn pool_insert(&mut self, id: BlockId) {
-        let key = self.key(id);
+    /// A free block starts (`entering`) or stops counting as inactive split memory.
+    fn account_inactive(&mut self, id: BlockId, entering: bool) {
         let b = &self.blocks[id as usize];
-        let (pool, split, size) = (b.pool, b.is_split(), b.size as i64);
-        self.pools[pool].insert(key);
-        if split {
+        if !b.is_split() {
+            return;
+        }
+        let (pool, size) = (b.pool, b.size as i64);
+        if entering {
             stats::inc_array(&mut self.stats.inactive_split, pool, 1);
             stats::inc_array(&mut self.stats.inactive_split_bytes, pool, size);
+        } else {
+            stats::dec_array(&mut self.stats.inactive_split, pool, 1);
+            stats::dec_array(&mut self.stats.inactive_split_bytes, pool, size);
         }
+    }
+
+    fn pool_insert(&mut self, id: BlockId) {
+        let key = self.key(id);
+        self.pools[self.blocks[id as usize].pool].insert(key);
+        self.account_inactive(id, true);
     }
 
     fn pool_remove(&mut self, id: BlockId) {
         let key = self.key(id);
-        let b = &self.blocks[id as usize];
-        let (pool, split, size) = (b.pool, b.is_split(), b.size as i64);
-        let removed = self.pools[pool].remove(&key);
+        let removed = self.pools[self.blocks[id as usize].pool].remove(&key);
         debug_assert!(removed, "block {id} was not in its pool");
-        if split {
-            stats::dec_array(&mut self.stats.inactive_split, pool, 1);
-            stats::dec_array(&mut self.stats.inactive_split_bytes, pool, size);
-        }
+        self.account_inactive(id, false);
     }
 
     fn new_block(&mut self, b: Block) -> BlockId {
@@ -519,25 +525,22 @@ impl Pool {
     fn quick_insert(&mut self, id: BlockId) {
         let b = &mut self.blocks[id as usize];
         b.in_quick = true;
-        let (key, pool, split, size) = ((b.stream, b.size), b.pool, b.is_split(), b.size as i64);
+        let key = (b.stream, b.size);
         self.quick.entry(key).or_default().push(id);
         self.quick_len += 1;
-        if split {
-            stats::inc_array(&mut self.stats.inactive_split, pool, 1);
-            stats::inc_array(&mut self.stats.inactive_split_bytes, pool, size);
-        }
+        self.account_inactive(id, true);
+    }
+
+    /// Takes a block out of the quick cache's accounting (it was popped from its list).
+    fn quick_leave(&mut self, id: BlockId) {
+        self.blocks[id as usize].in_quick = false;
+        self.account_inactive(id, false);
     }
 
     fn quick_take(&mut self, stream: u64, size: usize) -> Option<BlockId> {
         let id = self.quick.get_mut(&(stream, size))?.pop()?;
         self.quick_len -= 1;
-        let b = &mut self.blocks[id as usize];
-        b.in_quick = false;
-        let (pool, split, size) = (b.pool, b.is_split(), b.size as i64);
-        if split {
-            stats::dec_array(&mut self.stats.inactive_split, pool, 1);
-            stats::dec_array(&mut self.stats.inactive_split_bytes, pool, size);
-        }
+        self.quick_leave(id);
         Some(id)
     }
 
@@ -550,13 +553,7 @@ impl Pool {
         self.quick_len = 0;
         // One at a time: a neighbour still marked quick is not merged until its own turn.
         for id in ids {
-            let b = &mut self.blocks[id as usize];
-            b.in_quick = false;
-            let (pool, split, size) = (b.pool, b.is_split(), b.size as i64);
-            if split {
-                stats::dec_array(&mut self.stats.inactive_split, pool, 1);
-                stats::dec_array(&mut self.stats.inactive_split_bytes, pool, size);
-            }
+            self.quick_leave(id);
             self.pool_free(id);
         }
     }

@@ -168,20 +168,12 @@ impl Ring {
         len: usize,
         offset: u64,
     ) -> Result<(), RingError> {
-        let mut done = 0usize;
-        while done < len {
-            let chunk = (len - done).min(1 << 30) as u32;
-            let e = opcode::Read::new(types::Fd(fd.as_raw_fd()), buf.wrapping_add(done), chunk)
-                .offset(offset + done as u64)
-                .build();
-            // SAFETY: the destination range is valid (caller's contract, passed on).
-            let n = unsafe { self.run(e) }?;
-            if n == 0 {
-                return Err(RingError::Op(io::Error::from(io::ErrorKind::UnexpectedEof)));
-            }
-            done += n as usize;
-        }
-        Ok(())
+        let fd = types::Fd(fd.as_raw_fd());
+        let op = |done: usize, chunk: u32| {
+            opcode::Read::new(fd, buf.wrapping_add(done), chunk).offset(offset + done as u64).build()
+        };
+        // SAFETY: the destination range is valid (caller's contract, passed on).
+        unsafe { self.transfer(len, io::ErrorKind::UnexpectedEof, op) }
     }
 
     /// `pwrite` through the ring, looping on short writes.
@@ -197,16 +189,33 @@ impl Ring {
         len: usize,
         offset: u64,
     ) -> Result<(), RingError> {
+        let fd = types::Fd(fd.as_raw_fd());
+        let op = |done: usize, chunk: u32| {
+            opcode::Write::new(fd, buf.wrapping_add(done), chunk).offset(offset + done as u64).build()
+        };
+        // SAFETY: the source range is valid (caller's contract, passed on).
+        unsafe { self.transfer(len, io::ErrorKind::WriteZero, op) }
+    }
+
+    /// Runs `op(done, chunk)` until `len` bytes have moved; a zero-byte completion is `stall`.
+    ///
+    /// # Safety
+    ///
+    /// Every SQE `op` builds must name buffers valid until this returns (forever on
+    /// [`RingError::Ring`]).
+    unsafe fn transfer(
+        &mut self,
+        len: usize,
+        stall: io::ErrorKind,
+        op: impl Fn(usize, u32) -> squeue::Entry,
+    ) -> Result<(), RingError> {
         let mut done = 0usize;
         while done < len {
             let chunk = (len - done).min(1 << 30) as u32;
-            let e = opcode::Write::new(types::Fd(fd.as_raw_fd()), buf.wrapping_add(done), chunk)
-                .offset(offset + done as u64)
-                .build();
-            // SAFETY: the source range is valid (caller's contract, passed on).
-            let n = unsafe { self.run(e) }?;
+            // SAFETY: the caller's contract.
+            let n = unsafe { self.run(op(done, chunk)) }?;
             if n == 0 {
-                return Err(RingError::Op(io::Error::from(io::ErrorKind::WriteZero)));
+                return Err(RingError::Op(io::Error::from(stall)));
             }
             done += n as usize;
         }
