@@ -184,6 +184,16 @@ fn blocks_stay_with_their_queue() {
     assert_eq!(a.stats().num_device_alloc, n + 1, "q1's cached block was not reused on q1");
     assert_eq!(on_q1.stream(), q1.id());
     drop((on_q1, on_q2));
+    // Through the pools too: merged and best-fit blocks stay with their queue.
+    let b = alloc("", 1 << 30);
+    let first = b.allocate(512 * KB, Some(&q1)).unwrap();
+    let seg_q1 = first.segment().0.mapping().unwrap().as_ptr() as usize;
+    drop(first);
+    drop(b.allocate(300 * KB, Some(&q1)).unwrap()); // a quick-cache miss: merges q1's frees
+    let other = b.allocate(512 * KB, Some(&q2)).unwrap();
+    let p = other.as_ptr() as usize;
+    assert!(!(seg_q1..seg_q1 + 2 * MB).contains(&p), "q2 got memory from q1's segment");
+    assert_eq!(b.stats().segment[AGGREGATE].current, 2);
 }
 
 #[test]
@@ -216,13 +226,15 @@ fn a_block_used_on_another_queue_returns_only_after_that_queue_is_done() {
 
 #[test]
 fn the_oom_ladder_frees_oversize_blocks_then_every_cached_block_then_fails_clearly() {
-    // Rung 1: cached oversize blocks are released to make room.
+    // Rung 1: cached oversize blocks are released to make room, and only they.
     let a = alloc("max_split_size_mb:40", 150 * MB);
-    drop(a.allocate(100 * MB, None).unwrap());
-    let b = a.allocate(120 * MB, None).unwrap();
+    drop(a.allocate(4096, None).unwrap()); // a cached small segment
+    drop(a.allocate(100 * MB, None).unwrap()); // a cached oversize block, too big to reuse below
+    let b = a.allocate(60 * MB, None).unwrap(); // 2 + 100 + 60 > 150
     let st = a.stats();
     assert_eq!(st.num_alloc_retries, 1);
-    assert_eq!(st.num_device_free, 1);
+    assert_eq!(st.num_device_free, 1, "exactly the oversize block was released");
+    assert_eq!(st.segment[SMALL_POOL].current, 1, "rung 1 must not touch the small pool");
     drop(b);
 
     // Rung 2: every unsplit cached block (here small-pool segments) is released.
@@ -271,23 +283,24 @@ fn the_memory_fraction_caps_what_the_process_reserves() {
 #[test]
 fn garbage_collection_frees_the_oldest_cached_blocks_first() {
     let a = alloc("garbage_collection_threshold:0.5", 100 * MB);
-    // Cache 12, 14, 16 and 18 MiB segments in that order: each allocation is a miss, which
-    // ages what is already cached. Reserved ends at 60 MiB, above the 50 MiB threshold.
+    // Cache 18, 16, 14 and 12 MiB segments in that order, each on its own queue so none is
+    // reused for the next: the oldest is also the largest, so GC by size would pick another.
+    let queues: Vec<Queue> = (0..5).map(|_| Queue::new().unwrap()).collect();
     let mut addrs = Vec::new();
-    for size in [12 * MB, 14 * MB, 16 * MB, 18 * MB] {
-        let x = a.allocate(size, None).unwrap();
+    for (size, q) in [18 * MB, 16 * MB, 14 * MB, 12 * MB].into_iter().zip(&queues) {
+        let x = a.allocate(size, Some(q)).unwrap();
         addrs.push(x.as_ptr() as usize);
     }
     assert_eq!(a.stats().reserved_bytes[AGGREGATE].current as usize, 60 * MB);
     // The next miss collects cached blocks at least as old as the average, oldest first,
-    // until reserved is back under the threshold: only the 12 MiB one goes.
-    let _big = a.allocate(30 * MB, None).unwrap();
+    // until reserved is back under the 50 MiB threshold: only the 18 MiB one goes.
+    let _big = a.allocate(30 * MB, Some(&queues[4])).unwrap();
     let after: Vec<usize> = a.snapshot().segments.iter().map(|s| s.address).collect();
     assert!(!after.contains(&addrs[0]), "the oldest cached segment survived GC");
     for kept in &addrs[1..] {
         assert!(after.contains(kept), "a younger segment was collected");
     }
-    assert_eq!(a.stats().reserved_bytes[AGGREGATE].current as usize, 48 * MB + 30 * MB);
+    assert_eq!(a.stats().reserved_bytes[AGGREGATE].current as usize, 42 * MB + 30 * MB);
 }
 
 #[test]
@@ -372,7 +385,7 @@ fn bad_input_gets_clear_errors_and_leaves_the_allocator_intact() {
     assert!(e.to_string().contains("not the start of a live allocation"), "{e}");
     a.free_raw(p).unwrap();
     let e = a.free_raw(p).unwrap_err();
-    assert!(matches!(e, Error::InvalidFree { .. }), "{e}");
+    assert!(matches!(e, Error::InvalidFree { .. }) && e.to_string().contains("double free"), "{e}");
     let mut local = [0u8; 16];
     let e = a.free_raw(local.as_mut_ptr()).unwrap_err();
     assert!(e.to_string().contains("not a pointer this allocator handed out"), "{e}");
@@ -500,4 +513,79 @@ fn replay_cli_prints_every_figure() {
     let out = std::process::Command::new(&bin).args(["replay", path.to_str().unwrap()]).output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("line 1"), "{out:?}");
+}
+
+#[test]
+fn a_block_is_not_reused_while_a_dropped_queue_still_drains_work_on_it() {
+    let a = alloc("", 1 << 30);
+    let q1 = Queue::new().unwrap();
+    let q2 = Queue::new().unwrap();
+    let mut x = a.allocate(MB, Some(&q1)).unwrap();
+    let addr = x.as_ptr();
+    x.record_stream(&q2);
+    let host = HostBuffer::from_slice(&vec![7u8; MB]).unwrap();
+    q2.callback(|_| std::thread::sleep(Duration::from_millis(150))).unwrap();
+    q2.copy(x.mem(), &host).unwrap();
+    let dropper = std::thread::spawn(move || drop(q2)); // drains the callback and the copy
+    std::thread::sleep(Duration::from_millis(30));
+    drop(x);
+    let y = a.allocate(MB, Some(&q1)).unwrap();
+    assert_ne!(y.as_ptr(), addr, "reused while the dropped queue was still writing into it");
+    dropper.join().unwrap();
+    let z = a.allocate(MB, Some(&q1)).unwrap();
+    assert_eq!(z.as_ptr(), addr, "the block came back once the queue had drained");
+}
+
+#[test]
+fn a_deferred_free_that_never_completes_does_not_hang_the_allocator() {
+    let a = CachingAllocator::builder(ShmemSource::new().reserve(false))
+        .config(Config::default())
+        .capacity(4 * MB as u64)
+        .pending_wait_limit(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
+    let (r, _w) = rustix::pipe::pipe().unwrap();
+    let never = dmabuf_rt::queue::Event::from_readable_fd(r).unwrap();
+    q2.wait(&never).unwrap();
+    let keep: Vec<_> = (0..3).map(|_| a.allocate(MB, Some(&q1)).unwrap()).collect();
+    let mut x = a.allocate(MB, Some(&q1)).unwrap();
+    x.record_stream(&q2);
+    drop(x); // its event sits behind a wait that never ends
+    // Other threads keep working while an allocation waits for pending frees.
+    let t = std::time::Instant::now();
+    let e = a.allocate(MB, Some(&q1)).unwrap_err();
+    assert!(matches!(e, Error::AllocatorOom { .. }), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(3), "the OOM ladder waited too long");
+    assert_eq!(a.stats().allocation[AGGREGATE].current, 3);
+    drop(keep);
+    drop(q2); // abandons the wait; the block's event fails, which also releases it
+    let again = a.allocate(MB, Some(&q1)).unwrap();
+    drop(again);
+}
+
+#[test]
+fn an_impossible_request_fails_at_once_without_emptying_the_cache() {
+    let a = alloc("", 100 * MB);
+    drop(a.allocate(MB, None).unwrap());
+    let reserved = a.stats().reserved_bytes[AGGREGATE].current;
+    let e = a.allocate(200 * MB, None).unwrap_err();
+    assert!(e.to_string().contains("more than the allowed memory"), "{e}");
+    assert_eq!(a.stats().reserved_bytes[AGGREGATE].current, reserved, "the cache was emptied for nothing");
+}
+
+#[test]
+fn a_free_pending_on_another_queue_is_found_by_the_oom_ladder() {
+    let a = alloc("", 4 * MB);
+    let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
+    let mut blocks: Vec<_> = (0..4).map(|_| a.allocate(MB, Some(&q1)).unwrap()).collect();
+    let mut x = blocks.pop().unwrap();
+    let addr = x.as_ptr();
+    x.record_stream(&q2);
+    q2.callback(|_| std::thread::sleep(Duration::from_millis(100))).unwrap();
+    drop(x);
+    // Full: only the pending free can satisfy this; the ladder waits for it and reuses it.
+    let y = a.allocate(MB, Some(&q1)).unwrap();
+    assert_eq!(y.as_ptr(), addr);
+    assert_eq!(a.stats().num_ooms, 0);
 }

@@ -149,6 +149,9 @@ fn parse_division_count(key: &str, value: &str, v: &str) -> Result<usize> {
     if n != 0 && !n.is_power_of_two() {
         return Err(bad(key, value, "division counts must be powers of two"));
     }
+    if n > 64 {
+        return Err(bad(key, value, "at most 64 divisions"));
+    }
     Ok(n)
 }
 
@@ -224,6 +227,7 @@ mod tests {
             ("expandable_segments:maybe", "True or False"),
             ("per_process_memory_fraction:0", "(0, 1]"),
             ("roundup_power2_divisions:3", "powers of two"),
+            ("roundup_power2_divisions:9223372036854775808", "at most 64"),
             ("roundup_power2_divisions:[256:1,128:2]", "increase"),
             ("roundup_power2_divisions:[256:1", "missing `]`"),
             ("colour:blue", "unknown key `colour`"),

@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub use config::Config;
 use free_list::{FreeList, Node};
 pub use host::{HostAllocation, HostCachingAllocator, HostStats};
-use pool::{BlockId, Pool};
+use pool::{BlockId, Outcome, Pool};
 pub use pool::{BlockState, HistoryEvent, HistoryKind, SegmentSnapshot, Snapshot};
 pub use stats::{DeviceStats, SimpleStats, Stat};
 
@@ -48,6 +48,9 @@ use crate::error::{Error, Result};
 use crate::queue::{Mem, Queue, QueueHandle};
 use crate::segment::Segment;
 use crate::source::MemorySource;
+
+/// Default limit on waiting for deferred frees.
+const PENDING_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// What the free list carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +68,8 @@ pub(crate) struct Inner {
     frees: FreeList<FreeMsg>,
     /// Deferred frees whose events have not all completed.
     pending: AtomicUsize,
+    /// How long the OOM ladder and `empty_cache` wait for them.
+    pending_limit: std::time::Duration,
     raw: RawTable,
 }
 
@@ -86,6 +91,7 @@ pub struct AllocatorBuilder {
     source: Box<dyn MemorySource>,
     config: Option<Config>,
     capacity: Option<u64>,
+    pending_limit: std::time::Duration,
 }
 
 impl AllocatorBuilder {
@@ -99,6 +105,13 @@ impl AllocatorBuilder {
     /// and the garbage-collection threshold are fractions of it.
     pub fn capacity(mut self, bytes: u64) -> Self {
         self.capacity = Some(bytes);
+        self
+    }
+
+    /// How long the OOM ladder and `empty_cache` wait for deferred frees (default 5 s) before
+    /// going on without them.
+    pub fn pending_wait_limit(mut self, limit: std::time::Duration) -> Self {
+        self.pending_limit = limit;
         self
     }
 
@@ -122,6 +135,7 @@ impl AllocatorBuilder {
                 pool: Mutex::new(Pool::new(self.source, config, capacity)),
                 frees: FreeList::new(),
                 pending: AtomicUsize::new(0),
+                pending_limit: self.pending_limit,
                 raw: RawTable::default(),
             }),
         })
@@ -131,12 +145,12 @@ impl AllocatorBuilder {
 impl CachingAllocator {
     /// Settings for an allocator over `source`.
     pub fn builder(source: impl MemorySource + 'static) -> AllocatorBuilder {
-        AllocatorBuilder { source: Box::new(source), config: None, capacity: None }
+        AllocatorBuilder { source: Box::new(source), config: None, capacity: None, pending_limit: PENDING_LIMIT }
     }
 
     /// Settings for an allocator over a boxed source.
     pub fn builder_boxed(source: Box<dyn MemorySource>) -> AllocatorBuilder {
-        AllocatorBuilder { source, config: None, capacity: None }
+        AllocatorBuilder { source, config: None, capacity: None, pending_limit: PENDING_LIMIT }
     }
 
     /// An allocator over `source` with settings from the environment.
@@ -154,38 +168,48 @@ impl CachingAllocator {
     /// that queue: after it is freed, only allocations on the same queue reuse it directly.
     pub fn allocate(&self, size: usize, queue: Option<&Queue>) -> Result<Allocation> {
         let stream = queue.map_or(0, Queue::id);
-        let mut pool = self.lock();
-        let node = pool.take_node();
-        let wait_pending = |pool: &mut Pool| self.wait_for_pending(pool);
-        let b = pool.allocate(size, stream, wait_pending)?;
-        drop(pool);
-        Ok(Allocation {
-            inner: Arc::clone(&self.inner),
-            node: Some(node),
-            id: b.id,
-            seg: b.segment,
-            offset: b.offset,
-            size,
-            stream,
-            uses: Vec::new(),
-        })
+        let mut waited = false;
+        loop {
+            let mut pool = self.lock();
+            let pending = self.inner.pending.load(Ordering::Acquire) > 0;
+            match pool.allocate(size, stream, pending, waited)? {
+                Outcome::Got(b) => {
+                    let node = pool.take_node();
+                    drop(pool);
+                    return Ok(Allocation {
+                        inner: Arc::clone(&self.inner),
+                        node: Some(node),
+                        id: b.id,
+                        seg: b.segment,
+                        offset: b.offset,
+                        size,
+                        stream,
+                        uses: Vec::new(),
+                    });
+                }
+                Outcome::WaitForPending => {
+                    drop(pool);
+                    self.wait_for_pending();
+                    waited = true;
+                }
+            }
+        }
     }
 
-    /// Blocks until every deferred free has completed, draining them into the pools. Called
-    /// under the lock, which is safe: completions push lock-free and never take it.
-    fn wait_for_pending(&self, pool: &mut Pool) {
-        while self.inner.pending.load(Ordering::Acquire) > 0 {
-            std::thread::sleep(std::time::Duration::from_micros(50));
-            pool.drain(&self.inner.frees);
+    /// Waits, without the allocator's lock, until every deferred free has completed or the
+    /// pending-wait limit passes (a queue stuck on an event that never completes must not
+    /// hang the allocator).
+    fn wait_for_pending(&self) {
+        let start = std::time::Instant::now();
+        while self.inner.pending.load(Ordering::Acquire) > 0 && start.elapsed() < self.inner.pending_limit {
+            std::thread::sleep(std::time::Duration::from_micros(100));
         }
-        pool.drain(&self.inner.frees);
     }
 
     /// Returns every cached, unsplit segment to the source (after waiting for pending frees).
     pub fn empty_cache(&self) {
-        let mut pool = self.lock();
-        self.wait_for_pending(&mut pool);
-        pool.release_cached(None);
+        self.wait_for_pending();
+        self.lock().release_cached(None);
     }
 
     /// The statistics, with every free made so far accounted for.
@@ -349,9 +373,10 @@ impl Drop for Allocation {
             self.inner.frees.push(node);
             return;
         }
+        // Counted before it is published, so no one sees the request without the count.
+        self.inner.pending.fetch_add(1, Ordering::AcqRel);
         node.value = FreeMsg::Requested(self.id);
         self.inner.frees.push(node);
-        self.inner.pending.fetch_add(1, Ordering::AcqRel);
         let left = Arc::new(AtomicUsize::new(self.uses.len()));
         let id = self.id;
         for q in self.uses.drain(..) {
@@ -366,7 +391,8 @@ impl Drop for Allocation {
             match q.record() {
                 // Failed or not, the queue is past its uses of the block once the event is.
                 Ok(ev) => ev.on_complete(move |_| done()),
-                // The queue is gone: its work has finished (dropping a queue drains it).
+                // Refused only once the queue has drained and exited (or its executor died
+                // and cancelled its work): nothing of it can touch the block any more.
                 Err(_) => done(),
             }
         }

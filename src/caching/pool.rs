@@ -68,6 +68,14 @@ struct SegEntry {
 /// `(stream, size, 0, 0)`.
 type Key = (u64, usize, usize, BlockId);
 
+/// What an allocation attempt came to.
+pub(crate) enum Outcome {
+    /// A block.
+    Got(Handed),
+    /// Only deferred frees could help: wait for them without the lock, then try again.
+    WaitForPending,
+}
+
 /// A block handed to the allocator's caller.
 pub(crate) struct Handed {
     pub(crate) id: BlockId,
@@ -346,13 +354,13 @@ impl Pool {
             return Some(MIN_BLOCK);
         }
         let divisions = self.config.divisions_for(size);
-        if divisions > 0 && size > MIN_BLOCK * divisions {
+        if divisions > 0 && MIN_BLOCK.checked_mul(divisions).is_some_and(|m| size > m) {
             // Round up to the next of `divisions` equal steps between two powers of two.
             let floor = 1usize << (usize::BITS - 1 - size.leading_zeros());
             if floor == size {
                 return Some(size);
             }
-            let step = floor / divisions;
+            let step = (floor / divisions).max(MIN_BLOCK);
             return size.checked_next_multiple_of(step);
         }
         size.checked_next_multiple_of(MIN_BLOCK)
@@ -596,12 +604,10 @@ impl Pool {
 
     // ---- allocation (seed 003's malloc) ----
 
-    pub(crate) fn allocate(
-        &mut self,
-        size: usize,
-        stream: u64,
-        mut wait_pending: impl FnMut(&mut Pool),
-    ) -> Result<Handed> {
+    /// Seed 003's malloc. With deferred frees outstanding (`pending`), the last rung first
+    /// returns [`Outcome::WaitForPending`] so the caller can wait for them without holding the
+    /// lock, then call again with `waited`.
+    pub(crate) fn allocate(&mut self, size: usize, stream: u64, pending: bool, waited: bool) -> Result<Outcome> {
         if size == 0 {
             return Err(Error::ZeroLength);
         }
@@ -616,32 +622,44 @@ impl Pool {
         let pool = Self::pool_for(rounded);
 
         if let Some(id) = self.quick_take(stream, rounded) {
-            return Ok(self.hand_out(id, size, stream));
+            return Ok(Outcome::Got(self.hand_out(id, size, stream)));
         }
-        let mut found = if self.config.no_caching { None } else { self.get_free_block(rounded, stream, pool) };
-        if found.is_none() && self.quick_len > 0 {
-            // Unmerged frees may add up to a fit.
-            self.flush_quick();
-            found = self.get_free_block(rounded, stream, pool);
-        }
+        let mut found = self.find_cached(rounded, stream, pool);
         let mut cause = String::new();
-        if found.is_none() {
-            self.misses += 1;
-            if self.config.garbage_collection_threshold > 0.0 {
-                self.garbage_collect();
+        if found.is_none() && alloc_size as u64 > self.allowed {
+            // Nothing cached can help a request no segment within the limit can hold.
+            cause = format!("; the request needs a {alloc_size}-byte segment, more than the allowed memory");
+        } else if found.is_none() {
+            if !waited {
+                self.misses += 1;
+                if self.config.garbage_collection_threshold > 0.0 {
+                    self.garbage_collect();
+                }
             }
             found = self.alloc_segment(alloc_size, pool, stream, &mut cause);
             if found.is_none() && !self.config.no_caching {
-                self.stats.num_alloc_retries += 1;
+                if !waited {
+                    self.stats.num_alloc_retries += 1;
+                }
+                // Rung 1: release cached oversize blocks.
                 if self.release_available_cached(rounded, stream) {
                     found = self.alloc_segment(alloc_size, pool, stream, &mut cause);
                 }
                 if found.is_none() {
-                    wait_pending(self);
-                    // A pending free may have made a fit.
-                    found = self.get_free_block(rounded, stream, pool);
+                    // Rung 2: finish pending frees (outside the lock), then release every
+                    // unsplit cached block.
+                    if pending && !waited {
+                        return Ok(Outcome::WaitForPending);
+                    }
+                    if let Some(id) = self.quick_take(stream, rounded) {
+                        return Ok(Outcome::Got(self.hand_out(id, size, stream)));
+                    }
+                    found = self.find_cached(rounded, stream, pool);
                     if found.is_none() {
                         self.release_cached(None);
+                        found = self.get_free_block(rounded, stream, pool);
+                    }
+                    if found.is_none() {
                         found = self.alloc_segment(alloc_size, pool, stream, &mut cause);
                     }
                 }
@@ -687,7 +705,22 @@ impl Pool {
             bm.size = rounded;
             self.pool_insert(rest);
         }
-        Ok(self.hand_out(id, size, stream))
+        Ok(Outcome::Got(self.hand_out(id, size, stream)))
+    }
+
+    /// A cached block for the request: best fit in the pool, after merging the quick cache if
+    /// that is what it takes.
+    fn find_cached(&mut self, rounded: usize, stream: u64, pool: usize) -> Option<BlockId> {
+        if self.config.no_caching {
+            return None;
+        }
+        let found = self.get_free_block(rounded, stream, pool);
+        if found.is_some() || self.quick_len == 0 {
+            return found;
+        }
+        // Unmerged frees may add up to a fit.
+        self.flush_quick();
+        self.get_free_block(rounded, stream, pool)
     }
 
     /// Marks a block allocated for a request of `size` and accounts for it.
@@ -869,24 +902,31 @@ impl Pool {
             return;
         }
         self.flush_quick();
-        let mut aged: Vec<(u64, BlockId)> = self
-            .pools
-            .iter()
-            .flat_map(|p| p.iter())
-            .map(|k| k.3)
-            .filter(|&id| !self.blocks[id as usize].is_split())
-            .map(|id| (self.misses - self.blocks[id as usize].cached_at, id))
-            .collect();
-        if aged.is_empty() {
-            return;
-        }
-        let avg = aged.iter().map(|a| a.0).sum::<u64>() / aged.len() as u64;
-        aged.sort_unstable_by_key(|a| std::cmp::Reverse(a.0)); // oldest first
-        for (age, id) in aged {
-            if self.stats.reserved_bytes[stats::AGGREGATE].current <= target || age < avg {
-                break;
+        // As seed 003: free blocks at least as old as the average age, oldest first, and
+        // repeat with the average of what is left until under the target or nothing is left.
+        loop {
+            let mut aged: Vec<(u64, BlockId)> = self
+                .pools
+                .iter()
+                .flat_map(|p| p.iter())
+                .map(|k| k.3)
+                .filter(|&id| !self.blocks[id as usize].is_split())
+                .map(|id| (self.misses - self.blocks[id as usize].cached_at, id))
+                .collect();
+            if aged.is_empty() {
+                return;
             }
-            self.release_block(id);
+            let avg = aged.iter().map(|a| a.0).sum::<u64>() / aged.len() as u64;
+            aged.sort_unstable_by_key(|a| std::cmp::Reverse(a.0)); // oldest first
+            for (age, id) in aged {
+                if self.stats.reserved_bytes[stats::AGGREGATE].current <= target {
+                    return;
+                }
+                if age < avg {
+                    break;
+                }
+                self.release_block(id);
+            }
         }
     }
 

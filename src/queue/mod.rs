@@ -133,8 +133,12 @@ struct State {
     epoch: u64,
     /// The latest failure and the epoch of the operation that failed.
     failure: Option<(u64, Arc<str>)>,
-    /// Set (under this lock) when the queue is being dropped.
+    /// Set (under this lock) when the queue is being dropped; the executor still drains
+    /// what is queued, and event records from handles are still taken.
     closing: bool,
+    /// Set by the executor when it has drained everything after `closing` and exited: the
+    /// queue's work is all done, and nothing more can be submitted.
+    exited: bool,
     /// Set if the executor thread died; submissions are refused after that.
     dead: bool,
 }
@@ -324,8 +328,8 @@ fn submit(shared: &Shared, op: Op) -> Result<()> {
     if s.dead {
         return Err(Error::OperationFailed { reason: "the queue's executor thread died".into() });
     }
-    if s.closing {
-        return Err(Error::OperationFailed { reason: "the queue has been dropped".into() });
+    if s.exited {
+        return Err(Error::OperationFailed { reason: "the queue has been dropped and has finished its work".into() });
     }
     let epoch = s.epoch;
     if !s.running && s.ops.is_empty() && inline_ok(shared, &op) {
@@ -440,6 +444,7 @@ fn executor(shared: &Shared) {
                         break (q, failed);
                     }
                     if s.closing {
+                        s.exited = true;
                         return;
                     }
                 }
