@@ -55,6 +55,36 @@ impl Mapping {
         Ok(Self { ptr, len, writable })
     }
 
+    /// Reserves `len` bytes of address space with no access and no memory behind it
+    /// (`PROT_NONE`, `MAP_NORESERVE`): the base of an expandable segment. Pages are mapped
+    /// into it with [`Mapping::map_fixed_shared`].
+    pub(crate) fn reserve(len: usize) -> io::Result<Self> {
+        if len == 0 {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        }
+        let flags = MapFlags::PRIVATE | MapFlags::NORESERVE;
+        // SAFETY: a fresh anonymous mapping at an address the kernel chooses aliases nothing.
+        let ptr = unsafe { rustix::mm::mmap_anonymous(std::ptr::null_mut(), len, ProtFlags::empty(), flags) }?;
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?;
+        Ok(Self { ptr, len, writable: true })
+    }
+
+    /// Maps `len` bytes of `fd` at file offset `offset` over this mapping's own range at the
+    /// same offset, shared and read-write (`MAP_FIXED`). Used to grow expandable segments into
+    /// their reservation.
+    pub(crate) fn map_fixed_shared(&self, fd: BorrowedFd<'_>, offset: usize, len: usize) -> io::Result<()> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) || len == 0 {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        }
+        let at = self.ptr.as_ptr().wrapping_add(offset).cast::<c_void>();
+        let prot = ProtFlags::READ | ProtFlags::WRITE;
+        // SAFETY: the range lies inside this mapping (checked), which owns it; MAP_FIXED only
+        // replaces our own pages there (never memory Rust holds references to: mappings are
+        // only reached through raw copies), and the caller maps ranges no block uses yet.
+        unsafe { rustix::mm::mmap(at, len, prot, MapFlags::SHARED | MapFlags::FIXED, fd, offset as u64) }?;
+        Ok(())
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len

@@ -113,6 +113,32 @@ impl Segment {
         Ok(Self { mapping: Some(mapping), backing, fd, len, fd_kind, kind, origin })
     }
 
+    /// An expandable segment: a memfd of `len` bytes (sparse) behind a reservation of the same
+    /// size; nothing is mapped until [`Segment::grow_to`].
+    pub(crate) fn expandable(fd: OwnedFd, len: usize, kind: SegmentKind, origin: Origin) -> Result<Self> {
+        let mapping = Mapping::reserve(len).map_err(Error::io("reserve address space"))?;
+        Ok(Self { mapping: Some(mapping), backing: Backing::None, fd, len, fd_kind: FdKind::Memfd, kind, origin })
+    }
+
+    /// Maps `[from, to)` of an expandable segment's memfd into its reservation.
+    pub(crate) fn grow_to(&self, from: usize, to: usize) -> Result<()> {
+        let m = self.mapping.as_ref().ok_or_else(|| Error::Unsupported { what: "no reservation".into() })?;
+        m.map_fixed_shared(self.fd.as_fd(), from, to - from).map_err(Error::io("mmap(MAP_FIXED) into reservation"))
+    }
+
+    /// Returns the pages of `[offset, offset + len)` of an expandable segment to the kernel
+    /// (`fallocate(PUNCH_HOLE)`): the range stays mapped and reads back as zeroes.
+    pub(crate) fn punch(&self, offset: usize, len: usize) -> Result<()> {
+        use rustix::fs::FallocateFlags;
+        rustix::fs::fallocate(
+            &self.fd,
+            FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+            offset as u64,
+            len as u64,
+        )
+        .map_err(Error::io_rustix("fallocate(PUNCH_HOLE)"))
+    }
+
     /// Imports a dma-buf or memfd received from elsewhere (another process, a driver). The
     /// fd is only borrowed: the segment keeps its own duplicate, so a refused fd stays the
     /// caller's to seal, resend or close. The length comes from the fd itself, never from the

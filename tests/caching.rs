@@ -589,3 +589,64 @@ fn a_free_pending_on_another_queue_is_found_by_the_oom_ladder() {
     assert_eq!(y.as_ptr(), addr);
     assert_eq!(a.stats().num_ooms, 0);
 }
+
+#[test]
+fn expandable_segments_grow_in_place_and_give_pages_back() {
+    let a = alloc("expandable_segments:True", 1 << 30);
+    let x = a.allocate(3 * MB, None).unwrap();
+    let y = a.allocate(5 * MB, None).unwrap();
+    let st = a.stats();
+    assert_eq!(st.segment[AGGREGATE].current, 1, "one growing segment, not one per request");
+    // 3 MiB grows 4 MiB (1 MiB left over); 5 MiB uses that and grows 4 MiB more.
+    assert_eq!(st.reserved_bytes[AGGREGATE].current as usize, 8 * MB, "grown by 2 MiB chunks");
+    assert_eq!(y.as_ptr() as usize, x.as_ptr() as usize + 3 * MB, "the second block follows the first");
+    // The data lives where the blocks say.
+    let q = Queue::new().unwrap();
+    q.fill(y.mem(), 0x5a).unwrap();
+    q.synchronize().unwrap();
+    let out = HostBuffer::new(5 * MB).unwrap();
+    dmabuf_rt::queue::copy_now(&out, y.mem()).unwrap();
+    assert!(out.to_vec().iter().all(|&b| b == 0x5a));
+    // A freed hole is reused, and the tail grows only by what is missing.
+    drop(x);
+    let z = a.allocate(7 * MB, None).unwrap();
+    let reserved = a.stats().reserved_bytes[AGGREGATE].current as usize;
+    assert!(reserved <= 16 * MB, "grew by more than needed: {reserved}");
+    // Emptying the cache punches out the free pages but keeps the address space.
+    drop(y);
+    a.empty_cache();
+    let st = a.stats();
+    assert_eq!(st.segment[AGGREGATE].current, 1);
+    assert!((st.reserved_bytes[AGGREGATE].current as usize) < reserved, "nothing was given back");
+    assert!(st.reserved_bytes[AGGREGATE].current as usize >= 7 * MB, "a live block lost its pages");
+    // Punched pages come back when reused.
+    let w = a.allocate(3 * MB, None).unwrap();
+    let st = a.stats();
+    assert!(st.reserved_bytes[AGGREGATE].current as usize >= 10 * MB);
+    drop((w, z));
+    a.empty_cache();
+    assert_eq!(a.stats().reserved_bytes[AGGREGATE].current, 0, "everything free is punched");
+    assert_eq!(a.stats().allocated_bytes[AGGREGATE].current, 0);
+}
+
+#[test]
+fn expandable_segments_avoid_the_fragmentation_of_fixed_segments() {
+    // Growing activations: each step frees the last and asks for a bigger one. Fixed segments
+    // keep every old size; an expandable segment reuses and extends one region.
+    let run = |cfg: &str| {
+        let a = alloc(cfg, 1 << 34);
+        let mut prev = None;
+        for i in 1..=30usize {
+            let x = a.allocate(i * 11 * MB / 10, None).unwrap();
+            drop(prev.replace(x));
+        }
+        let st = a.stats();
+        (st.reserved_bytes[AGGREGATE].peak, st.allocated_bytes[AGGREGATE].peak)
+    };
+    let (classic_res, alloc_peak) = run("");
+    let (exp_res, _) = run("expandable_segments:True");
+    // Classic segments keep one segment per size (about 510 MiB here); the expandable one
+    // holds the two live blocks plus the holes between them.
+    assert!(exp_res * 3 < classic_res, "expandable {exp_res} vs classic {classic_res}");
+    assert!((exp_res as f64) < 1.5 * alloc_peak as f64, "expandable reserved {exp_res} vs allocated {alloc_peak}");
+}

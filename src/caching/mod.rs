@@ -121,11 +121,6 @@ impl AllocatorBuilder {
             Some(c) => c,
             None => Config::from_env()?,
         };
-        if config.expandable_segments {
-            return Err(Error::Config {
-                what: "expandable_segments:True is not implemented yet; classic segments only".into(),
-            });
-        }
         let capacity = self.capacity.unwrap_or_else(|| {
             let info = rustix::system::sysinfo();
             (info.totalram as u64).saturating_mul(u64::from(info.mem_unit.max(1)))

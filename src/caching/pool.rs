@@ -59,10 +59,26 @@ impl Block {
 struct SegEntry {
     seg: Arc<Segment>,
     base: usize,
+    /// Bytes of the segment (for an expandable segment: bytes mapped so far).
     size: usize,
     pool: usize,
     stream: u64,
+    /// Set for expandable segments.
+    exp: Option<ExpState>,
 }
+
+/// An expandable segment's growth state.
+struct ExpState {
+    /// Bytes of reservation; `size` never exceeds it.
+    reserved_len: usize,
+    /// Per chunk of the mapped part: whether its pages count as reserved (not punched).
+    backed: Vec<bool>,
+    /// The block that ends at the mapped end.
+    tail: Option<BlockId>,
+}
+
+/// Expandable segments grow, and give pages back, in chunks of this size.
+const CHUNK: usize = 2 << 20;
 
 /// A free block's key in its pool: best fit is the first key at or after
 /// `(stream, size, 0, 0)`.
@@ -243,6 +259,8 @@ pub(crate) struct Pool {
     /// periodic workloads. Flushed into the pools (with merging) on a miss.
     quick: HashMap<(u64, usize), Vec<BlockId>, BuildHasherDefault<FxHasher>>,
     quick_len: usize,
+    /// The expandable segment of each (stream, pool).
+    expandable: HashMap<(u64, usize), u32>,
 }
 
 /// How many freed blocks the quick cache holds before it is flushed into the pools.
@@ -296,6 +314,7 @@ impl Pool {
             scratch: Vec::new(),
             quick: HashMap::default(),
             quick_len: 0,
+            expandable: HashMap::new(),
         }
     }
 
@@ -600,6 +619,174 @@ impl Pool {
         }
         self.blocks[id as usize].size += o.size;
         self.free_ids.push(other);
+        self.fix_tail(id);
+    }
+
+    /// Records `id` as its expandable segment's tail if it now ends the mapped part.
+    fn fix_tail(&mut self, id: BlockId) {
+        let b = &self.blocks[id as usize];
+        if b.next.is_none() {
+            if let Some(exp) = self.segments[b.seg as usize].as_mut().and_then(|e| e.exp.as_mut()) {
+                exp.tail = Some(id);
+            }
+        }
+    }
+
+    fn is_expandable(&self, id: BlockId) -> bool {
+        self.segments[self.blocks[id as usize].seg as usize].as_ref().is_some_and(|e| e.exp.is_some())
+    }
+
+    /// New memory for a request: a new segment, or more of the stream's expandable segment.
+    fn new_memory(
+        &mut self,
+        alloc_size: usize,
+        rounded: usize,
+        pool: usize,
+        stream: u64,
+        cause: &mut String,
+    ) -> Option<BlockId> {
+        if self.config.expandable_segments && !self.config.no_caching {
+            self.grow_expandable(rounded, pool, stream, cause)
+        } else {
+            self.alloc_segment(alloc_size, pool, stream, cause)
+        }
+    }
+
+    /// Grows the (stream, pool) expandable segment so that its free tail holds `rounded`
+    /// bytes; returns that tail block.
+    fn grow_expandable(&mut self, rounded: usize, pool: usize, stream: u64, cause: &mut String) -> Option<BlockId> {
+        let idx = match self.expandable.get(&(stream, pool)) {
+            Some(&i) => i,
+            None => {
+                let len = (self.allowed.min(self.capacity).min(1 << 40) as usize).max(CHUNK).next_multiple_of(CHUNK);
+                let seg = match self.source.reserve_expandable(len) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        *cause = format!("; {} cannot grow: {e}", self.source.name());
+                        return None;
+                    }
+                };
+                let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
+                let exp = ExpState { reserved_len: len, backed: Vec::new(), tail: None };
+                let entry = SegEntry { seg: Arc::new(seg), base, size: 0, pool, stream, exp: Some(exp) };
+                let i = match self.free_segs.pop() {
+                    Some(i) => {
+                        self.segments[i as usize] = Some(entry);
+                        i
+                    }
+                    None => {
+                        self.segments.push(Some(entry));
+                        (self.segments.len() - 1) as u32
+                    }
+                };
+                self.stats.num_device_alloc += 1;
+                stats::inc_array(&mut self.stats.segment, pool, 1);
+                self.log(HistoryKind::SegmentAlloc, base, 0, stream);
+                self.expandable.insert((stream, pool), i);
+                i
+            }
+        };
+        let (mapped, reserved_len, tail) = {
+            let e = self.segments[idx as usize].as_ref().expect("live expandable segment");
+            let exp = e.exp.as_ref().expect("expandable");
+            (e.size, exp.reserved_len, exp.tail)
+        };
+        let tail_free = tail.filter(|&t| {
+            let b = &self.blocks[t as usize];
+            !b.allocated && !b.in_quick
+        });
+        let have = tail_free.map_or(0, |t| self.blocks[t as usize].size);
+        let grow = rounded.saturating_sub(have).next_multiple_of(CHUNK);
+        if mapped + grow > reserved_len {
+            *cause = format!("; the expandable segment's {reserved_len}-byte reservation is full");
+            return None;
+        }
+        let reserved = self.stats.reserved_bytes[stats::AGGREGATE].current as u64;
+        if reserved + grow as u64 > self.allowed {
+            *cause = format!(
+                "; the allowed memory ({} bytes = fraction {} of capacity) would be exceeded",
+                self.allowed, self.config.per_process_memory_fraction
+            );
+            return None;
+        }
+        let e = self.segments[idx as usize].as_mut().expect("live expandable segment");
+        if let Err(err) = e.seg.grow_to(mapped, mapped + grow) {
+            *cause = format!("; {err}");
+            return None;
+        }
+        e.size = mapped + grow;
+        let exp = e.exp.as_mut().expect("expandable");
+        exp.backed.extend(std::iter::repeat_n(true, grow / CHUNK));
+        stats::inc_array(&mut self.stats.reserved_bytes, pool, grow as i64);
+        match tail_free {
+            Some(t) => {
+                self.pool_remove(t);
+                self.blocks[t as usize].size += grow;
+                self.pool_insert(t);
+                Some(t)
+            }
+            None => {
+                let id = self.new_block(Block {
+                    seg: idx,
+                    offset: mapped,
+                    size: grow,
+                    requested: 0,
+                    stream,
+                    allocated: false,
+                    prev: tail,
+                    next: None,
+                    pool,
+                    cached_at: self.misses,
+                    in_quick: false,
+                });
+                if let Some(t) = tail {
+                    self.blocks[t as usize].next = Some(id);
+                }
+                self.fix_tail(id);
+                self.pool_insert(id);
+                Some(id)
+            }
+        }
+    }
+
+    /// Marks the chunks under an expandable block backed again (they may have been punched).
+    fn back_chunks(&mut self, id: BlockId) {
+        let b = &self.blocks[id as usize];
+        let (seg, off, size, pool) = (b.seg, b.offset, b.size, b.pool);
+        let Some(exp) = self.segments[seg as usize].as_mut().and_then(|e| e.exp.as_mut()) else { return };
+        let mut added = 0i64;
+        for c in off / CHUNK..=(off + size - 1) / CHUNK {
+            if !exp.backed[c] {
+                exp.backed[c] = true;
+                added += CHUNK as i64;
+            }
+        }
+        if added > 0 {
+            stats::inc_array(&mut self.stats.reserved_bytes, pool, added);
+        }
+    }
+
+    /// Gives the pages of every chunk a free expandable block fully covers back to the
+    /// kernel; returns the bytes released.
+    fn punch_free(&mut self, id: BlockId) -> usize {
+        let b = &self.blocks[id as usize];
+        let (seg, off, size, pool) = (b.seg, b.offset, b.size, b.pool);
+        let Some(entry) = self.segments[seg as usize].as_mut() else { return 0 };
+        let Some(exp) = entry.exp.as_mut() else { return 0 };
+        let mut freed = 0;
+        for c in off.div_ceil(CHUNK)..(off + size) / CHUNK {
+            if exp.backed[c] && entry.seg.punch(c * CHUNK, CHUNK).is_ok() {
+                exp.backed[c] = false;
+                freed += CHUNK;
+            }
+        }
+        if freed > 0 {
+            stats::dec_array(&mut self.stats.reserved_bytes, pool, freed as i64);
+            let addr = entry.base + off;
+            let stream = entry.stream;
+            self.log(HistoryKind::SegmentFree, addr, freed, stream);
+        }
+        freed
     }
 
     // ---- allocation (seed 003's malloc) ----
@@ -626,9 +813,10 @@ impl Pool {
         }
         let mut found = self.find_cached(rounded, stream, pool);
         let mut cause = String::new();
-        if found.is_none() && alloc_size as u64 > self.allowed {
+        let needs = if self.config.expandable_segments { rounded.next_multiple_of(CHUNK) } else { alloc_size };
+        if found.is_none() && needs as u64 > self.allowed {
             // Nothing cached can help a request no segment within the limit can hold.
-            cause = format!("; the request needs a {alloc_size}-byte segment, more than the allowed memory");
+            cause = format!("; the request needs {needs} bytes of segment, more than the allowed memory");
         } else if found.is_none() {
             if !waited {
                 self.misses += 1;
@@ -636,14 +824,14 @@ impl Pool {
                     self.garbage_collect();
                 }
             }
-            found = self.alloc_segment(alloc_size, pool, stream, &mut cause);
+            found = self.new_memory(alloc_size, rounded, pool, stream, &mut cause);
             if found.is_none() && !self.config.no_caching {
                 if !waited {
                     self.stats.num_alloc_retries += 1;
                 }
                 // Rung 1: release cached oversize blocks.
                 if self.release_available_cached(rounded, stream) {
-                    found = self.alloc_segment(alloc_size, pool, stream, &mut cause);
+                    found = self.new_memory(alloc_size, rounded, pool, stream, &mut cause);
                 }
                 if found.is_none() {
                     // Rung 2: finish pending frees (outside the lock), then release every
@@ -660,7 +848,7 @@ impl Pool {
                         found = self.get_free_block(rounded, stream, pool);
                     }
                     if found.is_none() {
-                        found = self.alloc_segment(alloc_size, pool, stream, &mut cause);
+                        found = self.new_memory(alloc_size, rounded, pool, stream, &mut cause);
                     }
                 }
             }
@@ -703,6 +891,7 @@ impl Pool {
             let bm = &mut self.blocks[id as usize];
             bm.next = Some(rest);
             bm.size = rounded;
+            self.fix_tail(rest);
             self.pool_insert(rest);
         }
         Ok(Outcome::Got(self.hand_out(id, size, stream)))
@@ -725,6 +914,9 @@ impl Pool {
 
     /// Marks a block allocated for a request of `size` and accounts for it.
     fn hand_out(&mut self, id: BlockId, size: usize, stream: u64) -> Handed {
+        if self.config.expandable_segments {
+            self.back_chunks(id);
+        }
         let b = &mut self.blocks[id as usize];
         b.allocated = true;
         b.requested = size;
@@ -769,7 +961,7 @@ impl Pool {
         }
         let b = &self.blocks[id as usize];
         let remaining = b.size - size;
-        if b.pool == SMALL_POOL {
+        if b.pool == SMALL_POOL || self.is_expandable(id) {
             remaining >= MIN_BLOCK
         } else {
             size < self.config.max_split_size && remaining > SMALL_SIZE
@@ -795,7 +987,7 @@ impl Pool {
         };
         let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
         let seg_size = seg.len();
-        let entry = SegEntry { seg: Arc::new(seg), base, size: seg_size, pool, stream };
+        let entry = SegEntry { seg: Arc::new(seg), base, size: seg_size, pool, stream, exp: None };
         let seg_idx = match self.free_segs.pop() {
             Some(i) => {
                 self.segments[i as usize] = Some(entry);
@@ -832,6 +1024,7 @@ impl Pool {
 
     /// Returns a free, unsplit block's segment to the source.
     fn release_block(&mut self, id: BlockId) {
+        debug_assert!(!self.is_expandable(id), "expandable segments are punched, not released");
         self.pool_remove(id);
         let b = self.blocks[id as usize].clone();
         debug_assert!(!b.is_split() && !b.allocated);
@@ -860,7 +1053,7 @@ impl Pool {
         let candidates: Vec<Key> = self.pools[LARGE_POOL]
             .range((stream, max_split, 0, 0)..(stream, usize::MAX, usize::MAX, BlockId::MAX))
             .copied()
-            .filter(|k| !self.blocks[k.3 as usize].is_split())
+            .filter(|k| !self.blocks[k.3 as usize].is_split() && !self.is_expandable(k.3))
             .collect();
         if let Some(k) = candidates.iter().find(|k| k.1 >= want) {
             self.release_block(k.3);
@@ -882,14 +1075,15 @@ impl Pool {
     pub(crate) fn release_cached(&mut self, stream: Option<u64>) {
         self.flush_quick();
         for pool in [SMALL_POOL, LARGE_POOL] {
-            let ids: Vec<BlockId> = self.pools[pool]
-                .iter()
-                .filter(|k| stream.is_none_or(|s| k.0 == s))
-                .map(|k| k.3)
-                .filter(|&id| !self.blocks[id as usize].is_split())
-                .collect();
+            let ids: Vec<BlockId> =
+                self.pools[pool].iter().filter(|k| stream.is_none_or(|s| k.0 == s)).map(|k| k.3).collect();
             for id in ids {
-                self.release_block(id);
+                if self.is_expandable(id) {
+                    // Expandable segments keep their address space and give the pages back.
+                    self.punch_free(id);
+                } else if !self.blocks[id as usize].is_split() {
+                    self.release_block(id);
+                }
             }
         }
     }
@@ -910,7 +1104,7 @@ impl Pool {
                 .iter()
                 .flat_map(|p| p.iter())
                 .map(|k| k.3)
-                .filter(|&id| !self.blocks[id as usize].is_split())
+                .filter(|&id| !self.blocks[id as usize].is_split() || self.is_expandable(id))
                 .map(|id| (self.misses - self.blocks[id as usize].cached_at, id))
                 .collect();
             if aged.is_empty() {
@@ -918,6 +1112,7 @@ impl Pool {
             }
             let avg = aged.iter().map(|a| a.0).sum::<u64>() / aged.len() as u64;
             aged.sort_unstable_by_key(|a| std::cmp::Reverse(a.0)); // oldest first
+            let before = self.stats.reserved_bytes[stats::AGGREGATE].current;
             for (age, id) in aged {
                 if self.stats.reserved_bytes[stats::AGGREGATE].current <= target {
                     return;
@@ -925,7 +1120,14 @@ impl Pool {
                 if age < avg {
                     break;
                 }
-                self.release_block(id);
+                if self.is_expandable(id) {
+                    self.punch_free(id);
+                } else {
+                    self.release_block(id);
+                }
+            }
+            if self.stats.reserved_bytes[stats::AGGREGATE].current >= before {
+                return; // nothing more to give back
             }
         }
     }

@@ -89,6 +89,13 @@ impl MemorySource for ShmemSource {
         self.kind
     }
 
+    fn reserve_expandable(&self, len: usize) -> Result<Segment> {
+        if self.udmabuf.is_some() {
+            return Err(Error::Unsupported { what: "expandable segments are not exported through udmabuf".into() });
+        }
+        super::memfd_expandable(len, self.kind)
+    }
+
     fn allocate(&self, len: usize) -> Result<Segment> {
         let len = checked_len(len, || self.name())?;
         match &self.udmabuf {

@@ -24,6 +24,10 @@ impl MemorySource for SparseSource {
         SegmentKind::Device
     }
 
+    fn reserve_expandable(&self, len: usize) -> Result<Segment> {
+        super::memfd_expandable(len, SegmentKind::Device)
+    }
+
     fn allocate(&self, len: usize) -> Result<Segment> {
         if len == 0 {
             return Err(Error::ZeroLength);
