@@ -57,9 +57,13 @@ impl MemorySource for Budget {
     }
 }
 
+/// An allocator with seed 003's classic segments (the rules most tests check), unless `cfg`
+/// turns expandable segments on.
 fn alloc(cfg: &str, capacity: usize) -> CachingAllocator {
+    let cfg =
+        if cfg.contains("expandable_segments") { cfg.to_string() } else { format!("expandable_segments:False,{cfg}") };
     CachingAllocator::builder(ShmemSource::new().reserve(false))
-        .config(Config::parse(cfg).unwrap())
+        .config(Config::parse(&cfg).unwrap())
         .capacity(capacity as u64)
         .build()
         .unwrap()
@@ -539,7 +543,7 @@ fn a_block_is_not_reused_while_a_dropped_queue_still_drains_work_on_it() {
 #[test]
 fn a_deferred_free_that_never_completes_does_not_hang_the_allocator() {
     let a = CachingAllocator::builder(ShmemSource::new().reserve(false))
-        .config(Config::default())
+        .config(Config { expandable_segments: false, ..Config::default() })
         .capacity(4 * MB as u64)
         .pending_wait_limit(Duration::from_millis(200))
         .build()
@@ -649,4 +653,25 @@ fn expandable_segments_avoid_the_fragmentation_of_fixed_segments() {
     // holds the two live blocks plus the holes between them.
     assert!(exp_res * 3 < classic_res, "expandable {exp_res} vs classic {classic_res}");
     assert!((exp_res as f64) < 1.5 * alloc_peak as f64, "expandable reserved {exp_res} vs allocated {alloc_peak}");
+}
+
+#[test]
+fn expandable_is_the_default_and_falls_back_where_the_source_cannot_grow() {
+    let a = CachingAllocator::builder(ShmemSource::new().reserve(false))
+        .config(Config::default())
+        .capacity(1 << 30)
+        .build()
+        .unwrap();
+    let blocks: Vec<_> = [3 * MB, 12 * MB, 25 * MB].iter().map(|&s| a.allocate(s, None).unwrap()).collect();
+    assert_eq!(a.stats().segment[AGGREGATE].current, 1, "one expandable segment for the large pool");
+    drop(blocks);
+    // A source without expandable segments (the budget source, like a heap) gets classic ones.
+    let b =
+        CachingAllocator::builder(Budget::new(1 << 30)).config(Config::default()).capacity(1 << 30).build().unwrap();
+    let x = b.allocate(3 * MB, None).unwrap(); // carves a 20 MiB segment
+    let y = b.allocate(18 * MB, None).unwrap(); // too big for the rest: its own 18 MiB segment
+    let mut sizes: Vec<usize> = b.snapshot().segments.iter().map(|s| s.size).collect();
+    sizes.sort_unstable();
+    assert_eq!(sizes, [18 * MB, 20 * MB]);
+    drop((x, y));
 }

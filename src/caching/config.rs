@@ -27,7 +27,9 @@ pub struct Config {
     /// Fraction of allowed memory above which cached blocks are reclaimed, oldest first
     /// (0: off).
     pub garbage_collection_threshold: f64,
-    /// Grow segments by mapping pages into reserved address space.
+    /// Grow one segment per queue and pool by mapping pages into reserved address space
+    /// (default: on, where the memory source supports it, because it measured better; see the
+    /// README). `False` selects seed 003's classic fixed-size segments.
     pub expandable_segments: bool,
     /// Fraction of the device capacity this process may reserve (1.0: all of it).
     pub per_process_memory_fraction: f64,
@@ -41,7 +43,7 @@ impl Default for Config {
             max_split_size: usize::MAX,
             roundup_power2_divisions: Vec::new(),
             garbage_collection_threshold: 0.0,
-            expandable_segments: false,
+            expandable_segments: true,
             per_process_memory_fraction: 1.0,
             no_caching: false,
         }
@@ -203,6 +205,7 @@ mod tests {
         assert_eq!(c.garbage_collection_threshold, 0.6);
         assert!(c.expandable_segments);
         assert_eq!(c.per_process_memory_fraction, 0.5);
+        assert!(!Config::parse("expandable_segments:False").unwrap().expandable_segments);
         assert_eq!(Config::parse("").unwrap(), Config::default());
     }
 

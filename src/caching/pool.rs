@@ -261,6 +261,8 @@ pub(crate) struct Pool {
     quick_len: usize,
     /// The expandable segment of each (stream, pool).
     expandable: HashMap<(u64, usize), u32>,
+    /// The source cannot make expandable segments: classic segments are used instead.
+    expandable_unsupported: bool,
 }
 
 /// How many freed blocks the quick cache holds before it is flushed into the pools.
@@ -315,6 +317,7 @@ impl Pool {
             quick: HashMap::default(),
             quick_len: 0,
             expandable: HashMap::new(),
+            expandable_unsupported: false,
         }
     }
 
@@ -632,6 +635,10 @@ impl Pool {
         }
     }
 
+    fn uses_expandable(&self) -> bool {
+        self.config.expandable_segments && !self.config.no_caching && !self.expandable_unsupported
+    }
+
     fn is_expandable(&self, id: BlockId) -> bool {
         self.segments[self.blocks[id as usize].seg as usize].as_ref().is_some_and(|e| e.exp.is_some())
     }
@@ -645,11 +652,13 @@ impl Pool {
         stream: u64,
         cause: &mut String,
     ) -> Option<BlockId> {
-        if self.config.expandable_segments && !self.config.no_caching {
-            self.grow_expandable(rounded, pool, stream, cause)
-        } else {
-            self.alloc_segment(alloc_size, pool, stream, cause)
+        if self.uses_expandable() {
+            let got = self.grow_expandable(rounded, pool, stream, cause);
+            if got.is_some() || !self.expandable_unsupported {
+                return got;
+            }
         }
+        self.alloc_segment(alloc_size, pool, stream, cause)
     }
 
     /// Grows the (stream, pool) expandable segment so that its free tail holds `rounded`
@@ -658,9 +667,17 @@ impl Pool {
         let idx = match self.expandable.get(&(stream, pool)) {
             Some(&i) => i,
             None => {
-                let len = (self.allowed.min(self.capacity).min(1 << 40) as usize).max(CHUNK).next_multiple_of(CHUNK);
+                // Address space is cheap and memory is counted by backed chunks, so reserve
+                // several times the allowed memory: holes punched under pressure then leave
+                // room to grow past them.
+                let len = (self.allowed.saturating_mul(4).min(1 << 42) as usize).max(CHUNK).next_multiple_of(CHUNK);
                 let seg = match self.source.reserve_expandable(len) {
                     Ok(s) => s,
+                    Err(Error::Unsupported { .. }) => {
+                        // Heaps and GEM objects cannot grow in place: use classic segments.
+                        self.expandable_unsupported = true;
+                        return None;
+                    }
                     Err(e) => {
                         *cause = format!("; {} cannot grow: {e}", self.source.name());
                         return None;
@@ -813,7 +830,7 @@ impl Pool {
         }
         let mut found = self.find_cached(rounded, stream, pool);
         let mut cause = String::new();
-        let needs = if self.config.expandable_segments { rounded.next_multiple_of(CHUNK) } else { alloc_size };
+        let needs = if self.uses_expandable() { rounded.next_multiple_of(CHUNK) } else { alloc_size };
         if found.is_none() && needs as u64 > self.allowed {
             // Nothing cached can help a request no segment within the limit can hold.
             cause = format!("; the request needs {needs} bytes of segment, more than the allowed memory");
@@ -914,7 +931,7 @@ impl Pool {
 
     /// Marks a block allocated for a request of `size` and accounts for it.
     fn hand_out(&mut self, id: BlockId, size: usize, stream: u64) -> Handed {
-        if self.config.expandable_segments {
+        if !self.expandable.is_empty() {
             self.back_chunks(id);
         }
         let b = &mut self.blocks[id as usize];

@@ -228,12 +228,15 @@ mod tests {
                 t.push(TraceOp::Free { addr: g * 10 + i });
             }
         }
-        let c = Config::default();
+        let c = Config { expandable_segments: false, ..Config::default() };
         let r = replay(&t, ReplaySource::Virtual, 1 << 40, &c).unwrap();
         assert_eq!(r.ops, 16);
         assert_eq!(r.peak_allocated_bytes, 32 << 20);
         // Two 8 MiB blocks fit in each 20 MiB segment; the second generation reuses them.
         assert_eq!(r.backend_allocs, 2, "the second generation reused the cache");
+        // One expandable segment, grown to exactly what the blocks need.
+        let e = replay(&t, ReplaySource::Virtual, 1 << 40, &Config::default()).unwrap();
+        assert_eq!((e.backend_allocs, e.peak_reserved_bytes), (1, 32 << 20));
         assert_eq!(r.ooms, 0);
         let min = find_min_capacity(&t, ReplaySource::Virtual, 1 << 40, &c).unwrap().unwrap();
         assert!(min >= 32 << 20 && min <= r.peak_reserved_bytes, "{min}");
