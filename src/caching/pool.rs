@@ -670,21 +670,28 @@ impl Pool {
                 // Address space is cheap and memory is counted by backed chunks, so reserve
                 // several times the allowed memory: holes punched under pressure then leave
                 // room to grow past them.
-                let len = (self.allowed.saturating_mul(4).min(1 << 42) as usize).max(CHUNK).next_multiple_of(CHUNK);
-                let seg = match self.source.reserve_expandable(len) {
-                    Ok(s) => s,
-                    Err(Error::Unsupported { .. }) => {
-                        // Heaps and GEM objects cannot grow in place: use classic segments.
-                        self.expandable_unsupported = true;
-                        return None;
-                    }
-                    Err(e) => {
-                        *cause = format!("; {} cannot grow: {e}", self.source.name());
-                        return None;
+                let mut len = (self.allowed.saturating_mul(4).min(1 << 42) as usize).max(CHUNK).next_multiple_of(CHUNK);
+                let floor = rounded.next_multiple_of(CHUNK);
+                let seg = loop {
+                    match self.source.reserve_expandable(len) {
+                        Ok(s) => break s,
+                        Err(Error::Unsupported { .. }) => {
+                            // Heaps and GEM objects cannot grow in place: use classic segments.
+                            self.expandable_unsupported = true;
+                            return None;
+                        }
+                        // Less address space than hoped (ulimit -v, valgrind): ask for less.
+                        Err(_) if len / 2 >= floor.max(CHUNK) => len = (len / 2).next_multiple_of(CHUNK),
+                        Err(e) => {
+                            // Not even the request fits: classic segments from here on.
+                            *cause = format!("; {} cannot reserve address space: {e}", self.source.name());
+                            self.expandable_unsupported = true;
+                            return None;
+                        }
                     }
                 };
                 let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
-                let exp = ExpState { reserved_len: len, backed: Vec::new(), tail: None };
+                let exp = ExpState { reserved_len: seg.len(), backed: Vec::new(), tail: None };
                 let entry = SegEntry { seg: Arc::new(seg), base, size: 0, pool, stream, exp: Some(exp) };
                 let i = match self.free_segs.pop() {
                     Some(i) => {
