@@ -12,6 +12,10 @@
 //!   512 bytes in the small pool, more than 1 MiB in the large pool) and freed neighbours
 //!   merge back. Blocks of at least `max_split_size` are never split, and serve only
 //!   requests within 20 MiB of their size.
+//! - Expandable segments (the default where the source supports them): one reservation of
+//!   address space per (queue, pool), grown in 2 MiB chunks mapped from a memfd; blocks split
+//!   whenever 512 bytes remain; under pressure the chunks that free blocks cover are punched
+//!   back to the kernel, and reserved bytes count backed chunks.
 //! - A block is bound to the queue it was allocated on. Used on other queues
 //!   ([`Allocation::record_stream`]), its free records an event on each of them and the block
 //!   returns to its pool only when they complete, reported through the events' completion
