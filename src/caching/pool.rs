@@ -692,20 +692,7 @@ impl Pool {
                 };
                 let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
                 let exp = ExpState { reserved_len: seg.len(), backed: Vec::new(), tail: None };
-                let entry = SegEntry { seg: Arc::new(seg), base, size: 0, pool, stream, exp: Some(exp) };
-                let i = match self.free_segs.pop() {
-                    Some(i) => {
-                        self.segments[i as usize] = Some(entry);
-                        i
-                    }
-                    None => {
-                        self.segments.push(Some(entry));
-                        (self.segments.len() - 1) as u32
-                    }
-                };
-                self.stats.num_device_alloc += 1;
-                stats::inc_array(&mut self.stats.segment, pool, 1);
-                self.log(HistoryKind::SegmentAlloc, base, 0, stream);
+                let i = self.add_segment(SegEntry { seg: Arc::new(seg), base, size: 0, pool, stream, exp: Some(exp) });
                 self.expandable.insert((stream, pool), i);
                 i
             }
@@ -1011,24 +998,7 @@ impl Pool {
         };
         let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
         let seg_size = seg.len();
-        let entry = SegEntry { seg: Arc::new(seg), base, size: seg_size, pool, stream, exp: None };
-        let seg_idx = match self.free_segs.pop() {
-            Some(i) => {
-                self.segments[i as usize] = Some(entry);
-                i
-            }
-            None => {
-                self.segments.push(Some(entry));
-                (self.segments.len() - 1) as u32
-            }
-        };
-        self.stats.num_device_alloc += 1;
-        stats::inc_array(&mut self.stats.segment, pool, 1);
-        stats::inc_array(&mut self.stats.reserved_bytes, pool, seg_size as i64);
-        if seg_size >= self.config.max_split_size {
-            self.stats.oversize_segments.update(1);
-        }
-        self.log(HistoryKind::SegmentAlloc, base, seg_size, stream);
+        let seg_idx = self.add_segment(SegEntry { seg: Arc::new(seg), base, size: seg_size, pool, stream, exp: None });
         let id = self.new_block(Block {
             seg: seg_idx,
             offset: 0,
@@ -1044,6 +1014,30 @@ impl Pool {
         });
         self.pool_insert(id);
         Some(id)
+    }
+
+    /// Files a new segment (classic, or an expandable one with nothing mapped yet) and
+    /// accounts for it.
+    fn add_segment(&mut self, entry: SegEntry) -> u32 {
+        let (base, size, pool, stream) = (entry.base, entry.size, entry.pool, entry.stream);
+        let idx = match self.free_segs.pop() {
+            Some(i) => {
+                self.segments[i as usize] = Some(entry);
+                i
+            }
+            None => {
+                self.segments.push(Some(entry));
+                (self.segments.len() - 1) as u32
+            }
+        };
+        self.stats.num_device_alloc += 1;
+        stats::inc_array(&mut self.stats.segment, pool, 1);
+        stats::inc_array(&mut self.stats.reserved_bytes, pool, size as i64);
+        if size >= self.config.max_split_size {
+            self.stats.oversize_segments.update(1);
+        }
+        self.log(HistoryKind::SegmentAlloc, base, size, stream);
+        idx
     }
 
     /// Returns a free, unsplit block's segment to the source.
