@@ -73,6 +73,8 @@ struct ExpState {
     reserved_len: usize,
     /// Per chunk of the mapped part: whether its pages count as reserved (not punched).
     backed: Vec<bool>,
+    /// How many mapped chunks are punched (0 on the hot path: nothing to re-back).
+    punched: usize,
     /// The block that ends at the mapped end.
     tail: Option<BlockId>,
 }
@@ -691,7 +693,7 @@ impl Pool {
                     }
                 };
                 let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
-                let exp = ExpState { reserved_len: seg.len(), backed: Vec::new(), tail: None };
+                let exp = ExpState { reserved_len: seg.len(), backed: Vec::new(), punched: 0, tail: None };
                 let i = self.add_segment(SegEntry { seg: Arc::new(seg), base, size: 0, pool, stream, exp: Some(exp) });
                 self.expandable.insert((stream, pool), i);
                 i
@@ -765,10 +767,14 @@ impl Pool {
         let b = &self.blocks[id as usize];
         let (seg, off, size, pool) = (b.seg, b.offset, b.size, b.pool);
         let Some(exp) = self.segments[seg as usize].as_mut().and_then(|e| e.exp.as_mut()) else { return };
+        if exp.punched == 0 {
+            return;
+        }
         let mut added = 0i64;
         for c in off / CHUNK..=(off + size - 1) / CHUNK {
             if !exp.backed[c] {
                 exp.backed[c] = true;
+                exp.punched -= 1;
                 added += CHUNK as i64;
             }
         }
@@ -788,6 +794,7 @@ impl Pool {
         for c in off.div_ceil(CHUNK)..(off + size) / CHUNK {
             if exp.backed[c] && entry.seg.punch(c * CHUNK, CHUNK).is_ok() {
                 exp.backed[c] = false;
+                exp.punched += 1;
                 freed += CHUNK;
             }
         }
