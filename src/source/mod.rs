@@ -49,17 +49,13 @@ pub trait MemorySource: Send + Sync + Debug {
 /// A sparse, size-sealed memfd behind a reservation: what the memfd-backed sources hand out
 /// as expandable segments.
 pub(crate) fn memfd_expandable(len: usize, kind: SegmentKind) -> Result<Segment> {
-    use crate::sys::memfd::SealFlags;
     let len = len.checked_next_multiple_of(page_size()).filter(|&l| l <= 1 << 46).ok_or(Error::TooLarge {
         requested: len as u64,
         limit: 1 << 46,
         what: "sparse address space",
         source_name: "expandable segment".into(),
     })?;
-    let fd = crate::sys::memfd::create("dmabuf-rt-expandable").map_err(Error::io("memfd_create"))?;
-    rustix::fs::ftruncate(&fd, len as u64).map_err(Error::io_rustix("ftruncate memfd"))?;
-    crate::sys::memfd::add_seals(std::os::fd::AsFd::as_fd(&fd), SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
-        .map_err(Error::io("seal memfd"))?;
+    let fd = crate::sys::memfd::create_sealed("dmabuf-rt-expandable", len as u64).map_err(Error::io("sealed memfd"))?;
     Segment::expandable(fd, len, kind, crate::segment::Origin::Memfd)
 }
 

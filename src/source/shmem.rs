@@ -11,7 +11,6 @@ use crate::discovery;
 use crate::error::{Error, Result};
 use crate::segment::{Backing, FdKind, Origin, Segment, SegmentKind};
 use crate::sys;
-use crate::sys::memfd::SealFlags;
 
 /// Default of udmabuf's `size_limit_mb` module parameter.
 const UDMABUF_DEFAULT_LIMIT_MB: u64 = 64;
@@ -65,10 +64,8 @@ impl ShmemSource {
     /// A sealed memfd segment of `len` (already page-rounded) bytes.
     pub(crate) fn memfd_segment(&self, len: usize, origin: Origin) -> Result<Segment> {
         let name = || "shmem".to_string();
-        let fd = sys::memfd::create("dmabuf-rt").map_err(alloc_error(len, name(), "memfd_create"))?;
-        rustix::fs::ftruncate(&fd, len as u64).map_err(|e| alloc_error(len, name(), "ftruncate memfd")(e.into()))?;
-        sys::memfd::add_seals(fd.as_fd(), SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
-            .map_err(Error::io("seal memfd"))?;
+        let fd =
+            sys::memfd::create_sealed("dmabuf-rt", len as u64).map_err(alloc_error(len, name(), "sealed memfd"))?;
         let seg = Segment::new(fd, len, FdKind::Memfd, self.kind, origin, Backing::None, true)?;
         if self.reserve {
             // Reserve by faulting the pages in, not by fallocate: fallocated shmem pages stay

@@ -5,7 +5,6 @@ use super::{MemorySource, page_size};
 use crate::error::{Error, Result};
 use crate::segment::{Backing, FdKind, Origin, Segment, SegmentKind};
 use crate::sys;
-use crate::sys::memfd::SealFlags;
 
 /// The largest sparse segment (64 TiB): beyond any device, well inside the address space.
 const MAX: usize = 1 << 46;
@@ -38,10 +37,7 @@ impl MemorySource for SparseSource {
             what: "sparse address space",
             source_name: self.name(),
         })?;
-        let fd = sys::memfd::create("dmabuf-rt-virtual").map_err(Error::io("memfd_create"))?;
-        rustix::fs::ftruncate(&fd, len as u64).map_err(Error::io_rustix("ftruncate memfd"))?;
-        sys::memfd::add_seals(std::os::fd::AsFd::as_fd(&fd), SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
-            .map_err(Error::io("seal memfd"))?;
+        let fd = sys::memfd::create_sealed("dmabuf-rt-virtual", len as u64).map_err(Error::io("sealed memfd"))?;
         Segment::new(fd, len, FdKind::Memfd, SegmentKind::Device, Origin::Memfd, Backing::None, true)
     }
 }

@@ -20,3 +20,12 @@ pub fn add_seals(fd: BorrowedFd<'_>, seals: SealFlags) -> io::Result<()> {
 pub fn seals(fd: BorrowedFd<'_>) -> io::Result<SealFlags> {
     Ok(rustix::fs::fcntl_get_seals(fd)?)
 }
+
+/// A close-on-exec memfd of `len` bytes (sparse), its size sealed (`F_SEAL_SHRINK |
+/// F_SEAL_GROW | F_SEAL_SEAL`) so no holder can truncate it under another's mapping.
+pub fn create_sealed(name: &str, len: u64) -> io::Result<OwnedFd> {
+    let fd = create(name)?;
+    rustix::fs::ftruncate(&fd, len)?;
+    add_seals(std::os::fd::AsFd::as_fd(&fd), SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+    Ok(fd)
+}
