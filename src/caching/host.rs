@@ -4,7 +4,6 @@
 //! point of its free, and frees are lock-free.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::free_list::{FreeList, Node};
@@ -191,21 +190,7 @@ impl Drop for HostAllocation {
             self.inner.frees.push(Node::new(seg));
             return;
         }
-        let left = Arc::new(AtomicUsize::new(self.uses.len()));
-        let slot = Arc::new(Mutex::new(Some(seg)));
-        for q in self.uses.drain(..) {
-            let (inner, left, slot) = (Arc::clone(&self.inner), Arc::clone(&left), Arc::clone(&slot));
-            let done = move || {
-                if left.fetch_sub(1, Ordering::AcqRel) == 1 {
-                    if let Some(seg) = slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                        inner.frees.push(Node::new(seg));
-                    }
-                }
-            };
-            match q.record() {
-                Ok(ev) => ev.on_complete(move |_| done()),
-                Err(_) => done(),
-            }
-        }
+        let inner = Arc::clone(&self.inner);
+        crate::queue::after_queues(self.uses.drain(..), move || inner.frees.push(Node::new(seg)));
     }
 }

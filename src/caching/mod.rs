@@ -376,25 +376,11 @@ impl Drop for Allocation {
         self.inner.pending.fetch_add(1, Ordering::AcqRel);
         node.value = FreeMsg::Requested(self.id);
         self.inner.frees.push(node);
-        let left = Arc::new(AtomicUsize::new(self.uses.len()));
-        let id = self.id;
-        for q in self.uses.drain(..) {
-            let inner = Arc::clone(&self.inner);
-            let left = Arc::clone(&left);
-            let done = move || {
-                if left.fetch_sub(1, Ordering::AcqRel) == 1 {
-                    inner.frees.push(Node::new(FreeMsg::Completed(id)));
-                    inner.pending.fetch_sub(1, Ordering::AcqRel);
-                }
-            };
-            match q.record() {
-                // Failed or not, the queue is past its uses of the block once the event is.
-                Ok(ev) => ev.on_complete(move |_| done()),
-                // Refused only once the queue has drained and exited (or its executor died
-                // and cancelled its work): nothing of it can touch the block any more.
-                Err(_) => done(),
-            }
-        }
+        let (inner, id) = (Arc::clone(&self.inner), self.id);
+        crate::queue::after_queues(self.uses.drain(..), move || {
+            inner.frees.push(Node::new(FreeMsg::Completed(id)));
+            inner.pending.fetch_sub(1, Ordering::AcqRel);
+        });
     }
 }
 

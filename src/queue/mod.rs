@@ -323,6 +323,35 @@ impl QueueHandle {
     }
 }
 
+/// Runs `f` once every queue in `queues` has passed its current end: an event is recorded on
+/// each, and `f` runs (on the thread that completes the last of them) when all have
+/// completed, failed or not. A queue that refuses the record has drained and exited (or its
+/// executor died and cancelled its work), so it counts as passed at once. This is how memory
+/// used on several queues learns when none of them can touch it any more.
+pub fn after_queues(queues: impl IntoIterator<Item = QueueHandle>, f: impl FnOnce() + Send + 'static) {
+    let queues: Vec<QueueHandle> = queues.into_iter().collect();
+    if queues.is_empty() {
+        f();
+        return;
+    }
+    let left = Arc::new(std::sync::atomic::AtomicUsize::new(queues.len()));
+    let f = Arc::new(Mutex::new(Some(f)));
+    for q in queues {
+        let (left, f) = (Arc::clone(&left), Arc::clone(&f));
+        let done = move || {
+            if left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                if let Some(f) = f.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    f();
+                }
+            }
+        };
+        match q.record() {
+            Ok(ev) => ev.on_complete(move |_| done()),
+            Err(_) => done(),
+        }
+    }
+}
+
 fn submit(shared: &Shared, op: Op) -> Result<()> {
     let mut s = shared.lock();
     if s.dead {
