@@ -360,6 +360,28 @@ fn completion_hooks_run_once_on_completion_without_polling() {
 }
 
 #[test]
+fn records_complete_in_order_and_after_the_hooks_of_earlier_records() {
+    // A slow hook on an earlier event: an event recorded later (inline, on an idle queue) must
+    // neither complete before it nor let synchronize return before the hook has run.
+    let q = Queue::builder().inline_max(0).build().unwrap();
+    for _ in 0..20 {
+        let ran = Arc::new(AtomicUsize::new(0));
+        q.callback(|_| std::thread::sleep(Duration::from_millis(2))).unwrap();
+        let e = q.record().unwrap();
+        let r = ran.clone();
+        e.on_complete(move |_| {
+            std::thread::sleep(Duration::from_millis(10));
+            r.store(1, Ordering::SeqCst);
+        });
+        e.synchronize(None).unwrap();
+        let later = q.record().unwrap();
+        later.synchronize(None).unwrap();
+        assert_eq!(ran.load(Ordering::SeqCst), 1, "a later record completed before an earlier record's hook ran");
+        q.synchronize().unwrap();
+    }
+}
+
+#[test]
 fn kernel_lane_a_queue_waits_for_a_vgem_fence() {
     let Some(gem) = or_skip("queue_vgem_fence", GemSource::open_first(Some("vgem"))) else { return };
     let src = Arc::new(gem.allocate(1 << 20).unwrap());

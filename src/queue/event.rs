@@ -14,6 +14,16 @@ pub type Completion = std::result::Result<(), Arc<str>>;
 
 type Hook = Box<dyn FnOnce(Completion) + Send>;
 
+/// Runs completion hooks, containing panics.
+fn run(hooks: Vec<Hook>, result: &Completion) {
+    for hook in hooks {
+        let r = result.clone();
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(r))).is_err() {
+            let _ = writeln!(std::io::stderr(), "dmabuf-rt: an event completion hook panicked");
+        }
+    }
+}
+
 /// A marker in a queue (like a CUDA event) or a kernel fence.
 ///
 /// An event is *recorded* on a queue ([`crate::queue::Queue::record`]) and *completes* when the
@@ -139,11 +149,38 @@ impl Event {
         s.recorded
     }
 
-    /// Completes `generation`, successfully or not, and runs the hooks waiting for it, on this
-    /// thread, outside the event's lock. A panicking hook is contained (and reported on
-    /// stderr): it must not take the completing thread down with it.
+    /// Completes `generation`, successfully or not, on this thread: runs the hooks waiting for
+    /// it, then marks it done and wakes its waiters. A panicking hook is contained (and
+    /// reported on stderr): it must not take the completing thread down with it.
     pub(crate) fn complete(&self, generation: u64, result: Completion) {
-        let ready: Vec<Hook> = {
+        self.run_hooks(generation, &result);
+        self.mark_complete(generation, result)();
+    }
+
+    /// First half of [`Event::complete`]: runs the hooks registered for `generation` (and any
+    /// registered while they run), outside the event's lock. The generation is not yet seen
+    /// as complete, so anyone who sees it complete knows its hooks have run.
+    pub(crate) fn run_hooks(&self, generation: u64, result: &Completion) {
+        loop {
+            let ready: Vec<Hook> = {
+                let mut s = self.lock();
+                if !s.hooks.iter().any(|(g, _)| *g == generation) {
+                    return;
+                }
+                let (ready, waiting): (Vec<_>, Vec<_>) = s.hooks.drain(..).partition(|(g, _)| *g == generation);
+                s.hooks = waiting;
+                ready.into_iter().map(|(_, h)| h).collect()
+            };
+            run(ready, result);
+        }
+    }
+
+    /// Second half of [`Event::complete`]: marks `generation` done and wakes its waiters.
+    /// Returns what runs the hooks registered between the halves, after the fact; the caller
+    /// runs it once it holds no lock.
+    #[must_use = "the returned closure runs hooks registered late"]
+    pub(crate) fn mark_complete(&self, generation: u64, result: Completion) -> impl FnOnce() + use<> {
+        let late: Vec<Hook> = {
             let mut s = self.lock();
             if let Err(why) = &result {
                 s.failures.insert(generation, why.clone());
@@ -152,7 +189,7 @@ impl Event {
             if generation == s.recorded {
                 s.at = Some((generation, Instant::now()));
             }
-            let ready: Vec<Hook> = if s.hooks.is_empty() {
+            let late: Vec<Hook> = if s.hooks.is_empty() {
                 Vec::new()
             } else {
                 let (ready, waiting): (Vec<_>, Vec<_>) = s.hooks.drain(..).partition(|(g, _)| *g == generation);
@@ -162,14 +199,9 @@ impl Event {
             if s.sleepers > 0 {
                 self.inner.cv.notify_all();
             }
-            ready
+            late
         };
-        for hook in ready {
-            let r = result.clone();
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(r))).is_err() {
-                let _ = writeln!(std::io::stderr(), "dmabuf-rt: an event completion hook panicked");
-            }
-        }
+        move || run(late, &result)
     }
 
     /// Whether `generation` has completed (successfully or not).
@@ -256,7 +288,9 @@ impl Event {
     /// Runs `hook` once the latest record completes: at once (on this thread) if it already
     /// has, else on the thread that completes it (a queue's executor or the fence watcher).
     /// This is the completion hook other modules use: no polling, and the completing side
-    /// takes no lock but the event's own. Hooks must be quick and must not block.
+    /// takes no lock but the event's own. Hooks run before the completion is visible: whoever
+    /// sees the event complete (a wait, a query, a later record on the same queue) knows its
+    /// hooks have run. So hooks must be quick, must not block, and must not wait on this event.
     pub fn on_complete(&self, hook: impl FnOnce(Completion) + Send + 'static) {
         let mut s = self.lock();
         let generation = s.recorded;

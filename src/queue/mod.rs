@@ -245,7 +245,8 @@ impl Queue {
         self.submit(Op::Callback(Box::new(f)))
     }
 
-    /// Blocks until everything submitted so far has run; reports the queue's error.
+    /// Blocks until everything submitted so far has run, the completion hooks of events recorded
+    /// on this queue included; reports the queue's error.
     pub fn synchronize(&self) -> Result<()> {
         self.record()?.synchronize(None)
     }
@@ -530,18 +531,27 @@ fn execute(shared: &Shared, queued: Queued, failed: Option<Arc<str>>) -> Option<
     completes
 }
 
-/// Marks the queue not running, then completes the event a record operation reached.
+/// Finishes an operation: runs the hooks of the event a record reached, then marks the queue
+/// not running and the event complete under the queue's lock. So a record submitted later (it
+/// may run inline the moment the queue is idle) never completes before this one, whoever sees
+/// the event complete also sees the queue idle if nothing else was queued, and
+/// `Queue::synchronize` never returns before the hooks of earlier records have run.
 fn finish(shared: &Shared, completes: Option<(Event, u64, Completion)>) {
-    let more = {
+    if let Some((event, generation, result)) = &completes {
+        event.run_hooks(*generation, result);
+    }
+    let (more, late) = {
         let mut s = shared.lock();
         s.running = false;
-        !s.ops.is_empty()
+        // Lock order: queue, then event (as in `inline_ok`).
+        let late = completes.map(|(event, generation, result)| event.mark_complete(generation, result));
+        (!s.ops.is_empty(), late)
     };
     if more {
         shared.work.notify_one();
     }
-    if let Some((event, generation, result)) = completes {
-        event.complete(generation, result);
+    if let Some(late) = late {
+        late();
     }
 }
 
