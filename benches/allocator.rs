@@ -39,7 +39,8 @@ impl Rng {
     }
 }
 
-fn pair_ours(size: usize, loaded: bool) -> f64 {
+/// Warm alloc+free pairs: through `Allocation` (RAII) or the raw-pointer API C callers use.
+fn pair_ours(size: usize, loaded: bool, raw: bool) -> f64 {
     let a = ours();
     let live: Vec<_> = if loaded {
         (0..2000).map(|i| a.allocate(512 + (i * 4096) % (2 << 20), None).unwrap()).collect()
@@ -48,9 +49,16 @@ fn pair_ours(size: usize, loaded: bool) -> f64 {
     };
     drop(a.allocate(size, None).unwrap());
     let t = Instant::now();
-    for _ in 0..PAIRS {
-        let x = a.allocate(black_box(size), None).unwrap();
-        drop(black_box(x));
+    if raw {
+        for _ in 0..PAIRS {
+            let x = a.allocate_raw(black_box(size), None).unwrap();
+            a.free_raw(black_box(x)).unwrap();
+        }
+    } else {
+        for _ in 0..PAIRS {
+            let x = a.allocate(black_box(size), None).unwrap();
+            drop(black_box(x));
+        }
     }
     let r = ns(t, PAIRS);
     drop(live);
@@ -173,18 +181,21 @@ where
 }
 
 fn main() {
-    println!("{:<34}{:>12}{:>12}{:>18}{:>12}", "ns per operation", "ours", "xalloc", "offset-allocator", "ours/xalloc");
+    println!("{:<40}{:>12}{:>12}{:>18}{:>12}", "ns per operation", "ours", "xalloc", "offset-allocator", "ours/xalloc");
     for (label, size, loaded) in [
         ("alloc+free 4 KiB, empty", 4096, false),
         ("alloc+free 4 KiB, 2000 live", 4096, true),
         ("alloc+free 1 MiB, empty", 1 << 20, false),
         ("alloc+free 1 MiB, 2000 live", 1 << 20, true),
     ] {
-        let (o, x, f) = (pair_ours(size, loaded), pair_xalloc(size, loaded), pair_offset(size, loaded));
-        println!("{label:<34}{o:>12.1}{x:>12.1}{f:>18.1}{:>12.2}", o / x);
+        let (x, f) = (pair_xalloc(size, loaded), pair_offset(size, loaded));
+        for (api, raw) in [("raw", true), ("RAII", false)] {
+            let o = pair_ours(size, loaded, raw);
+            println!("{:<40}{o:>12.1}{x:>12.1}{f:>18.1}{:>12.2}", format!("{label} ({api})"), o / x);
+        }
     }
     let (o, x, f) = (random_ours(), random_xalloc(), random_offset());
-    println!("{:<34}{o:>12.1}{x:>12.1}{f:>18.1}{:>12.2}", "random workload (per op)", o / x);
+    println!("{:<40}{o:>12.1}{x:>12.1}{f:>18.1}{:>12.2}", "random workload (per op)", o / x);
 
     let a = ours();
     let a2 = a.clone();
@@ -199,6 +210,6 @@ fn main() {
     let off = Arc::new(Mutex::new(offset_allocator::Allocator::<u32>::with_max_allocs(u32::MAX, 1 << 16)));
     let (f1, f2) = (off.clone(), off.clone());
     let f = cross_thread(move || f1.lock().unwrap().allocate(4096).unwrap(), move |r| f2.lock().unwrap().free(r));
-    println!("{:<34}{o:>12.1}{x:>12.1}{f:>18.1}{:>12.2}", "cross-thread frees, 2 threads", o / x);
+    println!("{:<40}{o:>12.1}{x:>12.1}{f:>18.1}{:>12.2}", "cross-thread frees, 2 threads", o / x);
     println!("# peers behind a Mutex for the cross-thread row; ours frees lock-free");
 }

@@ -229,6 +229,45 @@ fn a_block_used_on_another_queue_returns_only_after_that_queue_is_done() {
 }
 
 #[test]
+fn active_stats_count_pending_frees_with_exact_peaks_and_totals() {
+    let a = alloc("", 1 << 30);
+    let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    q2.callback(move |_| {
+        let _ = rx.recv_timeout(Duration::from_secs(10));
+    })
+    .unwrap();
+    let mut x = a.allocate(4 * KB, Some(&q1)).unwrap();
+    x.record_stream(&q2);
+    drop(x); // pending: q2 is blocked
+    let y = a.allocate(2 * MB, Some(&q1)).unwrap(); // large pool
+    let st = a.stats();
+    let (act, bytes) = (st.active, st.active_bytes);
+    assert_eq!((act[AGGREGATE].current, act[AGGREGATE].peak), (2, 2), "x pending + y");
+    assert_eq!((act[SMALL_POOL].current, act[LARGE_POOL].current), (1, 1));
+    assert_eq!(bytes[AGGREGATE].current as usize, 4 * KB + 2 * MB);
+    assert_eq!(bytes[AGGREGATE].peak as usize, 4 * KB + 2 * MB, "the peak was reached while x was pending");
+    assert_eq!((act[AGGREGATE].allocated, act[AGGREGATE].freed), (2, 0));
+    assert_eq!(st.allocation[AGGREGATE].peak, 1, "never two allocated at once");
+    tx.send(()).unwrap();
+    q2.synchronize().unwrap();
+    let st = a.stats();
+    assert_eq!((st.active[AGGREGATE].current, st.active[AGGREGATE].freed), (1, 1), "x's free completed");
+    assert_eq!((st.active[SMALL_POOL].current, st.active[SMALL_POOL].peak, st.active[SMALL_POOL].freed), (0, 1, 1));
+    assert_eq!(st.active_bytes[AGGREGATE].current as usize, 2 * MB);
+    assert_eq!(st.active_bytes[AGGREGATE].peak as usize, 4 * KB + 2 * MB);
+    a.reset_peak_stats();
+    assert_eq!(a.stats().active_bytes[AGGREGATE].peak as usize, 2 * MB);
+    drop(y);
+    let st = a.stats();
+    assert_eq!((st.active[AGGREGATE].current, st.active[AGGREGATE].allocated, st.active[AGGREGATE].freed), (0, 2, 2));
+    a.reset_accumulated_stats();
+    let st = a.stats();
+    assert_eq!((st.active[AGGREGATE].allocated, st.active[AGGREGATE].freed), (0, 0));
+    assert_eq!((st.active_bytes[LARGE_POOL].allocated, st.active_bytes[LARGE_POOL].freed), (0, 0));
+}
+
+#[test]
 fn the_oom_ladder_frees_oversize_blocks_then_every_cached_block_then_fails_clearly() {
     // Rung 1: cached oversize blocks are released to make room, and only they.
     let a = alloc("max_split_size_mb:40", 150 * MB);
@@ -403,6 +442,126 @@ fn bad_input_gets_clear_errors_and_leaves_the_allocator_intact() {
     let again = a.allocate_raw(4096, None).unwrap();
     a.free_raw(again).unwrap();
     assert_eq!(a.stats().allocation[AGGREGATE].current, 0);
+}
+
+/// A source whose next allocation, once armed, waits until the test opens the gate: it holds
+/// the allocator's lock meanwhile (sources are called under it).
+#[derive(Debug)]
+struct Gate {
+    inner: ShmemSource,
+    ctl: Arc<GateCtl>,
+}
+
+#[derive(Debug, Default)]
+struct GateCtl {
+    armed: std::sync::atomic::AtomicBool,
+    entered: std::sync::Mutex<Option<std::sync::mpsc::Sender<()>>>,
+    open: std::sync::Mutex<Option<std::sync::mpsc::Receiver<()>>>,
+}
+
+impl MemorySource for Gate {
+    fn name(&self) -> String {
+        "gate".into()
+    }
+    fn kind(&self) -> SegmentKind {
+        SegmentKind::Device
+    }
+    fn allocate(&self, len: usize) -> Result<Segment> {
+        if self.ctl.armed.swap(false, Ordering::SeqCst) {
+            if let Some(tx) = self.ctl.entered.lock().unwrap().take() {
+                tx.send(()).unwrap();
+            }
+            if let Some(rx) = self.ctl.open.lock().unwrap().take() {
+                let _ = rx.recv_timeout(Duration::from_secs(20));
+            }
+        }
+        self.inner.allocate(len)
+    }
+}
+
+#[test]
+fn raw_frees_never_wait_for_the_lock_and_are_still_checked() {
+    let ctl = Arc::new(GateCtl::default());
+    let gate = Gate { inner: ShmemSource::new().reserve(false), ctl: ctl.clone() };
+    let a = CachingAllocator::builder(gate)
+        .config(Config::parse("expandable_segments:False").unwrap())
+        .capacity(1 << 30)
+        .build()
+        .unwrap();
+    let p = a.allocate_raw(4096, None).unwrap() as usize;
+    let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+    let (open_tx, open_rx) = std::sync::mpsc::channel::<()>();
+    *ctl.entered.lock().unwrap() = Some(entered_tx);
+    *ctl.open.lock().unwrap() = Some(open_rx);
+    ctl.armed.store(true, Ordering::SeqCst);
+    // Another thread takes the lock and keeps it: its request needs a new segment.
+    let holder = {
+        let a = a.clone();
+        std::thread::spawn(move || a.allocate_raw(8 * MB, None).unwrap() as usize)
+    };
+    entered_rx.recv_timeout(Duration::from_secs(20)).expect("the holder reached the source");
+    // Frees from a third thread: a good one, one into the block, and a double free. None
+    // may wait for the lock.
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let freer = {
+        let a = a.clone();
+        std::thread::spawn(move || {
+            let r = [p, p + 512, p].map(|x| a.free_raw(x as *mut u8).is_ok());
+            done_tx.send(r).unwrap();
+        })
+    };
+    let r = done_rx.recv_timeout(Duration::from_secs(10)).expect("a raw free waited for the allocator's lock");
+    assert_eq!(r, [true; 3], "queued frees are accepted and checked later");
+    open_tx.send(()).unwrap();
+    let big = holder.join().unwrap();
+    freer.join().unwrap();
+    // Checked by the drain: the good free applied once, the two bad ones refused and logged.
+    let st = a.stats();
+    assert_eq!(st.allocation[AGGREGATE].current, 1, "only the big block is live");
+    assert_eq!(st.allocation[AGGREGATE].freed, 1, "p freed exactly once");
+    let refused = a.history().iter().filter(|h| h.kind == HistoryKind::InvalidFree).count();
+    assert_eq!(refused, 2);
+    // Intact: p's block is reused, and everything frees cleanly.
+    let again = a.allocate_raw(4096, None).unwrap() as usize;
+    assert_eq!(again, p);
+    a.free_raw(again as *mut u8).unwrap();
+    a.free_raw(big as *mut u8).unwrap();
+    assert_eq!(a.stats().allocation[AGGREGATE].current, 0);
+    // An Allocation's pointer is not a raw allocation.
+    let owned = a.allocate(4096, None).unwrap();
+    let e = a.free_raw(owned.as_ptr()).unwrap_err();
+    assert!(e.to_string().contains("owned by an Allocation"), "{e}");
+    drop(owned);
+}
+
+#[test]
+fn a_raw_block_used_on_another_queue_returns_after_that_queue() {
+    let a = alloc("", 1 << 30);
+    let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
+    let p = a.allocate_raw(MB, Some(&q1)).unwrap();
+    a.record_stream_raw(p, &q2).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    q2.callback(move |_| {
+        let _ = rx.recv_timeout(Duration::from_secs(10));
+    })
+    .unwrap();
+    let m = a.raw_mem(p, MB).unwrap();
+    assert!(a.raw_mem(p, MB + 1).is_err(), "a range past the request is refused");
+    let host = HostBuffer::new(MB).unwrap();
+    q2.copy(&host, m).unwrap();
+    a.free_raw(p).unwrap();
+    assert_eq!(a.stats().active[AGGREGATE].current, 1, "pending on q2");
+    let other = a.allocate_raw(MB, Some(&q1)).unwrap();
+    assert_ne!(other, p, "reused while q2 may still use it");
+    tx.send(()).unwrap();
+    q2.synchronize().unwrap();
+    let again = a.allocate_raw(MB, Some(&q1)).unwrap();
+    assert_eq!(again, p, "back in q1's pool once q2 finished");
+    assert!(a.record_stream_raw(std::ptr::null_mut(), &q2).is_err());
+    for x in [other, again] {
+        a.free_raw(x).unwrap();
+    }
+    assert_eq!(a.stats().active[AGGREGATE].current, 0);
 }
 
 #[test]

@@ -30,17 +30,19 @@
 //! completion finishing a deferred free) pushes onto a lock-free list ([`free_list`]) that the
 //! next allocation, or any call that needs the pools, drains under the lock.
 
+mod allocation;
 pub mod config;
 pub mod free_list;
 mod host;
 mod pool;
+mod quick;
 pub mod replay;
 pub mod stats;
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
+pub use allocation::Allocation;
 pub use config::Config;
 use free_list::{FreeList, Node};
 pub use host::{HostAllocation, HostCachingAllocator, HostStats};
@@ -50,7 +52,6 @@ pub use stats::{DeviceStats, SimpleStats, Stat};
 
 use crate::error::{Error, Result};
 use crate::queue::{Mem, Queue, QueueHandle};
-use crate::segment::Segment;
 use crate::source::MemorySource;
 
 /// Default limit on waiting for deferred frees.
@@ -65,6 +66,8 @@ pub(crate) enum FreeMsg {
     Requested(BlockId),
     /// Those events completed.
     Completed(BlockId),
+    /// A raw free that found the allocator's lock taken: checked and applied by the drain.
+    Raw(usize),
 }
 
 pub(crate) struct Inner {
@@ -74,7 +77,6 @@ pub(crate) struct Inner {
     pending: AtomicUsize,
     /// How long the OOM ladder and `empty_cache` wait for them.
     pending_limit: std::time::Duration,
-    raw: RawTable,
 }
 
 /// The allocator. Cheap to clone (all clones share one cache).
@@ -135,7 +137,6 @@ impl AllocatorBuilder {
                 frees: FreeList::new(),
                 pending: AtomicUsize::new(0),
                 pending_limit: self.pending_limit,
-                raw: RawTable::default(),
             }),
         })
     }
@@ -158,8 +159,17 @@ impl CachingAllocator {
     }
 
     fn lock(&self) -> MutexGuard<'_, Pool> {
-        let mut pool = self.inner.pool.lock().unwrap_or_else(|p| p.into_inner());
+        let pool = self.inner.pool.lock().unwrap_or_else(|p| p.into_inner());
+        self.drained(pool)
+    }
+
+    /// Applies the frees pushed so far, and starts the deferred ones raw frees asked for.
+    fn drained<'a>(&'a self, mut pool: MutexGuard<'a, Pool>) -> MutexGuard<'a, Pool> {
         pool.drain(&self.inner.frees);
+        for (id, uses) in pool.take_raw_deferred().into_iter().flatten() {
+            self.inner.pending.fetch_add(1, Ordering::AcqRel);
+            complete_after(&self.inner, id, uses);
+        }
         pool
     }
 
@@ -213,17 +223,17 @@ impl CachingAllocator {
 
     /// The statistics, with every free made so far accounted for.
     pub fn stats(&self) -> DeviceStats {
-        self.lock().stats().clone()
+        self.lock().stats()
     }
 
     /// Zeroes the accumulated counters.
     pub fn reset_accumulated_stats(&self) {
-        self.lock().stats_mut().reset_accumulated();
+        self.lock().reset_accumulated();
     }
 
     /// Sets every peak to its current value.
     pub fn reset_peak_stats(&self) {
-        self.lock().stats_mut().reset_peak();
+        self.lock().reset_peak();
     }
 
     /// Segments with their blocks.
@@ -257,155 +267,80 @@ impl CachingAllocator {
     }
 
     /// `size` bytes as a raw pointer into the segment's mapping, for C callers and seed 002's
-    /// raw deleter: free it with [`CachingAllocator::free_raw`].
+    /// raw deleter: free it with [`CachingAllocator::free_raw`]. The allocator keeps the block
+    /// in its own table (no [`Allocation`] object, no reference counts): dropping the last
+    /// handle of the allocator releases its memory, raw blocks included.
     pub fn allocate_raw(&self, size: usize, queue: Option<&Queue>) -> Result<*mut u8> {
-        let a = self.allocate(size, queue)?;
-        let ptr = a.as_ptr();
-        self.inner.raw.insert(ptr as usize, a);
-        Ok(ptr)
+        let stream = queue.map_or(0, Queue::id);
+        let mut waited = false;
+        loop {
+            let mut pool = self.lock();
+            let pending = self.inner.pending.load(Ordering::Acquire) > 0;
+            match pool.allocate_raw(size, stream, pending, waited)? {
+                Some(addr) => return Ok(addr as *mut u8),
+                None => {
+                    drop(pool);
+                    self.wait_for_pending();
+                    waited = true;
+                }
+            }
+        }
     }
 
-    /// Frees a pointer from [`CachingAllocator::allocate_raw`]. A pointer this allocator never
-    /// returned, one already freed, or one into the middle of a block is refused with
-    /// [`Error::InvalidFree`] and changes nothing. Takes a shard lock of the pointer table,
-    /// never the allocator's lock.
+    /// Frees a pointer from [`CachingAllocator::allocate_raw`]. It never waits for the
+    /// allocator's lock: when the lock is free (the usual case) the free is checked and applied
+    /// at once, and a pointer this allocator never returned, one already freed, or one into the
+    /// middle of a block is refused with [`Error::InvalidFree`] and changes nothing. When another
+    /// thread holds the lock, the free is queued on the lock-free list and checked when the
+    /// holder drains it: a bad pointer is then refused there (reported on stderr and in the
+    /// history as [`HistoryKind::InvalidFree`]), still changing nothing.
     pub fn free_raw(&self, ptr: *mut u8) -> Result<()> {
         if ptr.is_null() {
             return Err(Error::InvalidFree { ptr: 0, why: "null pointer" });
         }
-        match self.inner.raw.remove(ptr as usize) {
-            Some(a) => {
-                drop(a);
+        let pool = match self.inner.pool.try_lock() {
+            Ok(pool) => pool,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                self.inner.frees.push(Node::new(FreeMsg::Raw(ptr as usize)));
+                return Ok(());
+            }
+        };
+        let mut pool = self.drained(pool);
+        match pool.free_raw(ptr as usize) {
+            Ok(None) => Ok(()),
+            Ok(Some((id, uses))) => {
+                self.inner.pending.fetch_add(1, Ordering::AcqRel);
+                drop(pool);
+                complete_after(&self.inner, id, uses);
                 Ok(())
             }
-            None => {
-                let why = self.lock().classify_foreign(ptr as usize);
-                Err(Error::InvalidFree { ptr: ptr as usize, why })
-            }
+            Err(why) => Err(Error::InvalidFree { ptr: ptr as usize, why }),
         }
     }
 
     /// Marks a raw allocation as used on `queue` (see [`Allocation::record_stream`]).
     pub fn record_stream_raw(&self, ptr: *mut u8, queue: &Queue) -> Result<()> {
-        self.inner
-            .raw
-            .with(ptr as usize, |a| a.record_stream(queue))
-            .ok_or(Error::InvalidFree { ptr: ptr as usize, why: "not a live allocation of this allocator" })
+        self.lock().record_stream_raw(ptr as usize, queue).map_err(|why| Error::InvalidFree { ptr: ptr as usize, why })
     }
 
-    /// The live raw allocation at `ptr` as a queue range (for copies through the C ABI).
+    /// The first `len` bytes of the live raw allocation at `ptr` as a queue range (for copies
+    /// through the C ABI); more than the size asked for is refused.
     pub fn raw_mem(&self, ptr: *mut u8, len: usize) -> Result<Mem> {
-        self.inner
-            .raw
-            .with(ptr as usize, |a| a.mem().range(0, len))
-            .ok_or(Error::InvalidFree { ptr: ptr as usize, why: "not a live allocation of this allocator" })?
+        let (seg, offset, size) =
+            self.lock().raw_block(ptr as usize).map_err(|why| Error::InvalidFree { ptr: ptr as usize, why })?;
+        Mem::from(&seg).range(offset, size)?.range(0, len)
     }
 }
 
-/// Memory from a [`CachingAllocator`]. Dropping it frees it (lock-free); if it was used on
-/// other queues, the memory returns to the pool only after those queues finish with it.
-pub struct Allocation {
-    inner: Arc<Inner>,
-    node: Option<Box<Node<FreeMsg>>>,
-    id: BlockId,
-    seg: Arc<Segment>,
-    offset: usize,
-    size: usize,
-    stream: u64,
-    uses: Vec<QueueHandle>,
-}
-
-impl std::fmt::Debug for Allocation {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Allocation").field("size", &self.size).field("offset", &self.offset).finish()
-    }
-}
-
-// SAFETY-free note: Allocation is Send + Sync through its fields (Arc, Box, Vec of handles).
-
-impl Allocation {
-    /// The size asked for.
-    pub fn len(&self) -> usize {
-        self.size
-    }
-
-    /// Always false (zero-sized requests are refused).
-    pub fn is_empty(&self) -> bool {
-        self.size == 0
-    }
-
-    /// The segment the block lives in, and the block's offset in it.
-    pub fn segment(&self) -> (&Arc<Segment>, usize) {
-        (&self.seg, self.offset)
-    }
-
-    /// The block as a queue range.
-    pub fn mem(&self) -> Mem {
-        Mem::from(&self.seg).range(self.offset, self.size).expect("blocks lie inside their segment")
-    }
-
-    /// The CPU address of the block (segments are always mapped), for code that follows the
-    /// crate's shared-memory access rule.
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.seg.mapping().map_or(std::ptr::null_mut(), |m| m.as_ptr().wrapping_add(self.offset))
-    }
-
-    /// The queue the block is bound to (0: none).
-    pub fn stream(&self) -> u64 {
-        self.stream
-    }
-
-    /// Records that `queue` uses this memory: when it is freed, the block waits for the work
-    /// submitted to `queue` until then before anyone can reuse it (PyTorch's `recordStream`).
-    pub fn record_stream(&mut self, queue: &Queue) {
-        if queue.id() != self.stream && !self.uses.iter().any(|h| h.id() == queue.id()) {
-            self.uses.push(queue.handle());
-        }
-    }
-}
-
-impl Drop for Allocation {
-    fn drop(&mut self) {
-        let Some(mut node) = self.node.take() else { return };
-        if self.uses.is_empty() {
-            node.value = FreeMsg::Free(self.id);
-            self.inner.frees.push(node);
-            return;
-        }
-        // Counted before it is published, so no one sees the request without the count.
-        self.inner.pending.fetch_add(1, Ordering::AcqRel);
-        node.value = FreeMsg::Requested(self.id);
-        self.inner.frees.push(node);
-        let (inner, id) = (Arc::clone(&self.inner), self.id);
-        crate::queue::after_queues(self.uses.drain(..), move || {
-            inner.frees.push(Node::new(FreeMsg::Completed(id)));
-            inner.pending.fetch_sub(1, Ordering::AcqRel);
-        });
-    }
-}
-
-/// Raw allocations by address, sharded so that frees from many threads rarely meet.
-#[derive(Default)]
-struct RawTable {
-    shards: [Mutex<HashMap<usize, Allocation>>; 16],
-}
-
-impl RawTable {
-    fn shard(&self, ptr: usize) -> MutexGuard<'_, HashMap<usize, Allocation>> {
-        // Blocks are 512-byte aligned; mix the higher bits.
-        let i = ((ptr >> 9) ^ (ptr >> 17)) % self.shards.len();
-        self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn insert(&self, ptr: usize, a: Allocation) {
-        self.shard(ptr).insert(ptr, a);
-    }
-
-    fn remove(&self, ptr: usize) -> Option<Allocation> {
-        self.shard(ptr).remove(&ptr)
-    }
-
-    fn with<T>(&self, ptr: usize, f: impl FnOnce(&mut Allocation) -> T) -> Option<T> {
-        self.shard(ptr).get_mut(&ptr).map(f)
-    }
+/// Once the work submitted so far to each of `uses` has completed, pushes the completion of
+/// the deferred free of block `id` (its `Requested` message is already in the list or applied)
+/// and uncounts it. The hook only pushes onto the lock-free list: it never takes the
+/// allocator's lock, so this may be called with that lock held.
+fn complete_after(inner: &Arc<Inner>, id: BlockId, uses: impl IntoIterator<Item = QueueHandle>) {
+    let inner = Arc::clone(inner);
+    crate::queue::after_queues(uses, move || {
+        inner.frees.push(Node::new(FreeMsg::Completed(id)));
+        inner.pending.fetch_sub(1, Ordering::AcqRel);
+    });
 }

@@ -3,15 +3,17 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::fmt::Write;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::FreeMsg;
+use super::allocation::SegRef;
 use super::config::Config;
 use super::free_list::{FreeList, Node};
-use super::stats::{self, DeviceStats, LARGE_POOL, SMALL_POOL};
+use super::quick::{FxBuild, Quick};
+use super::stats::{self, DeviceStats, LARGE_POOL, SMALL_POOL, Stat, StatArray};
 use crate::error::{Error, Result};
+use crate::queue::{Queue, QueueHandle};
 use crate::segment::Segment;
 use crate::source::MemorySource;
 
@@ -97,9 +99,20 @@ pub(crate) enum Outcome {
 /// A block handed to the allocator's caller.
 pub(crate) struct Handed {
     pub(crate) id: BlockId,
-    pub(crate) segment: Arc<Segment>,
+    pub(crate) segment: SegRef,
     pub(crate) offset: usize,
 }
+
+/// A live raw allocation (C callers): its block, the size asked for, and the other queues that
+/// used it.
+struct RawBlock {
+    id: BlockId,
+    size: usize,
+    uses: Vec<QueueHandle>,
+}
+
+/// A raw free that must wait for other queues: the block and those queues.
+pub(crate) type RawDeferred = (BlockId, Vec<QueueHandle>);
 
 /// A block's state in a [`Snapshot`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,6 +210,9 @@ pub enum HistoryKind {
     SegmentFree,
     /// A request failed with out-of-memory.
     Oom,
+    /// A raw free of a pointer that is not a live raw allocation was refused (one that found
+    /// the lock taken and was checked later; see `CachingAllocator::free_raw`).
+    InvalidFree,
 }
 
 /// One history entry.
@@ -224,6 +240,7 @@ impl HistoryEvent {
             HistoryKind::SegmentAlloc => "segment_alloc",
             HistoryKind::SegmentFree => "segment_free",
             HistoryKind::Oom => "oom",
+            HistoryKind::InvalidFree => "invalid_free",
         };
         format!(
             "{{\"t\":{},\"action\":\"{kind}\",\"addr\":{},\"size\":{},\"stream\":{}}}",
@@ -242,7 +259,15 @@ pub(crate) struct Pool {
     segments: Vec<Option<SegEntry>>,
     free_segs: Vec<u32>,
     pools: [BTreeSet<Key>; 3],
+    /// Every stat but `active` and `active_bytes`, which [`Pool::stats`] derives (see there).
     stats: DeviceStats,
+    /// Blocks (and their bytes) whose free waits for other queues' events.
+    pending: StatArray,
+    pending_bytes: StatArray,
+    /// Peaks of active blocks (and bytes) reached while frees were pending; otherwise active
+    /// equals allocated and the allocation peaks are the active peaks.
+    active_peak: [i64; 3],
+    active_bytes_peak: [i64; 3],
     /// Allocation misses so far (the GC clock).
     misses: u64,
     history: VecDeque<HistoryEvent>,
@@ -257,39 +282,23 @@ pub(crate) struct Pool {
     nodes: Vec<Box<Node<FreeMsg>>>,
     /// Scratch for draining the free list in push order.
     scratch: Vec<FreeMsg>,
+    /// Live raw allocations by address.
+    raw: HashMap<usize, RawBlock, FxBuild>,
+    /// Raw frees applied by a drain that must wait for other queues: the caller starts them.
+    raw_deferred: Vec<RawDeferred>,
     /// Freed blocks kept unmerged for exact reuse, by (stream, size): the fast path for
     /// periodic workloads. Flushed into the pools (with merging) on a miss.
-    quick: HashMap<(u64, usize), Vec<BlockId>, BuildHasherDefault<FxHasher>>,
-    quick_len: usize,
+    quick: Quick,
     /// The expandable segment of each (stream, pool).
     expandable: HashMap<(u64, usize), u32>,
     /// The source cannot make expandable segments: classic segments are used instead.
     expandable_unsupported: bool,
+    /// Punched chunks over all expandable segments (0: no block needs re-backing).
+    punched: usize,
 }
 
 /// How many freed blocks the quick cache holds before it is flushed into the pools.
 const QUICK_MAX: usize = 1024;
-
-/// A fast multiplicative hasher for the quick cache's small integer keys.
-#[derive(Default)]
-pub(crate) struct FxHasher(u64);
-
-impl Hasher for FxHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-    fn write_usize(&mut self, v: usize) {
-        self.write_u64(v as u64);
-    }
-}
 
 fn pool_name(pool: usize) -> &'static str {
     if pool == SMALL_POOL { "small" } else { "large" }
@@ -310,25 +319,59 @@ impl Pool {
             free_segs: Vec::new(),
             pools: Default::default(),
             stats,
+            pending: StatArray::default(),
+            pending_bytes: StatArray::default(),
+            active_peak: [0; 3],
+            active_bytes_peak: [0; 3],
             misses: 0,
             history: VecDeque::new(),
             record_all: false,
             started: Instant::now(),
             nodes: Vec::new(),
             scratch: Vec::new(),
-            quick: HashMap::default(),
-            quick_len: 0,
+            raw: HashMap::default(),
+            raw_deferred: Vec::new(),
+            quick: Quick::default(),
             expandable: HashMap::new(),
             expandable_unsupported: false,
+            punched: 0,
         }
     }
 
-    pub(crate) fn stats(&self) -> &DeviceStats {
-        &self.stats
+    /// The stats. Active blocks are allocated blocks plus those whose free is pending, so the
+    /// hot path keeps only the allocation stats and the (rare) pending ones, and `active` is
+    /// derived here: current and totals add up, and its peak is the allocation peak unless a
+    /// higher one was reached while frees were pending.
+    pub(crate) fn stats(&self) -> DeviceStats {
+        let mut d = self.stats.clone();
+        let derive = |alloc: &StatArray, pending: &StatArray, extra: &[i64; 3]| -> StatArray {
+            std::array::from_fn(|i| Stat {
+                current: alloc[i].current + pending[i].current,
+                peak: alloc[i].peak.max(extra[i]),
+                allocated: alloc[i].allocated,
+                freed: alloc[i].freed - pending[i].allocated + pending[i].freed,
+            })
+        };
+        d.active = derive(&self.stats.allocation, &self.pending, &self.active_peak);
+        d.active_bytes = derive(&self.stats.allocated_bytes, &self.pending_bytes, &self.active_bytes_peak);
+        d
     }
 
-    pub(crate) fn stats_mut(&mut self) -> &mut DeviceStats {
-        &mut self.stats
+    /// Zeroes the accumulated counters.
+    pub(crate) fn reset_accumulated(&mut self) {
+        self.stats.reset_accumulated();
+        for s in self.pending.iter_mut().chain(self.pending_bytes.iter_mut()) {
+            s.reset_accumulated();
+        }
+    }
+
+    /// Sets every peak to its current value.
+    pub(crate) fn reset_peak(&mut self) {
+        self.stats.reset_peak();
+        for i in 0..3 {
+            self.active_peak[i] = self.stats.allocation[i].current + self.pending[i].current;
+            self.active_bytes_peak[i] = self.stats.allocated_bytes[i].current + self.pending_bytes[i].current;
+        }
     }
 
     pub(crate) fn config(&self) -> &Config {
@@ -353,6 +396,10 @@ impl Pool {
         if !always && !self.record_all {
             return;
         }
+        self.log_always(kind, addr, size, stream);
+    }
+
+    fn log_always(&mut self, kind: HistoryKind, addr: usize, size: usize, stream: u64) {
         if self.history.len() == HISTORY {
             self.history.pop_front();
         }
@@ -497,11 +544,28 @@ impl Pool {
             }
             FreeMsg::Requested(id) => {
                 self.account_free_request(id);
+                let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
+                stats::inc_array(&mut self.pending, pool, 1);
+                stats::inc_array(&mut self.pending_bytes, pool, size);
                 let (addr, size, stream) =
                     (self.addr(id), self.blocks[id as usize].size, self.blocks[id as usize].stream);
                 self.log(HistoryKind::FreeRequested, addr, size, stream);
             }
-            FreeMsg::Completed(id) => self.free_block(id),
+            FreeMsg::Raw(addr) => match self.free_raw(addr) {
+                Ok(None) => {}
+                Ok(Some(deferred)) => self.raw_deferred.push(deferred),
+                Err(why) => {
+                    self.log_always(HistoryKind::InvalidFree, addr, 0, 0);
+                    let msg = format!("dmabuf-rt: refused a raw free of {addr:#x}: {why}\n");
+                    let _ = std::io::Write::write_all(&mut std::io::stderr(), msg.as_bytes());
+                }
+            },
+            FreeMsg::Completed(id) => {
+                let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
+                stats::dec_array(&mut self.pending, pool, 1);
+                stats::dec_array(&mut self.pending_bytes, pool, size);
+                self.free_block(id);
+            }
         }
     }
 
@@ -529,19 +593,17 @@ impl Pool {
     fn free_block(&mut self, id: BlockId) {
         // Make room first, while this block still counts as allocated (so the flush's merges
         // leave it alone).
-        if self.quick_len >= QUICK_MAX {
+        if self.quick.len() >= QUICK_MAX {
             self.flush_quick();
         }
-        let (size, stream, pool) = {
+        let (size, stream) = {
             let b = &self.blocks[id as usize];
-            (b.size, b.stream, b.pool)
+            (b.size, b.stream)
         };
         if self.record_all {
             let addr = self.addr(id);
             self.log(HistoryKind::FreeCompleted, addr, size, stream);
         }
-        stats::dec_array(&mut self.stats.active, pool, 1);
-        stats::dec_array(&mut self.stats.active_bytes, pool, size as i64);
         let misses = self.misses;
         let b = &mut self.blocks[id as usize];
         b.allocated = false;
@@ -557,9 +619,7 @@ impl Pool {
     fn quick_insert(&mut self, id: BlockId) {
         let b = &mut self.blocks[id as usize];
         b.in_quick = true;
-        let key = (b.stream, b.size);
-        self.quick.entry(key).or_default().push(id);
-        self.quick_len += 1;
+        self.quick.push(b.stream, b.size, id);
         self.account_inactive(id, true);
     }
 
@@ -570,19 +630,17 @@ impl Pool {
     }
 
     fn quick_take(&mut self, stream: u64, size: usize) -> Option<BlockId> {
-        let id = self.quick.get_mut(&(stream, size))?.pop()?;
-        self.quick_len -= 1;
+        let id = self.quick.pop(stream, size)?;
         self.quick_leave(id);
         Some(id)
     }
 
     /// Moves every quick-cached block into its pool, merging neighbours.
     pub(crate) fn flush_quick(&mut self) {
-        if self.quick_len == 0 {
+        if self.quick.len() == 0 {
             return;
         }
-        let ids: Vec<BlockId> = self.quick.values_mut().flat_map(std::mem::take).collect();
-        self.quick_len = 0;
+        let ids = self.quick.take_all();
         // One at a time: a neighbour still marked quick is not merged until its own turn.
         for id in ids {
             self.quick_leave(id);
@@ -775,6 +833,7 @@ impl Pool {
             if !exp.backed[c] {
                 exp.backed[c] = true;
                 exp.punched -= 1;
+                self.punched -= 1;
                 added += CHUNK as i64;
             }
         }
@@ -795,6 +854,7 @@ impl Pool {
             if exp.backed[c] && entry.seg.punch(c * CHUNK, CHUNK).is_ok() {
                 exp.backed[c] = false;
                 exp.punched += 1;
+                self.punched += 1;
                 freed += CHUNK;
             }
         }
@@ -922,7 +982,7 @@ impl Pool {
             return None;
         }
         let found = self.get_free_block(rounded, stream, pool);
-        if found.is_some() || self.quick_len == 0 {
+        if found.is_some() || self.quick.len() == 0 {
             return found;
         }
         // Unmerged frees may add up to a fit.
@@ -932,7 +992,7 @@ impl Pool {
 
     /// Marks a block allocated for a request of `size` and accounts for it.
     fn hand_out(&mut self, id: BlockId, size: usize, stream: u64) -> Handed {
-        if !self.expandable.is_empty() {
+        if self.punched > 0 {
             self.back_chunks(id);
         }
         let b = &mut self.blocks[id as usize];
@@ -942,8 +1002,14 @@ impl Pool {
         stats::inc_array(&mut self.stats.allocation, bpool, 1);
         stats::inc_array(&mut self.stats.allocated_bytes, bpool, bsize as i64);
         stats::inc_array(&mut self.stats.requested_bytes, bpool, size as i64);
-        stats::inc_array(&mut self.stats.active, bpool, 1);
-        stats::inc_array(&mut self.stats.active_bytes, bpool, bsize as i64);
+        if self.pending[stats::AGGREGATE].current > 0 {
+            for i in [stats::AGGREGATE, bpool] {
+                let active = self.stats.allocation[i].current + self.pending[i].current;
+                self.active_peak[i] = self.active_peak[i].max(active);
+                let bytes = self.stats.allocated_bytes[i].current + self.pending_bytes[i].current;
+                self.active_bytes_peak[i] = self.active_bytes_peak[i].max(bytes);
+            }
+        }
         if bsize >= self.config.max_split_size {
             self.stats.oversize_allocations.update(1);
         }
@@ -951,7 +1017,7 @@ impl Pool {
             let addr = self.addr(id);
             self.log(HistoryKind::Alloc, addr, bsize, stream);
         }
-        let segment = Arc::clone(&self.segments[bseg as usize].as_ref().expect("live segment").seg);
+        let segment = SegRef::new(&self.segments[bseg as usize].as_ref().expect("live segment").seg);
         Handed { id, segment, offset: boff }
     }
 
@@ -1157,6 +1223,64 @@ impl Pool {
         }
     }
 
+    // ---- raw allocations (C callers) ----
+
+    /// [`Pool::allocate`] for a raw caller: the block's address, filed in the raw table, or
+    /// `None` when the caller should wait for pending frees and call again.
+    pub(crate) fn allocate_raw(
+        &mut self,
+        size: usize,
+        stream: u64,
+        pending: bool,
+        waited: bool,
+    ) -> Result<Option<usize>> {
+        match self.allocate(size, stream, pending, waited)? {
+            Outcome::Got(h) => {
+                let addr = self.addr(h.id);
+                self.raw.insert(addr, RawBlock { id: h.id, size, uses: Vec::new() });
+                Ok(Some(addr))
+            }
+            Outcome::WaitForPending => Ok(None),
+        }
+    }
+
+    /// Frees the raw allocation at `addr`: applied at once, or, if other queues used it, its
+    /// request applied and the block and queues returned for the caller to wait on.
+    pub(crate) fn free_raw(&mut self, addr: usize) -> std::result::Result<Option<RawDeferred>, &'static str> {
+        let Some(raw) = self.raw.remove(&addr) else { return Err(self.classify_foreign(addr)) };
+        if raw.uses.is_empty() {
+            self.apply(FreeMsg::Free(raw.id));
+            return Ok(None);
+        }
+        self.apply(FreeMsg::Requested(raw.id));
+        Ok(Some((raw.id, raw.uses)))
+    }
+
+    /// Deferred raw frees a drain applied; the caller waits on their queues.
+    pub(crate) fn take_raw_deferred(&mut self) -> Option<Vec<RawDeferred>> {
+        if self.raw_deferred.is_empty() { None } else { Some(std::mem::take(&mut self.raw_deferred)) }
+    }
+
+    /// Records that `queue` uses the raw allocation at `addr`.
+    pub(crate) fn record_stream_raw(&mut self, addr: usize, queue: &Queue) -> std::result::Result<(), &'static str> {
+        let bound = |p: &Self, id: BlockId| p.blocks[id as usize].stream;
+        let Some(id) = self.raw.get(&addr).map(|r| r.id) else { return Err(self.classify_foreign(addr)) };
+        let stream = bound(self, id);
+        let raw = self.raw.get_mut(&addr).expect("looked up above");
+        if queue.id() != stream && !raw.uses.iter().any(|h| h.id() == queue.id()) {
+            raw.uses.push(queue.handle());
+        }
+        Ok(())
+    }
+
+    /// The segment, offset and requested size of the raw allocation at `addr`.
+    pub(crate) fn raw_block(&self, addr: usize) -> std::result::Result<(Arc<Segment>, usize, usize), &'static str> {
+        let Some(raw) = self.raw.get(&addr) else { return Err(self.classify_foreign(addr)) };
+        let b = &self.blocks[raw.id as usize];
+        let seg = Arc::clone(&self.segments[b.seg as usize].as_ref().expect("live segment").seg);
+        Ok((seg, b.offset, raw.size))
+    }
+
     /// Why a pointer passed to a raw free is not a live allocation.
     pub(crate) fn classify_foreign(&self, ptr: usize) -> &'static str {
         let inside = self.segments.iter().flatten().any(|s| ptr >= s.base && ptr < s.base + s.size);
@@ -1164,9 +1288,16 @@ impl Pool {
             return "not a pointer this allocator handed out";
         }
         let starts_free_block = self.pools.iter().flat_map(|p| p.iter()).any(|k| k.2 == ptr)
-            || self.quick.values().flatten().any(|&id| self.addr(id) == ptr);
+            || self.quick.ids().into_iter().any(|id| self.addr(id) == ptr);
+        let owned = self.blocks.iter().enumerate().any(|(id, b)| {
+            b.allocated && b.requested > 0 && self.segments.get(b.seg as usize).is_some_and(Option::is_some) && {
+                self.addr(id as BlockId) == ptr
+            }
+        });
         if starts_free_block {
             "already freed (double free)"
+        } else if owned {
+            "owned by an Allocation object, not a raw allocation: drop the Allocation instead"
         } else {
             "not the start of a live allocation (a pointer into a block, or already freed)"
         }
@@ -1175,13 +1306,8 @@ impl Pool {
     pub(crate) fn snapshot(&self) -> Snapshot {
         let mut segments: Vec<SegmentSnapshot> = Vec::new();
         let mut by_seg: Vec<Vec<BlockSnapshot>> = vec![Vec::new(); self.segments.len()];
-        let free: std::collections::HashSet<BlockId> = self
-            .pools
-            .iter()
-            .flat_map(|p| p.iter())
-            .map(|k| k.3)
-            .chain(self.quick.values().flatten().copied())
-            .collect();
+        let free: std::collections::HashSet<BlockId> =
+            self.pools.iter().flat_map(|p| p.iter()).map(|k| k.3).chain(self.quick.ids()).collect();
         let dead: std::collections::HashSet<BlockId> = self.free_ids.iter().copied().collect();
         for (id, b) in self.blocks.iter().enumerate() {
             let live = self.segments.get(b.seg as usize).is_some_and(Option::is_some) && !dead.contains(&(id as u32));

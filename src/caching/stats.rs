@@ -34,7 +34,7 @@ impl Stat {
         self.freed += amount;
     }
 
-    fn reset_accumulated(&mut self) {
+    pub(crate) fn reset_accumulated(&mut self) {
         self.allocated = 0;
         self.freed = 0;
     }
