@@ -9,6 +9,7 @@
 
 #![allow(unsafe_code)]
 
+use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -32,7 +33,9 @@ pub struct Allocation {
     pub(super) offset: usize,
     pub(super) size: usize,
     pub(super) stream: u64,
-    pub(super) uses: Vec<QueueHandle>,
+    /// Other queues that used the block. Not dropped by the drop glue: `Drop` takes it when
+    /// it is not empty, so the usual free pays nothing for it.
+    pub(super) uses: ManuallyDrop<Vec<QueueHandle>>,
 }
 
 impl std::fmt::Debug for Allocation {
@@ -104,7 +107,8 @@ impl Drop for Allocation {
         self.inner.pending.fetch_add(1, Ordering::AcqRel);
         node.value = FreeMsg::Requested(self.id);
         self.inner.frees.push(node);
-        super::complete_after(&self.inner, self.id, self.uses.drain(..));
+        // Taken out of the ManuallyDrop, so it is dropped after the loop.
+        super::complete_after(&self.inner, self.id, std::mem::take(&mut *self.uses));
     }
 }
 

@@ -166,9 +166,11 @@ impl CachingAllocator {
     /// Applies the frees pushed so far, and starts the deferred ones raw frees asked for.
     fn drained<'a>(&'a self, mut pool: MutexGuard<'a, Pool>) -> MutexGuard<'a, Pool> {
         pool.drain(&self.inner.frees);
-        for (id, uses) in pool.take_raw_deferred().into_iter().flatten() {
-            self.inner.pending.fetch_add(1, Ordering::AcqRel);
-            complete_after(&self.inner, id, uses);
+        if let Some(deferred) = pool.take_raw_deferred() {
+            for (id, uses) in deferred {
+                self.inner.pending.fetch_add(1, Ordering::AcqRel);
+                complete_after(&self.inner, id, uses);
+            }
         }
         pool
     }
@@ -193,7 +195,7 @@ impl CachingAllocator {
                         offset: b.offset,
                         size,
                         stream,
-                        uses: Vec::new(),
+                        uses: std::mem::ManuallyDrop::new(Vec::new()),
                     });
                 }
                 Outcome::WaitForPending => {

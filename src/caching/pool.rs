@@ -50,6 +50,10 @@ struct Block {
     cached_at: u64,
     /// In the quick cache (free, unmerged, not in a pool).
     in_quick: bool,
+    /// Handed out through the raw API.
+    raw: bool,
+    /// A raw block that other queues used: its handles are in `Pool::raw_uses`.
+    raw_used: bool,
 }
 
 impl Block {
@@ -101,14 +105,6 @@ pub(crate) struct Handed {
     pub(crate) id: BlockId,
     pub(crate) segment: SegRef,
     pub(crate) offset: usize,
-}
-
-/// A live raw allocation (C callers): its block, the size asked for, and the other queues that
-/// used it.
-struct RawBlock {
-    id: BlockId,
-    size: usize,
-    uses: Vec<QueueHandle>,
 }
 
 /// A raw free that must wait for other queues: the block and those queues.
@@ -282,8 +278,10 @@ pub(crate) struct Pool {
     nodes: Vec<Box<Node<FreeMsg>>>,
     /// Scratch for draining the free list in push order.
     scratch: Vec<FreeMsg>,
-    /// Live raw allocations by address.
-    raw: HashMap<usize, RawBlock, FxBuild>,
+    /// Every block of every live segment by address: raw frees look their pointer up here.
+    by_addr: HashMap<usize, BlockId, FxBuild>,
+    /// The other queues that used a raw block (`Block::raw_used`).
+    raw_uses: HashMap<BlockId, Vec<QueueHandle>, FxBuild>,
     /// Raw frees applied by a drain that must wait for other queues: the caller starts them.
     raw_deferred: Vec<RawDeferred>,
     /// Freed blocks kept unmerged for exact reuse, by (stream, size): the fast path for
@@ -329,7 +327,8 @@ impl Pool {
             started: Instant::now(),
             nodes: Vec::new(),
             scratch: Vec::new(),
-            raw: HashMap::default(),
+            by_addr: HashMap::default(),
+            raw_uses: HashMap::default(),
             raw_deferred: Vec::new(),
             quick: Quick::default(),
             expandable: HashMap::new(),
@@ -486,7 +485,7 @@ impl Pool {
     }
 
     fn new_block(&mut self, b: Block) -> BlockId {
-        match self.free_ids.pop() {
+        let id = match self.free_ids.pop() {
             Some(id) => {
                 self.blocks[id as usize] = b;
                 id
@@ -495,16 +494,23 @@ impl Pool {
                 self.blocks.push(b);
                 (self.blocks.len() - 1) as BlockId
             }
-        }
+        };
+        self.by_addr.insert(self.addr(id), id);
+        self.quick.track(id);
+        id
     }
 
     // ---- the free path, drained under the lock ----
 
     /// Applies every free pushed since the last drain.
+    #[inline]
     pub(crate) fn drain(&mut self, frees: &FreeList<FreeMsg>) {
-        if frees.is_empty() {
-            return;
+        if !frees.is_empty() {
+            self.drain_some(frees);
         }
+    }
+
+    fn drain_some(&mut self, frees: &FreeList<FreeMsg>) {
         // The list yields newest first; apply oldest first (a deferred free's Requested must
         // precede its Completed).
         let mut drained = frees.take_all();
@@ -666,6 +672,14 @@ impl Pool {
     /// Absorbs free neighbour `other` into `id`.
     fn merge(&mut self, id: BlockId, other: BlockId) {
         self.pool_remove(other);
+        let (id_addr, other_addr) = (self.addr(id), self.addr(other));
+        if other_addr < id_addr {
+            // `id` now starts where `other` did.
+            self.by_addr.remove(&id_addr);
+            self.by_addr.insert(other_addr, id);
+        } else {
+            self.by_addr.remove(&other_addr);
+        }
         let o = self.blocks[other as usize].clone();
         let b = &mut self.blocks[id as usize];
         if o.offset < b.offset {
@@ -809,6 +823,8 @@ impl Pool {
                     pool,
                     cached_at: self.misses,
                     in_quick: false,
+                    raw: false,
+                    raw_used: false,
                 });
                 if let Some(t) = tail {
                     self.blocks[t as usize].next = Some(id);
@@ -883,12 +899,12 @@ impl Pool {
             source_name: "caching allocator".into(),
         };
         let rounded = self.round_size(size).filter(|&r| r <= isize::MAX as usize).ok_or_else(too_large)?;
-        let alloc_size = self.allocation_size(rounded).ok_or_else(too_large)?;
-        let pool = Self::pool_for(rounded);
-
+        // The fast path: a block of exactly this size freed on this queue.
         if let Some(id) = self.quick_take(stream, rounded) {
             return Ok(Outcome::Got(self.hand_out(id, size, stream)));
         }
+        let alloc_size = self.allocation_size(rounded).ok_or_else(too_large)?;
+        let pool = Self::pool_for(rounded);
         let mut found = self.find_cached(rounded, stream, pool);
         let mut cause = String::new();
         let needs = if self.uses_expandable() { rounded.next_multiple_of(CHUNK) } else { alloc_size };
@@ -962,6 +978,8 @@ impl Pool {
                 pool: b.pool,
                 cached_at: self.misses,
                 in_quick: false,
+                raw: false,
+                raw_used: false,
             });
             if let Some(n) = b.next {
                 self.blocks[n as usize].prev = Some(rest);
@@ -1084,6 +1102,8 @@ impl Pool {
             pool,
             cached_at: self.misses,
             in_quick: false,
+            raw: false,
+            raw_used: false,
         });
         self.pool_insert(id);
         Some(id)
@@ -1117,6 +1137,8 @@ impl Pool {
     fn release_block(&mut self, id: BlockId) {
         debug_assert!(!self.is_expandable(id), "expandable segments are punched, not released");
         self.pool_remove(id);
+        let addr = self.addr(id);
+        self.by_addr.remove(&addr);
         let b = self.blocks[id as usize].clone();
         debug_assert!(!b.is_split() && !b.allocated);
         if let Some(entry) = self.segments[b.seg as usize].take() {
@@ -1225,8 +1247,8 @@ impl Pool {
 
     // ---- raw allocations (C callers) ----
 
-    /// [`Pool::allocate`] for a raw caller: the block's address, filed in the raw table, or
-    /// `None` when the caller should wait for pending frees and call again.
+    /// [`Pool::allocate`] for a raw caller: the block's address, or `None` when the caller
+    /// should wait for pending frees and call again.
     pub(crate) fn allocate_raw(
         &mut self,
         size: usize,
@@ -1236,70 +1258,77 @@ impl Pool {
     ) -> Result<Option<usize>> {
         match self.allocate(size, stream, pending, waited)? {
             Outcome::Got(h) => {
-                let addr = self.addr(h.id);
-                self.raw.insert(addr, RawBlock { id: h.id, size, uses: Vec::new() });
-                Ok(Some(addr))
+                self.blocks[h.id as usize].raw = true;
+                Ok(Some(self.addr(h.id)))
             }
             Outcome::WaitForPending => Ok(None),
+        }
+    }
+
+    /// The live raw block at `addr`, or why there is none.
+    fn raw_at(&self, addr: usize) -> std::result::Result<BlockId, &'static str> {
+        let Some(&id) = self.by_addr.get(&addr) else { return Err(self.classify_foreign(addr)) };
+        let b = &self.blocks[id as usize];
+        match (b.allocated, b.raw, b.requested > 0) {
+            (true, true, true) => Ok(id),
+            (false, ..) => Err("already freed (double free)"),
+            (true, _, false) => Err("already freed (its free is waiting for other queues)"),
+            (true, false, true) => {
+                Err("owned by an Allocation object, not a raw allocation: drop the Allocation instead")
+            }
         }
     }
 
     /// Frees the raw allocation at `addr`: applied at once, or, if other queues used it, its
     /// request applied and the block and queues returned for the caller to wait on.
     pub(crate) fn free_raw(&mut self, addr: usize) -> std::result::Result<Option<RawDeferred>, &'static str> {
-        let Some(raw) = self.raw.remove(&addr) else { return Err(self.classify_foreign(addr)) };
-        if raw.uses.is_empty() {
-            self.apply(FreeMsg::Free(raw.id));
+        let id = self.raw_at(addr)?;
+        let b = &mut self.blocks[id as usize];
+        b.raw = false;
+        if !b.raw_used {
+            self.apply(FreeMsg::Free(id));
             return Ok(None);
         }
-        self.apply(FreeMsg::Requested(raw.id));
-        Ok(Some((raw.id, raw.uses)))
+        b.raw_used = false;
+        let uses = self.raw_uses.remove(&id).unwrap_or_default();
+        self.apply(FreeMsg::Requested(id));
+        Ok(Some((id, uses)))
     }
 
     /// Deferred raw frees a drain applied; the caller waits on their queues.
+    #[inline]
     pub(crate) fn take_raw_deferred(&mut self) -> Option<Vec<RawDeferred>> {
         if self.raw_deferred.is_empty() { None } else { Some(std::mem::take(&mut self.raw_deferred)) }
     }
 
     /// Records that `queue` uses the raw allocation at `addr`.
     pub(crate) fn record_stream_raw(&mut self, addr: usize, queue: &Queue) -> std::result::Result<(), &'static str> {
-        let bound = |p: &Self, id: BlockId| p.blocks[id as usize].stream;
-        let Some(id) = self.raw.get(&addr).map(|r| r.id) else { return Err(self.classify_foreign(addr)) };
-        let stream = bound(self, id);
-        let raw = self.raw.get_mut(&addr).expect("looked up above");
-        if queue.id() != stream && !raw.uses.iter().any(|h| h.id() == queue.id()) {
-            raw.uses.push(queue.handle());
+        let id = self.raw_at(addr)?;
+        if queue.id() == self.blocks[id as usize].stream {
+            return Ok(());
+        }
+        self.blocks[id as usize].raw_used = true;
+        let uses = self.raw_uses.entry(id).or_default();
+        if !uses.iter().any(|h| h.id() == queue.id()) {
+            uses.push(queue.handle());
         }
         Ok(())
     }
 
     /// The segment, offset and requested size of the raw allocation at `addr`.
     pub(crate) fn raw_block(&self, addr: usize) -> std::result::Result<(Arc<Segment>, usize, usize), &'static str> {
-        let Some(raw) = self.raw.get(&addr) else { return Err(self.classify_foreign(addr)) };
-        let b = &self.blocks[raw.id as usize];
+        let b = &self.blocks[self.raw_at(addr)? as usize];
         let seg = Arc::clone(&self.segments[b.seg as usize].as_ref().expect("live segment").seg);
-        Ok((seg, b.offset, raw.size))
+        Ok((seg, b.offset, b.requested))
     }
 
-    /// Why a pointer passed to a raw free is not a live allocation.
-    pub(crate) fn classify_foreign(&self, ptr: usize) -> &'static str {
+    /// Why a pointer that starts no block is not a live allocation.
+    fn classify_foreign(&self, ptr: usize) -> &'static str {
         let inside = self.segments.iter().flatten().any(|s| ptr >= s.base && ptr < s.base + s.size);
-        if !inside {
-            return "not a pointer this allocator handed out";
-        }
-        let starts_free_block = self.pools.iter().flat_map(|p| p.iter()).any(|k| k.2 == ptr)
-            || self.quick.ids().into_iter().any(|id| self.addr(id) == ptr);
-        let owned = self.blocks.iter().enumerate().any(|(id, b)| {
-            b.allocated && b.requested > 0 && self.segments.get(b.seg as usize).is_some_and(Option::is_some) && {
-                self.addr(id as BlockId) == ptr
-            }
-        });
-        if starts_free_block {
-            "already freed (double free)"
-        } else if owned {
-            "owned by an Allocation object, not a raw allocation: drop the Allocation instead"
+        if inside {
+            "not the start of a block (a pointer into an allocation)"
         } else {
-            "not the start of a live allocation (a pointer into a block, or already freed)"
+            "not a pointer this allocator handed out"
         }
     }
 

@@ -2,7 +2,8 @@
 //!
 //! This is the fast path of periodic workloads (a training step frees and re-allocates the
 //! same sizes on the same queue). Small sizes index a per-queue table of list heads directly
-//! (one slot per 512-byte class up to 1 MiB); larger sizes go through a hash map. The lists are
+//! (one slot per 512-byte class up to 1 MiB), with a bitmap of the classes that may hold
+//! blocks so a flush visits only those; larger sizes go through a hash map. The lists are
 //! intrusive: one link per block id, so a push or a pop moves no memory.
 
 use std::collections::HashMap;
@@ -14,6 +15,8 @@ use super::pool::{BlockId, MIN_BLOCK, SMALL_SIZE};
 const NONE: BlockId = BlockId::MAX;
 /// Small size classes: every multiple of 512 up to and including 1 MiB.
 const CLASSES: usize = SMALL_SIZE / MIN_BLOCK + 1;
+/// Words of a per-queue bitmap of classes.
+const WORDS: usize = CLASSES.div_ceil(64);
 
 /// A fast multiplicative hasher for small integer keys.
 #[derive(Default)]
@@ -38,121 +41,122 @@ impl Hasher for FxHasher {
 
 pub(crate) type FxBuild = BuildHasherDefault<FxHasher>;
 
-/// One queue's small classes.
-struct Classes {
-    stream: u64,
-    heads: Box<[BlockId]>,
-    /// Whether the class is listed in `Quick::dirty` (it may hold blocks).
-    listed: Box<[bool]>,
-}
-
 #[derive(Default)]
 pub(crate) struct Quick {
-    streams: Vec<Classes>,
-    /// The index in `streams` used last (queues are few and used in runs).
+    /// The queues with small classes, in the order they came; queue `i` owns
+    /// `heads[i * CLASSES..][..CLASSES]` and `used[i * WORDS..][..WORDS]`.
+    streams: Vec<u64>,
+    /// The queue index used last (queues are few and used in runs).
     last: usize,
+    heads: Vec<BlockId>,
+    /// A set bit: the class has held a block since the last flush.
+    used: Vec<u64>,
     large: HashMap<(u64, usize), BlockId, FxBuild>,
-    /// The link of each block id that is in a list.
+    /// The link of each block id.
     next: Vec<BlockId>,
-    /// Small classes that may hold blocks, as (stream index, class): what a flush visits.
-    dirty: Vec<(u32, u32)>,
     len: usize,
 }
 
 impl Quick {
     /// Blocks held.
+    #[inline]
     pub(crate) fn len(&self) -> usize {
         self.len
     }
 
+    /// Makes room for the link of block `id` (the pool calls it for every block it makes).
+    pub(crate) fn track(&mut self, id: BlockId) {
+        if self.next.len() <= id as usize {
+            self.next.resize(id as usize + 1, NONE);
+        }
+    }
+
+    #[inline]
     fn find(&mut self, stream: u64) -> Option<usize> {
-        if self.streams.get(self.last).is_some_and(|c| c.stream == stream) {
+        if self.streams.get(self.last) == Some(&stream) {
             return Some(self.last);
         }
-        let i = self.streams.iter().position(|c| c.stream == stream)?;
+        let i = self.streams.iter().position(|&s| s == stream)?;
         self.last = i;
         Some(i)
     }
 
+    #[cold]
+    fn add_stream(&mut self, stream: u64) -> usize {
+        self.streams.push(stream);
+        self.heads.resize(self.streams.len() * CLASSES, NONE);
+        self.used.resize(self.streams.len() * WORDS, 0);
+        self.last = self.streams.len() - 1;
+        self.last
+    }
+
     /// Adds a free block of `size` (a multiple of 512) bound to `stream`.
+    #[inline]
     pub(crate) fn push(&mut self, stream: u64, size: usize, id: BlockId) {
-        if self.next.len() <= id as usize {
-            self.next.resize(id as usize + 1, NONE);
-        }
         self.len += 1;
-        if size > SMALL_SIZE {
-            let head = self.large.entry((stream, size)).or_insert(NONE);
-            self.next[id as usize] = *head;
-            *head = id;
-            return;
-        }
-        let s = match self.find(stream) {
-            Some(s) => s,
-            None => {
-                self.streams.push(Classes {
-                    stream,
-                    heads: vec![NONE; CLASSES].into_boxed_slice(),
-                    listed: vec![false; CLASSES].into_boxed_slice(),
-                });
-                self.last = self.streams.len() - 1;
-                self.last
-            }
+        let slot = if size > SMALL_SIZE {
+            self.large.entry((stream, size)).or_insert(NONE)
+        } else {
+            let s = match self.find(stream) {
+                Some(s) => s,
+                None => self.add_stream(stream),
+            };
+            let c = size / MIN_BLOCK;
+            self.used[s * WORDS + c / 64] |= 1 << (c % 64);
+            &mut self.heads[s * CLASSES + c]
         };
-        let c = size / MIN_BLOCK;
-        let classes = &mut self.streams[s];
-        self.next[id as usize] = classes.heads[c];
-        classes.heads[c] = id;
-        if !classes.listed[c] {
-            classes.listed[c] = true;
-            self.dirty.push((s as u32, c as u32));
-        }
+        self.next[id as usize] = std::mem::replace(slot, id);
     }
 
     /// Takes a block of exactly `size` bound to `stream`, the one freed last.
+    #[inline]
     pub(crate) fn pop(&mut self, stream: u64, size: usize) -> Option<BlockId> {
         if self.len == 0 {
             return None;
         }
-        let head = if size > SMALL_SIZE {
-            let head = self.large.get_mut(&(stream, size))?;
-            let id = *head;
-            if id == NONE {
-                return None;
-            }
-            *head = self.next[id as usize];
-            id
+        let slot = if size > SMALL_SIZE {
+            self.large.get_mut(&(stream, size))?
         } else {
             let s = self.find(stream)?;
-            let slot = &mut self.streams[s].heads[size / MIN_BLOCK];
-            let id = *slot;
-            if id == NONE {
-                return None;
-            }
-            *slot = self.next[id as usize];
-            id
+            &mut self.heads[s * CLASSES + size / MIN_BLOCK]
         };
+        let id = *slot;
+        if id == NONE {
+            return None;
+        }
+        *slot = self.next[id as usize];
         self.len -= 1;
-        Some(head)
+        Some(id)
+    }
+
+    /// Visits the head of every list that may hold blocks.
+    fn heads_in_use(&self) -> impl Iterator<Item = (usize, BlockId)> + '_ {
+        let small = self.used.iter().enumerate().flat_map(|(w, &bits)| {
+            let s = w / WORDS;
+            (0..64).filter(move |b| bits & (1 << b) != 0).map(move |b| s * CLASSES + (w % WORDS) * 64 + b)
+        });
+        small.map(|i| (i, self.heads[i])).chain(self.large.values().map(|&h| (usize::MAX, h)))
+    }
+
+    fn chain(&self, mut id: BlockId, out: &mut Vec<BlockId>) {
+        while id != NONE {
+            out.push(id);
+            id = self.next[id as usize];
+        }
     }
 
     /// Takes every block out.
     pub(crate) fn take_all(&mut self) -> Vec<BlockId> {
         let mut out = Vec::with_capacity(self.len);
-        for (s, c) in self.dirty.drain(..) {
-            let classes = &mut self.streams[s as usize];
-            classes.listed[c as usize] = false;
-            let mut id = std::mem::replace(&mut classes.heads[c as usize], NONE);
-            while id != NONE {
-                out.push(id);
-                id = self.next[id as usize];
+        let heads: Vec<(usize, BlockId)> = self.heads_in_use().collect();
+        for (slot, head) in heads {
+            if slot != usize::MAX {
+                self.heads[slot] = NONE;
             }
+            self.chain(head, &mut out);
         }
-        for (_, mut id) in self.large.drain() {
-            while id != NONE {
-                out.push(id);
-                id = self.next[id as usize];
-            }
-        }
+        self.used.iter_mut().for_each(|w| *w = 0);
+        self.large.clear();
         self.len = 0;
         out
     }
@@ -160,12 +164,8 @@ impl Quick {
     /// Every block held, in no particular order.
     pub(crate) fn ids(&self) -> Vec<BlockId> {
         let mut out = Vec::with_capacity(self.len);
-        let heads = self.dirty.iter().map(|&(s, c)| self.streams[s as usize].heads[c as usize]);
-        for mut id in heads.chain(self.large.values().copied()) {
-            while id != NONE {
-                out.push(id);
-                id = self.next[id as usize];
-            }
+        for (_, head) in self.heads_in_use() {
+            self.chain(head, &mut out);
         }
         out
     }
@@ -178,6 +178,7 @@ mod tests {
     #[test]
     fn exact_reuse_last_in_first_out_per_stream_and_size() {
         let mut q = Quick::default();
+        q.track(9);
         q.push(1, 4096, 7);
         q.push(1, 4096, 9);
         q.push(2, 4096, 3);
@@ -201,7 +202,9 @@ mod tests {
         // Reusable after a flush, and the flush forgot nothing.
         q.push(1, 4096, 7);
         q.push(1, SMALL_SIZE, 8);
-        assert_eq!(q.take_all().len(), 2);
+        q.push(2, MIN_BLOCK, 1);
+        assert_eq!(q.ids().len(), 3);
+        assert_eq!(q.take_all().len(), 3);
         assert!(q.ids().is_empty());
     }
 }

@@ -20,14 +20,14 @@ impl Stat {
         if amount >= 0 { self.inc(amount) } else { self.dec(-amount) }
     }
 
-    #[inline]
+    #[inline(always)]
     pub(crate) fn inc(&mut self, amount: i64) {
         self.current += amount;
         self.peak = self.peak.max(self.current);
         self.allocated += amount;
     }
 
-    #[inline]
+    #[inline(always)]
     pub(crate) fn dec(&mut self, amount: i64) {
         self.current -= amount;
         debug_assert!(self.current >= 0, "stat went negative");
@@ -54,18 +54,28 @@ pub const SMALL_POOL: usize = 1;
 /// Index of the large-pool entry.
 pub const LARGE_POOL: usize = 2;
 
+/// The aggregate entry and `pool`'s entry, without bounds checks (any pool but the small one
+/// counts as large).
+#[inline(always)]
+fn pair(a: &mut StatArray, pool: usize) -> (&mut Stat, &mut Stat) {
+    let [all, small, large] = a;
+    (all, if pool == SMALL_POOL { small } else { large })
+}
+
 /// Adds `amount` (>= 0) to the aggregate and the pool's entry.
-#[inline]
+#[inline(always)]
 pub(crate) fn inc_array(a: &mut StatArray, pool: usize, amount: i64) {
-    a[AGGREGATE].inc(amount);
-    a[pool].inc(amount);
+    let (all, p) = pair(a, pool);
+    all.inc(amount);
+    p.inc(amount);
 }
 
 /// Subtracts `amount` (>= 0) from the aggregate and the pool's entry.
-#[inline]
+#[inline(always)]
 pub(crate) fn dec_array(a: &mut StatArray, pool: usize, amount: i64) {
-    a[AGGREGATE].dec(amount);
-    a[pool].dec(amount);
+    let (all, p) = pair(a, pool);
+    all.dec(amount);
+    p.dec(amount);
 }
 
 /// PyTorch's `DeviceStats`.
