@@ -158,46 +158,69 @@ impl CachingAllocator {
         Self::builder(source).build()
     }
 
+    #[inline]
     fn lock(&self) -> MutexGuard<'_, Pool> {
-        let pool = self.inner.pool.lock().unwrap_or_else(|p| p.into_inner());
-        self.drained(pool)
+        let mut pool = self.inner.pool.lock().unwrap_or_else(|p| p.into_inner());
+        self.drain(&mut pool);
+        pool
     }
 
     /// Applies the frees pushed so far, and starts the deferred ones raw frees asked for.
-    fn drained<'a>(&'a self, mut pool: MutexGuard<'a, Pool>) -> MutexGuard<'a, Pool> {
+    #[inline]
+    fn drain(&self, pool: &mut Pool) {
         pool.drain(&self.inner.frees);
         if let Some(deferred) = pool.take_raw_deferred() {
-            for (id, uses) in deferred {
-                self.inner.pending.fetch_add(1, Ordering::AcqRel);
-                complete_after(&self.inner, id, uses);
-            }
+            self.start_deferred(deferred);
         }
-        pool
+    }
+
+    #[cold]
+    fn start_deferred(&self, deferred: Vec<pool::RawDeferred>) {
+        for (id, uses) in deferred {
+            self.inner.pending.fetch_add(1, Ordering::AcqRel);
+            complete_after(&self.inner, id, uses);
+        }
     }
 
     /// `size` bytes for use on `queue` (`None`: host-side use, no queue). The block is bound to
     /// that queue: after it is freed, only allocations on the same queue reuse it directly.
     pub fn allocate(&self, size: usize, queue: Option<&Queue>) -> Result<Allocation> {
         let stream = queue.map_or(0, Queue::id);
+        let mut pool = self.lock();
+        let got = match pool.try_quick(size, stream) {
+            Some(h) => h,
+            None => {
+                drop(pool);
+                return self.allocate_slow(size, stream);
+            }
+        };
+        Ok(self.wrap(pool, got, size, stream))
+    }
+
+    #[inline]
+    fn wrap(&self, mut pool: MutexGuard<'_, Pool>, b: pool::Handed, size: usize, stream: u64) -> Allocation {
+        let node = pool.take_node();
+        drop(pool);
+        Allocation {
+            inner: Arc::clone(&self.inner),
+            node: Some(node),
+            id: b.id,
+            seg: b.segment,
+            offset: b.offset,
+            size,
+            stream,
+            uses: std::mem::ManuallyDrop::new(Vec::new()),
+        }
+    }
+
+    #[inline(never)]
+    fn allocate_slow(&self, size: usize, stream: u64) -> Result<Allocation> {
         let mut waited = false;
         loop {
             let mut pool = self.lock();
             let pending = self.inner.pending.load(Ordering::Acquire) > 0;
             match pool.allocate(size, stream, pending, waited)? {
-                Outcome::Got(b) => {
-                    let node = pool.take_node();
-                    drop(pool);
-                    return Ok(Allocation {
-                        inner: Arc::clone(&self.inner),
-                        node: Some(node),
-                        id: b.id,
-                        seg: b.segment,
-                        offset: b.offset,
-                        size,
-                        stream,
-                        uses: std::mem::ManuallyDrop::new(Vec::new()),
-                    });
-                }
+                Outcome::Got(b) => return Ok(self.wrap(pool, b, size, stream)),
                 Outcome::WaitForPending => {
                     drop(pool);
                     self.wait_for_pending();
@@ -274,6 +297,9 @@ impl CachingAllocator {
     /// handle of the allocator releases its memory, raw blocks included.
     pub fn allocate_raw(&self, size: usize, queue: Option<&Queue>) -> Result<*mut u8> {
         let stream = queue.map_or(0, Queue::id);
+        if let Some(addr) = self.lock().try_quick_raw(size, stream) {
+            return Ok(addr as *mut u8);
+        }
         let mut waited = false;
         loop {
             let mut pool = self.lock();
@@ -300,7 +326,7 @@ impl CachingAllocator {
         if ptr.is_null() {
             return Err(Error::InvalidFree { ptr: 0, why: "null pointer" });
         }
-        let pool = match self.inner.pool.try_lock() {
+        let mut pool = match self.inner.pool.try_lock() {
             Ok(pool) => pool,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
             Err(TryLockError::WouldBlock) => {
@@ -308,7 +334,7 @@ impl CachingAllocator {
                 return Ok(());
             }
         };
-        let mut pool = self.drained(pool);
+        self.drain(&mut pool);
         match pool.free_raw(ptr as usize) {
             Ok(None) => Ok(()),
             Ok(Some((id, uses))) => {

@@ -11,7 +11,7 @@ use super::allocation::SegRef;
 use super::config::Config;
 use super::free_list::{FreeList, Node};
 use super::quick::{FxBuild, Quick};
-use super::stats::{self, DeviceStats, LARGE_POOL, SMALL_POOL, Stat, StatArray};
+use super::stats::{self, DeviceStats, Hot, HotArray, LARGE_POOL, SMALL_POOL, Stat, StatArray};
 use crate::error::{Error, Result};
 use crate::queue::{Queue, QueueHandle};
 use crate::segment::Segment;
@@ -255,8 +255,11 @@ pub(crate) struct Pool {
     segments: Vec<Option<SegEntry>>,
     free_segs: Vec<u32>,
     pools: [BTreeSet<Key>; 3],
-    /// Every stat but `active` and `active_bytes`, which [`Pool::stats`] derives (see there).
+    /// Every stat but those in `hot` and `active`/`active_bytes`, which [`Pool::stats`]
+    /// derives (see there).
     stats: DeviceStats,
+    /// The stats the fast path moves: allocation, allocated, requested, inactive split.
+    hot: HotArray,
     /// Blocks (and their bytes) whose free waits for other queues' events.
     pending: StatArray,
     pending_bytes: StatArray,
@@ -317,6 +320,7 @@ impl Pool {
             free_segs: Vec::new(),
             pools: Default::default(),
             stats,
+            hot: HotArray::default(),
             pending: StatArray::default(),
             pending_bytes: StatArray::default(),
             active_peak: [0; 3],
@@ -343,6 +347,12 @@ impl Pool {
     /// higher one was reached while frees were pending.
     pub(crate) fn stats(&self) -> DeviceStats {
         let mut d = self.stats.clone();
+        let h = &self.hot;
+        d.allocation = stats::hot_stat(h, |h| h.allocation);
+        d.allocated_bytes = stats::hot_stat(h, |h| h.allocated_bytes);
+        d.requested_bytes = stats::hot_stat(h, |h| h.requested_bytes);
+        d.inactive_split = stats::hot_stat(h, |h| h.inactive_split);
+        d.inactive_split_bytes = stats::hot_stat(h, |h| h.inactive_split_bytes);
         let derive = |alloc: &StatArray, pending: &StatArray, extra: &[i64; 3]| -> StatArray {
             std::array::from_fn(|i| Stat {
                 current: alloc[i].current + pending[i].current,
@@ -351,14 +361,15 @@ impl Pool {
                 freed: alloc[i].freed - pending[i].allocated + pending[i].freed,
             })
         };
-        d.active = derive(&self.stats.allocation, &self.pending, &self.active_peak);
-        d.active_bytes = derive(&self.stats.allocated_bytes, &self.pending_bytes, &self.active_bytes_peak);
+        d.active = derive(&d.allocation, &self.pending, &self.active_peak);
+        d.active_bytes = derive(&d.allocated_bytes, &self.pending_bytes, &self.active_bytes_peak);
         d
     }
 
     /// Zeroes the accumulated counters.
     pub(crate) fn reset_accumulated(&mut self) {
         self.stats.reset_accumulated();
+        self.hot.iter_mut().for_each(Hot::reset_accumulated);
         for s in self.pending.iter_mut().chain(self.pending_bytes.iter_mut()) {
             s.reset_accumulated();
         }
@@ -367,9 +378,10 @@ impl Pool {
     /// Sets every peak to its current value.
     pub(crate) fn reset_peak(&mut self) {
         self.stats.reset_peak();
+        self.hot.iter_mut().for_each(Hot::reset_peak);
         for i in 0..3 {
-            self.active_peak[i] = self.stats.allocation[i].current + self.pending[i].current;
-            self.active_bytes_peak[i] = self.stats.allocated_bytes[i].current + self.pending_bytes[i].current;
+            self.active_peak[i] = self.hot[i].allocation.current + self.pending[i].current;
+            self.active_bytes_peak[i] = self.hot[i].allocated_bytes.current + self.pending_bytes[i].current;
         }
     }
 
@@ -456,18 +468,22 @@ impl Pool {
     // ---- pool membership, keeping inactive_split stats ----
 
     /// A free block starts (`entering`) or stops counting as inactive split memory.
+    #[inline]
     fn account_inactive(&mut self, id: BlockId, entering: bool) {
         let b = &self.blocks[id as usize];
         if !b.is_split() {
             return;
         }
         let (pool, size) = (b.pool, b.size as i64);
-        if entering {
-            stats::inc_array(&mut self.stats.inactive_split, pool, 1);
-            stats::inc_array(&mut self.stats.inactive_split_bytes, pool, size);
-        } else {
-            stats::dec_array(&mut self.stats.inactive_split, pool, 1);
-            stats::dec_array(&mut self.stats.inactive_split_bytes, pool, size);
+        let (all, p) = stats::hot_pair(&mut self.hot, pool);
+        for h in [all, p] {
+            if entering {
+                h.inactive_split.inc(1);
+                h.inactive_split_bytes.inc(size);
+            } else {
+                h.inactive_split.dec(1);
+                h.inactive_split_bytes.dec(size);
+            }
         }
     }
 
@@ -510,6 +526,7 @@ impl Pool {
         }
     }
 
+    #[inline]
     fn drain_some(&mut self, frees: &FreeList<FreeMsg>) {
         // The list yields newest first; apply oldest first (a deferred free's Requested must
         // precede its Completed).
@@ -542,12 +559,10 @@ impl Pool {
         }
     }
 
+    #[inline(always)]
     fn apply(&mut self, m: FreeMsg) {
         match m {
-            FreeMsg::Free(id) => {
-                self.account_free_request(id);
-                self.free_block(id);
-            }
+            FreeMsg::Free(id) => self.free_now(id),
             FreeMsg::Requested(id) => {
                 self.account_free_request(id);
                 let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
@@ -575,6 +590,35 @@ impl Pool {
         }
     }
 
+    /// Frees a block no other queue used. The usual case takes the short way: straight into
+    /// the quick cache with the fewest stat updates.
+    #[inline(always)]
+    fn free_now(&mut self, id: BlockId) {
+        let quick_ok = !self.record_all && !self.config.no_caching && self.quick.len() < QUICK_MAX;
+        let b = &mut self.blocks[id as usize];
+        if !quick_ok || b.size >= self.config.max_split_size {
+            self.account_free_request(id);
+            self.free_block(id);
+            return;
+        }
+        let (pool, size, requested, stream, split) = (b.pool, b.size, b.requested, b.stream, b.is_split());
+        b.allocated = false;
+        b.requested = 0;
+        b.cached_at = self.misses;
+        b.in_quick = true;
+        let (all, p) = stats::hot_pair(&mut self.hot, pool);
+        for h in [all, p] {
+            h.allocation.dec(1);
+            h.allocated_bytes.dec(size as i64);
+            h.requested_bytes.dec(requested as i64);
+            if split {
+                h.inactive_split.inc(1);
+                h.inactive_split_bytes.inc(size as i64);
+            }
+        }
+        self.quick.push(stream, size, id);
+    }
+
     /// A free-list node for a new allocation (reused when possible).
     pub(crate) fn take_node(&mut self) -> Box<Node<FreeMsg>> {
         self.nodes.pop().unwrap_or_else(|| Node::new(FreeMsg::Free(0)))
@@ -584,9 +628,12 @@ impl Pool {
     fn account_free_request(&mut self, id: BlockId) {
         let b = &self.blocks[id as usize];
         let (pool, size, requested) = (b.pool, b.size as i64, b.requested as i64);
-        stats::dec_array(&mut self.stats.allocation, pool, 1);
-        stats::dec_array(&mut self.stats.allocated_bytes, pool, size);
-        stats::dec_array(&mut self.stats.requested_bytes, pool, requested);
+        let (all, p) = stats::hot_pair(&mut self.hot, pool);
+        for h in [all, p] {
+            h.allocation.dec(1);
+            h.allocated_bytes.dec(size);
+            h.requested_bytes.dec(requested);
+        }
         if b.size >= self.config.max_split_size {
             self.stats.oversize_allocations.update(-1);
         }
@@ -630,11 +677,13 @@ impl Pool {
     }
 
     /// Takes a block out of the quick cache's accounting (it was popped from its list).
+    #[inline]
     fn quick_leave(&mut self, id: BlockId) {
         self.blocks[id as usize].in_quick = false;
         self.account_inactive(id, false);
     }
 
+    #[inline]
     fn quick_take(&mut self, stream: u64, size: usize) -> Option<BlockId> {
         let id = self.quick.pop(stream, size)?;
         self.quick_leave(id);
@@ -885,6 +934,20 @@ impl Pool {
 
     // ---- allocation (seed 003's malloc) ----
 
+    /// The allocation fast path: a quick-cached block of exactly the rounded size on this
+    /// queue. `None` sends the caller to [`Pool::allocate`], which handles everything else
+    /// (rounding options, bad sizes, misses) and tries the quick cache again itself.
+    #[inline(always)]
+    pub(crate) fn try_quick(&mut self, size: usize, stream: u64) -> Option<Handed> {
+        // Plain 512-byte rounding of a sane size (1 byte to 1 TiB).
+        if !self.config.roundup_power2_divisions.is_empty() || size.wrapping_sub(1) >= 1 << 40 {
+            return None;
+        }
+        let rounded = size.max(MIN_BLOCK).next_multiple_of(MIN_BLOCK);
+        let id = self.quick_take(stream, rounded)?;
+        Some(self.hand_out(id, size, stream))
+    }
+
     /// Seed 003's malloc. With deferred frees outstanding (`pending`), the last rung first
     /// returns [`Outcome::WaitForPending`] so the caller can wait for them without holding the
     /// lock, then call again with `waited`.
@@ -952,7 +1015,7 @@ impl Pool {
             self.log(HistoryKind::Oom, 0, size, stream);
             let largest = self.pools.iter().flat_map(|p| p.iter()).map(|k| k.1).max().unwrap_or(0);
             let reserved = self.stats.reserved_bytes[stats::AGGREGATE].current as u64;
-            let allocated = self.stats.allocated_bytes[stats::AGGREGATE].current as u64;
+            let allocated = self.hot[stats::AGGREGATE].allocated_bytes.current as u64;
             return Err(Error::AllocatorOom {
                 requested: size as u64,
                 capacity: self.capacity,
@@ -1009,22 +1072,42 @@ impl Pool {
     }
 
     /// Marks a block allocated for a request of `size` and accounts for it.
+    #[inline(always)]
     fn hand_out(&mut self, id: BlockId, size: usize, stream: u64) -> Handed {
-        if self.punched > 0 {
-            self.back_chunks(id);
-        }
         let b = &mut self.blocks[id as usize];
         b.allocated = true;
         b.requested = size;
         let (bsize, bpool, bseg, boff) = (b.size, b.pool, b.seg, b.offset);
-        stats::inc_array(&mut self.stats.allocation, bpool, 1);
-        stats::inc_array(&mut self.stats.allocated_bytes, bpool, bsize as i64);
-        stats::inc_array(&mut self.stats.requested_bytes, bpool, size as i64);
+        let (all, p) = stats::hot_pair(&mut self.hot, bpool);
+        for h in [all, p] {
+            h.allocation.inc(1);
+            h.allocated_bytes.inc(bsize as i64);
+            h.requested_bytes.inc(size as i64);
+        }
+        if self.punched > 0
+            || self.pending[stats::AGGREGATE].current > 0
+            || bsize >= self.config.max_split_size
+            || self.record_all
+        {
+            self.hand_out_rare(id, stream);
+        }
+        let segment = SegRef::new(&self.segments[bseg as usize].as_ref().expect("live segment").seg);
+        Handed { id, segment, offset: boff }
+    }
+
+    /// What a hand-out may need besides: re-backing punched chunks, active peaks while frees
+    /// are pending, oversize counts, history.
+    #[cold]
+    fn hand_out_rare(&mut self, id: BlockId, stream: u64) {
+        if self.punched > 0 {
+            self.back_chunks(id);
+        }
+        let (bsize, bpool) = (self.blocks[id as usize].size, self.blocks[id as usize].pool);
         if self.pending[stats::AGGREGATE].current > 0 {
             for i in [stats::AGGREGATE, bpool] {
-                let active = self.stats.allocation[i].current + self.pending[i].current;
+                let active = self.hot[i].allocation.current + self.pending[i].current;
                 self.active_peak[i] = self.active_peak[i].max(active);
-                let bytes = self.stats.allocated_bytes[i].current + self.pending_bytes[i].current;
+                let bytes = self.hot[i].allocated_bytes.current + self.pending_bytes[i].current;
                 self.active_bytes_peak[i] = self.active_bytes_peak[i].max(bytes);
             }
         }
@@ -1035,8 +1118,6 @@ impl Pool {
             let addr = self.addr(id);
             self.log(HistoryKind::Alloc, addr, bsize, stream);
         }
-        let segment = SegRef::new(&self.segments[bseg as usize].as_ref().expect("live segment").seg);
-        Handed { id, segment, offset: boff }
     }
 
     /// Best fit in `pool` for `size` on `stream`, honouring the oversize rules.
@@ -1265,7 +1346,16 @@ impl Pool {
         }
     }
 
+    /// [`Pool::try_quick`] for a raw caller.
+    #[inline]
+    pub(crate) fn try_quick_raw(&mut self, size: usize, stream: u64) -> Option<usize> {
+        let h = self.try_quick(size, stream)?;
+        self.blocks[h.id as usize].raw = true;
+        Some(self.addr(h.id))
+    }
+
     /// The live raw block at `addr`, or why there is none.
+    #[inline]
     fn raw_at(&self, addr: usize) -> std::result::Result<BlockId, &'static str> {
         let Some(&id) = self.by_addr.get(&addr) else { return Err(self.classify_foreign(addr)) };
         let b = &self.blocks[id as usize];
@@ -1281,6 +1371,7 @@ impl Pool {
 
     /// Frees the raw allocation at `addr`: applied at once, or, if other queues used it, its
     /// request applied and the block and queues returned for the caller to wait on.
+    #[inline]
     pub(crate) fn free_raw(&mut self, addr: usize) -> std::result::Result<Option<RawDeferred>, &'static str> {
         let id = self.raw_at(addr)?;
         let b = &mut self.blocks[id as usize];

@@ -91,7 +91,7 @@ impl Quick {
     }
 
     /// Adds a free block of `size` (a multiple of 512) bound to `stream`.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn push(&mut self, stream: u64, size: usize, id: BlockId) {
         self.len += 1;
         let slot = if size > SMALL_SIZE {
@@ -109,7 +109,7 @@ impl Quick {
     }
 
     /// Takes a block of exactly `size` bound to `stream`, the one freed last.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn pop(&mut self, stream: u64, size: usize) -> Option<BlockId> {
         if self.len == 0 {
             return None;

@@ -39,7 +39,7 @@ impl Stat {
         self.freed = 0;
     }
 
-    fn reset_peak(&mut self) {
+    pub(crate) fn reset_peak(&mut self) {
         self.peak = self.current;
     }
 }
@@ -76,6 +76,52 @@ pub(crate) fn dec_array(a: &mut StatArray, pool: usize, amount: i64) {
     let (all, p) = pair(a, pool);
     all.dec(amount);
     p.dec(amount);
+}
+
+/// The stats the allocation fast path moves, for one level (all, small pool or large pool),
+/// kept together so an allocation or a free picks its two levels once.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Hot {
+    pub(crate) allocation: Stat,
+    pub(crate) allocated_bytes: Stat,
+    pub(crate) requested_bytes: Stat,
+    pub(crate) inactive_split: Stat,
+    pub(crate) inactive_split_bytes: Stat,
+}
+
+impl Hot {
+    fn each(&mut self) -> [&mut Stat; 5] {
+        [
+            &mut self.allocation,
+            &mut self.allocated_bytes,
+            &mut self.requested_bytes,
+            &mut self.inactive_split,
+            &mut self.inactive_split_bytes,
+        ]
+    }
+
+    pub(crate) fn reset_accumulated(&mut self) {
+        self.each().into_iter().for_each(Stat::reset_accumulated);
+    }
+
+    pub(crate) fn reset_peak(&mut self) {
+        self.each().into_iter().for_each(Stat::reset_peak);
+    }
+}
+
+/// [`Hot`] for all, the small pool and the large pool.
+pub(crate) type HotArray = [Hot; 3];
+
+/// The aggregate level and `pool`'s level (any pool but the small one counts as large).
+#[inline(always)]
+pub(crate) fn hot_pair(a: &mut HotArray, pool: usize) -> (&mut Hot, &mut Hot) {
+    let [all, small, large] = a;
+    (all, if pool == SMALL_POOL { small } else { large })
+}
+
+/// One stat of a [`HotArray`] as a [`StatArray`].
+pub(crate) fn hot_stat(a: &HotArray, f: impl Fn(&Hot) -> Stat) -> StatArray {
+    [f(&a[0]), f(&a[1]), f(&a[2])]
 }
 
 /// PyTorch's `DeviceStats`.
