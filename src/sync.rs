@@ -4,10 +4,10 @@
 #[cfg(loom)]
 pub(crate) use loom::cell::UnsafeCell;
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicPtr, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{AtomicPtr, Ordering};
+pub(crate) use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 
 /// `std::cell::UnsafeCell` with loom's closure API, so the same code compiles both ways and
 /// loom can see every access.

@@ -72,3 +72,38 @@ fn two_drainers_split_the_frees_between_them() {
         assert_eq!(got, [1, 2]);
     });
 }
+
+/// A deferred free, as the allocator makes it: the freeing thread counts it and pushes its
+/// request; a completion hook on another thread pushes its completion and uncounts it; the
+/// allocator drains (oldest first) while that happens, and finally waits for the count to reach
+/// zero (the OOM ladder's wait) and drains again. The request is always applied before the
+/// completion, and once the count is zero the completion is never missing.
+#[test]
+fn a_deferred_free_is_applied_in_order_and_seen_once_the_count_is_zero() {
+    use dmabuf_rt::caching::free_list::Pending;
+    loom::model(|| {
+        let list = Arc::new(FreeList::new());
+        let pending = Arc::new(Pending::new());
+        let (l, p) = (Arc::clone(&list), Arc::clone(&pending));
+        let freer = thread::spawn(move || {
+            p.begin();
+            l.push(Node::new("requested"));
+            // The hook runs on another thread once the queues are done.
+            let (l2, p2) = (Arc::clone(&l), Arc::clone(&p));
+            thread::spawn(move || {
+                l2.push(Node::new("completed"));
+                p2.end();
+            })
+        });
+        let mut scratch = Vec::new();
+        let mut applied = Vec::new();
+        list.drain_oldest_first(&mut scratch, |n| applied.push(n.value));
+        let hook = freer.join().unwrap();
+        while !pending.is_zero() {
+            thread::yield_now();
+        }
+        list.drain_oldest_first(&mut scratch, |n| applied.push(n.value));
+        assert_eq!(applied, ["requested", "completed"]);
+        hook.join().unwrap();
+    });
+}

@@ -12,7 +12,6 @@
 use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use super::free_list::Node;
 use super::pool::BlockId;
@@ -104,7 +103,7 @@ impl Drop for Allocation {
             return;
         }
         // Counted before it is published, so no one sees the request without the count.
-        self.inner.pending.fetch_add(1, Ordering::AcqRel);
+        self.inner.pending.begin();
         node.value = FreeMsg::Requested(self.id);
         self.inner.frees.push(node);
         // Taken out of the ManuallyDrop, so it is dropped after the loop.

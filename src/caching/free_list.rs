@@ -12,7 +12,7 @@
 
 use std::ptr;
 
-use crate::sync::{AtomicPtr, Ordering, UnsafeCell};
+use crate::sync::{AtomicPtr, AtomicUsize, Ordering, UnsafeCell};
 
 /// A node carrying one freed item.
 #[derive(Debug)]
@@ -81,6 +81,25 @@ impl<T> FreeList<T> {
         Drain { next: self.head.swap(ptr::null_mut(), Ordering::Acquire) }
     }
 
+    /// Takes every node pushed so far and hands them to `f` oldest first: the order the frees
+    /// were made in, which a deferred free relies on (its request before its completion).
+    /// `scratch` is reused storage for reversing a chain of more than one node.
+    #[inline]
+    pub fn drain_oldest_first(&self, scratch: &mut Vec<Box<Node<T>>>, mut f: impl FnMut(Box<Node<T>>)) {
+        let mut drained = self.take_all();
+        let Some(first) = drained.next() else { return };
+        if drained.is_done() {
+            // One node (the common case): nothing to reorder.
+            f(first);
+            return;
+        }
+        scratch.push(first);
+        scratch.extend(drained);
+        while let Some(n) = scratch.pop() {
+            f(n);
+        }
+    }
+
     /// True when nothing is waiting (a hint: a push may land right after).
     pub fn is_empty(&self) -> bool {
         self.head.load(Ordering::Relaxed).is_null()
@@ -90,6 +109,43 @@ impl<T> FreeList<T> {
 impl<T> Drop for FreeList<T> {
     fn drop(&mut self) {
         drop(self.take_all());
+    }
+}
+
+/// The count of deferred frees: requested (their request pushed) but not completed (their
+/// completion not yet pushed). Whoever sees it at zero and then takes from the list gets every
+/// completion pushed before it dropped to zero.
+#[derive(Debug)]
+pub struct Pending(AtomicUsize);
+
+impl Default for Pending {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Pending {
+    /// None pending.
+    pub fn new() -> Self {
+        Self(AtomicUsize::new(0))
+    }
+
+    /// Counts a deferred free; call before pushing its request, so no one sees the request
+    /// without the count.
+    pub fn begin(&self) {
+        self.0.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Uncounts a deferred free; call after pushing its completion. Release: the push
+    /// happens-before whatever sees the count drop.
+    pub fn end(&self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// True when no deferred free is outstanding. Acquire: pairs with `end`, so a take that
+    /// follows sees every completion pushed before the count dropped.
+    pub fn is_zero(&self) -> bool {
+        self.0.load(Ordering::Acquire) == 0
     }
 }
 

@@ -39,12 +39,11 @@ mod quick;
 pub mod replay;
 pub mod stats;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 pub use allocation::Allocation;
 pub use config::Config;
-use free_list::{FreeList, Node};
+use free_list::{FreeList, Node, Pending};
 pub use host::{HostAllocation, HostCachingAllocator, HostStats};
 use pool::{BlockId, Outcome, Pool};
 pub use pool::{BlockState, HistoryEvent, HistoryKind, SegmentSnapshot, Snapshot};
@@ -74,7 +73,7 @@ pub(crate) struct Inner {
     pool: Mutex<Pool>,
     frees: FreeList<FreeMsg>,
     /// Deferred frees whose events have not all completed.
-    pending: AtomicUsize,
+    pending: Pending,
     /// How long the OOM ladder and `empty_cache` wait for them.
     pending_limit: std::time::Duration,
 }
@@ -135,7 +134,7 @@ impl AllocatorBuilder {
             inner: Arc::new(Inner {
                 pool: Mutex::new(Pool::new(self.source, config, capacity)),
                 frees: FreeList::new(),
-                pending: AtomicUsize::new(0),
+                pending: Pending::new(),
                 pending_limit: self.pending_limit,
             }),
         })
@@ -177,7 +176,7 @@ impl CachingAllocator {
     #[cold]
     fn start_deferred(&self, deferred: Vec<pool::RawDeferred>) {
         for (id, uses) in deferred {
-            self.inner.pending.fetch_add(1, Ordering::AcqRel);
+            self.inner.pending.begin();
             complete_after(&self.inner, id, uses);
         }
     }
@@ -218,7 +217,7 @@ impl CachingAllocator {
         let mut waited = false;
         loop {
             let mut pool = self.lock();
-            let pending = self.inner.pending.load(Ordering::Acquire) > 0;
+            let pending = !self.inner.pending.is_zero();
             match pool.allocate(size, stream, pending, waited)? {
                 Outcome::Got(b) => return Ok(self.wrap(pool, b, size, stream)),
                 Outcome::WaitForPending => {
@@ -235,7 +234,7 @@ impl CachingAllocator {
     /// hang the allocator).
     fn wait_for_pending(&self) {
         let start = std::time::Instant::now();
-        while self.inner.pending.load(Ordering::Acquire) > 0 && start.elapsed() < self.inner.pending_limit {
+        while !self.inner.pending.is_zero() && start.elapsed() < self.inner.pending_limit {
             std::thread::sleep(std::time::Duration::from_micros(100));
         }
     }
@@ -303,7 +302,7 @@ impl CachingAllocator {
         let mut waited = false;
         loop {
             let mut pool = self.lock();
-            let pending = self.inner.pending.load(Ordering::Acquire) > 0;
+            let pending = !self.inner.pending.is_zero();
             match pool.allocate_raw(size, stream, pending, waited)? {
                 Some(addr) => return Ok(addr as *mut u8),
                 None => {
@@ -338,7 +337,7 @@ impl CachingAllocator {
         match pool.free_raw(ptr as usize) {
             Ok(None) => Ok(()),
             Ok(Some((id, uses))) => {
-                self.inner.pending.fetch_add(1, Ordering::AcqRel);
+                self.inner.pending.begin();
                 drop(pool);
                 complete_after(&self.inner, id, uses);
                 Ok(())
@@ -369,6 +368,6 @@ fn complete_after(inner: &Arc<Inner>, id: BlockId, uses: impl IntoIterator<Item 
     let inner = Arc::clone(inner);
     crate::queue::after_queues(uses, move || {
         inner.frees.push(Node::new(FreeMsg::Completed(id)));
-        inner.pending.fetch_sub(1, Ordering::AcqRel);
+        inner.pending.end();
     });
 }

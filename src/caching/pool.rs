@@ -280,7 +280,8 @@ pub(crate) struct Pool {
     )]
     nodes: Vec<Box<Node<FreeMsg>>>,
     /// Scratch for draining the free list in push order.
-    scratch: Vec<FreeMsg>,
+    #[allow(clippy::vec_box, reason = "the nodes are boxes in the list and are recycled as boxes")]
+    scratch: Vec<Box<Node<FreeMsg>>>,
     /// Every block of every live segment by address: raw frees look their pointer up here.
     by_addr: HashMap<usize, BlockId, FxBuild>,
     /// The other queues that used a raw block (`Block::raw_used`).
@@ -528,29 +529,13 @@ impl Pool {
 
     #[inline]
     fn drain_some(&mut self, frees: &FreeList<FreeMsg>) {
-        // The list yields newest first; apply oldest first (a deferred free's Requested must
-        // precede its Completed).
-        let mut drained = frees.take_all();
-        let Some(first) = drained.next() else { return };
-        if drained.is_done() {
-            // One free (the common case): no reordering needed.
-            let m = first.value;
-            self.recycle(first);
-            self.apply(m);
-            return;
-        }
-        let mut msgs = std::mem::take(&mut self.scratch);
-        msgs.push(first.value);
-        self.recycle(first);
-        for n in drained {
-            msgs.push(n.value);
+        let mut scratch = std::mem::take(&mut self.scratch);
+        frees.drain_oldest_first(&mut scratch, |n| {
+            let m = n.value;
             self.recycle(n);
-        }
-        for &m in msgs.iter().rev() {
             self.apply(m);
-        }
-        msgs.clear();
-        self.scratch = msgs;
+        });
+        self.scratch = scratch;
     }
 
     fn recycle(&mut self, node: Box<Node<FreeMsg>>) {
