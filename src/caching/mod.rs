@@ -165,8 +165,15 @@ impl CachingAllocator {
     }
 
     /// Applies the frees pushed so far, and starts the deferred ones raw frees asked for.
-    #[inline]
+    #[inline(always)]
     fn drain(&self, pool: &mut Pool) {
+        if !self.inner.frees.is_empty() {
+            self.drain_some(pool);
+        }
+    }
+
+    #[inline(never)]
+    fn drain_some(&self, pool: &mut Pool) {
         pool.drain(&self.inner.frees);
         if let Some(deferred) = pool.take_raw_deferred() {
             self.start_deferred(deferred);

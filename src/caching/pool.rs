@@ -11,7 +11,7 @@ use super::allocation::SegRef;
 use super::config::Config;
 use super::free_list::{FreeList, Node};
 use super::quick::{FxBuild, Quick};
-use super::stats::{self, DeviceStats, Hot, HotArray, LARGE_POOL, SMALL_POOL, Stat, StatArray};
+use super::stats::{self, DeviceStats, HotStats, LARGE_POOL, SMALL_POOL, Stat, StatArray};
 use crate::error::{Error, Result};
 use crate::queue::{Queue, QueueHandle};
 use crate::segment::Segment;
@@ -259,7 +259,7 @@ pub(crate) struct Pool {
     /// derives (see there).
     stats: DeviceStats,
     /// The stats the fast path moves: allocation, allocated, requested, inactive split.
-    hot: HotArray,
+    hot: HotStats,
     /// Blocks (and their bytes) whose free waits for other queues' events.
     pending: StatArray,
     pending_bytes: StatArray,
@@ -321,7 +321,7 @@ impl Pool {
             free_segs: Vec::new(),
             pools: Default::default(),
             stats,
-            hot: HotArray::default(),
+            hot: HotStats::default(),
             pending: StatArray::default(),
             pending_bytes: StatArray::default(),
             active_peak: [0; 3],
@@ -348,12 +348,11 @@ impl Pool {
     /// higher one was reached while frees were pending.
     pub(crate) fn stats(&self) -> DeviceStats {
         let mut d = self.stats.clone();
-        let h = &self.hot;
-        d.allocation = stats::hot_stat(h, |h| h.allocation);
-        d.allocated_bytes = stats::hot_stat(h, |h| h.allocated_bytes);
-        d.requested_bytes = stats::hot_stat(h, |h| h.requested_bytes);
-        d.inactive_split = stats::hot_stat(h, |h| h.inactive_split);
-        d.inactive_split_bytes = stats::hot_stat(h, |h| h.inactive_split_bytes);
+        d.allocation = self.hot.array(stats::ALLOCATION);
+        d.allocated_bytes = self.hot.array(stats::ALLOCATED_BYTES);
+        d.requested_bytes = self.hot.array(stats::REQUESTED_BYTES);
+        d.inactive_split = self.hot.array(stats::INACTIVE_SPLIT);
+        d.inactive_split_bytes = self.hot.array(stats::INACTIVE_SPLIT_BYTES);
         let derive = |alloc: &StatArray, pending: &StatArray, extra: &[i64; 3]| -> StatArray {
             std::array::from_fn(|i| Stat {
                 current: alloc[i].current + pending[i].current,
@@ -370,7 +369,7 @@ impl Pool {
     /// Zeroes the accumulated counters.
     pub(crate) fn reset_accumulated(&mut self) {
         self.stats.reset_accumulated();
-        self.hot.iter_mut().for_each(Hot::reset_accumulated);
+        self.hot.reset_accumulated();
         for s in self.pending.iter_mut().chain(self.pending_bytes.iter_mut()) {
             s.reset_accumulated();
         }
@@ -379,10 +378,11 @@ impl Pool {
     /// Sets every peak to its current value.
     pub(crate) fn reset_peak(&mut self) {
         self.stats.reset_peak();
-        self.hot.iter_mut().for_each(Hot::reset_peak);
+        self.hot.reset_peak();
+        let (allocation, bytes) = (self.hot.current(stats::ALLOCATION), self.hot.current(stats::ALLOCATED_BYTES));
         for i in 0..3 {
-            self.active_peak[i] = self.hot[i].allocation.current + self.pending[i].current;
-            self.active_bytes_peak[i] = self.hot[i].allocated_bytes.current + self.pending_bytes[i].current;
+            self.active_peak[i] = allocation[i] + self.pending[i].current;
+            self.active_bytes_peak[i] = bytes[i] + self.pending_bytes[i].current;
         }
     }
 
@@ -469,23 +469,14 @@ impl Pool {
     // ---- pool membership, keeping inactive_split stats ----
 
     /// A free block starts (`entering`) or stops counting as inactive split memory.
-    #[inline]
+    #[inline(always)]
     fn account_inactive(&mut self, id: BlockId, entering: bool) {
         let b = &self.blocks[id as usize];
         if !b.is_split() {
             return;
         }
         let (pool, size) = (b.pool, b.size as i64);
-        let (all, p) = stats::hot_pair(&mut self.hot, pool);
-        for h in [all, p] {
-            if entering {
-                h.inactive_split.inc(1);
-                h.inactive_split_bytes.inc(size);
-            } else {
-                h.inactive_split.dec(1);
-                h.inactive_split_bytes.dec(size);
-            }
-        }
+        self.hot.inactive(pool, size, entering);
     }
 
     fn pool_insert(&mut self, id: BlockId) {
@@ -591,15 +582,9 @@ impl Pool {
         b.requested = 0;
         b.cached_at = self.misses;
         b.in_quick = true;
-        let (all, p) = stats::hot_pair(&mut self.hot, pool);
-        for h in [all, p] {
-            h.allocation.dec(1);
-            h.allocated_bytes.dec(size as i64);
-            h.requested_bytes.dec(requested as i64);
-            if split {
-                h.inactive_split.inc(1);
-                h.inactive_split_bytes.inc(size as i64);
-            }
+        self.hot.on_free_request(pool, size as i64, requested as i64);
+        if split {
+            self.hot.inactive(pool, size as i64, true);
         }
         self.quick.push(stream, size, id);
     }
@@ -613,12 +598,7 @@ impl Pool {
     fn account_free_request(&mut self, id: BlockId) {
         let b = &self.blocks[id as usize];
         let (pool, size, requested) = (b.pool, b.size as i64, b.requested as i64);
-        let (all, p) = stats::hot_pair(&mut self.hot, pool);
-        for h in [all, p] {
-            h.allocation.dec(1);
-            h.allocated_bytes.dec(size);
-            h.requested_bytes.dec(requested);
-        }
+        self.hot.on_free_request(pool, size, requested);
         if b.size >= self.config.max_split_size {
             self.stats.oversize_allocations.update(-1);
         }
@@ -662,13 +642,13 @@ impl Pool {
     }
 
     /// Takes a block out of the quick cache's accounting (it was popped from its list).
-    #[inline]
+    #[inline(always)]
     fn quick_leave(&mut self, id: BlockId) {
         self.blocks[id as usize].in_quick = false;
         self.account_inactive(id, false);
     }
 
-    #[inline]
+    #[inline(always)]
     fn quick_take(&mut self, stream: u64, size: usize) -> Option<BlockId> {
         let id = self.quick.pop(stream, size)?;
         self.quick_leave(id);
@@ -1000,7 +980,7 @@ impl Pool {
             self.log(HistoryKind::Oom, 0, size, stream);
             let largest = self.pools.iter().flat_map(|p| p.iter()).map(|k| k.1).max().unwrap_or(0);
             let reserved = self.stats.reserved_bytes[stats::AGGREGATE].current as u64;
-            let allocated = self.hot[stats::AGGREGATE].allocated_bytes.current as u64;
+            let allocated = self.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE] as u64;
             return Err(Error::AllocatorOom {
                 requested: size as u64,
                 capacity: self.capacity,
@@ -1063,12 +1043,7 @@ impl Pool {
         b.allocated = true;
         b.requested = size;
         let (bsize, bpool, bseg, boff) = (b.size, b.pool, b.seg, b.offset);
-        let (all, p) = stats::hot_pair(&mut self.hot, bpool);
-        for h in [all, p] {
-            h.allocation.inc(1);
-            h.allocated_bytes.inc(bsize as i64);
-            h.requested_bytes.inc(size as i64);
-        }
+        self.hot.on_alloc(bpool, bsize as i64, size as i64);
         if self.punched > 0
             || self.pending[stats::AGGREGATE].current > 0
             || bsize >= self.config.max_split_size
@@ -1089,11 +1064,10 @@ impl Pool {
         }
         let (bsize, bpool) = (self.blocks[id as usize].size, self.blocks[id as usize].pool);
         if self.pending[stats::AGGREGATE].current > 0 {
+            let (allocation, bytes) = (self.hot.current(stats::ALLOCATION), self.hot.current(stats::ALLOCATED_BYTES));
             for i in [stats::AGGREGATE, bpool] {
-                let active = self.hot[i].allocation.current + self.pending[i].current;
-                self.active_peak[i] = self.active_peak[i].max(active);
-                let bytes = self.hot[i].allocated_bytes.current + self.pending_bytes[i].current;
-                self.active_bytes_peak[i] = self.active_bytes_peak[i].max(bytes);
+                self.active_peak[i] = self.active_peak[i].max(allocation[i] + self.pending[i].current);
+                self.active_bytes_peak[i] = self.active_bytes_peak[i].max(bytes[i] + self.pending_bytes[i].current);
             }
         }
         if bsize >= self.config.max_split_size {

@@ -78,8 +78,7 @@ pub(crate) fn dec_array(a: &mut StatArray, pool: usize, amount: i64) {
     p.dec(amount);
 }
 
-/// The stats the allocation fast path moves, for one level (all, small pool or large pool),
-/// kept together so an allocation or a free picks its two levels once.
+/// The stats the allocation fast path moves, for one pool.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Hot {
     pub(crate) allocation: Stat,
@@ -99,30 +98,116 @@ impl Hot {
             &mut self.inactive_split_bytes,
         ]
     }
+}
+
+/// The hot stats: kept per pool only. The aggregate ("all") entry is the sum of the two
+/// pools for current value and totals, so only its peaks are kept, updated on increases:
+/// an allocation or a free touches one pool's counters and, for increases, one peak each.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct HotStats {
+    /// Small pool, large pool.
+    pools: [Hot; 2],
+    /// Peaks of the aggregate, in `Hot` field order.
+    peaks: [i64; 5],
+}
+
+/// Field accessors of [`Hot`], in order (for the aggregate peaks).
+const FIELDS: [fn(&Hot) -> &Stat; 5] = [
+    |h| &h.allocation,
+    |h| &h.allocated_bytes,
+    |h| &h.requested_bytes,
+    |h| &h.inactive_split,
+    |h| &h.inactive_split_bytes,
+];
+
+impl HotStats {
+    /// `pool`'s counters, the other pool's, and the aggregate peaks (any pool but the small
+    /// one counts as large).
+    #[inline(always)]
+    fn split(&mut self, pool: usize) -> (&mut Hot, &Hot, &mut [i64; 5]) {
+        let [small, large] = &mut self.pools;
+        let (mine, other) = if pool == SMALL_POOL { (small, &*large) } else { (large, &*small) };
+        (mine, other, &mut self.peaks)
+    }
+
+    /// A block of `size` bytes handed out for a request of `requested`.
+    #[inline(always)]
+    pub(crate) fn on_alloc(&mut self, pool: usize, size: i64, requested: i64) {
+        let (h, o, peaks) = self.split(pool);
+        h.allocation.inc(1);
+        h.allocated_bytes.inc(size);
+        h.requested_bytes.inc(requested);
+        peaks[0] = peaks[0].max(h.allocation.current + o.allocation.current);
+        peaks[1] = peaks[1].max(h.allocated_bytes.current + o.allocated_bytes.current);
+        peaks[2] = peaks[2].max(h.requested_bytes.current + o.requested_bytes.current);
+    }
+
+    /// The caller let go of a block of `size` bytes asked for as `requested`.
+    #[inline(always)]
+    pub(crate) fn on_free_request(&mut self, pool: usize, size: i64, requested: i64) {
+        let (h, _, _) = self.split(pool);
+        h.allocation.dec(1);
+        h.allocated_bytes.dec(size);
+        h.requested_bytes.dec(requested);
+    }
+
+    /// A free block of `size` bytes starts (`entering`) or stops counting as inactive split.
+    #[inline(always)]
+    pub(crate) fn inactive(&mut self, pool: usize, size: i64, entering: bool) {
+        let (h, o, peaks) = self.split(pool);
+        if entering {
+            h.inactive_split.inc(1);
+            h.inactive_split_bytes.inc(size);
+            peaks[3] = peaks[3].max(h.inactive_split.current + o.inactive_split.current);
+            peaks[4] = peaks[4].max(h.inactive_split_bytes.current + o.inactive_split_bytes.current);
+        } else {
+            h.inactive_split.dec(1);
+            h.inactive_split_bytes.dec(size);
+        }
+    }
+
+    /// One stat as a [`StatArray`] (all, small, large); `field` indexes `Hot`'s fields.
+    pub(crate) fn array(&self, field: usize) -> StatArray {
+        let f = FIELDS[field];
+        let (s, l) = (*f(&self.pools[0]), *f(&self.pools[1]));
+        let all = Stat {
+            current: s.current + l.current,
+            peak: self.peaks[field],
+            allocated: s.allocated + l.allocated,
+            freed: s.freed + l.freed,
+        };
+        [all, s, l]
+    }
+
+    /// The current value of one stat in the aggregate and `pool` (as `array` would give).
+    pub(crate) fn current(&self, field: usize) -> [i64; 3] {
+        let f = FIELDS[field];
+        let (s, l) = (f(&self.pools[0]).current, f(&self.pools[1]).current);
+        [s + l, s, l]
+    }
 
     pub(crate) fn reset_accumulated(&mut self) {
-        self.each().into_iter().for_each(Stat::reset_accumulated);
+        for h in &mut self.pools {
+            h.each().into_iter().for_each(Stat::reset_accumulated);
+        }
     }
 
     pub(crate) fn reset_peak(&mut self) {
-        self.each().into_iter().for_each(Stat::reset_peak);
+        for h in &mut self.pools {
+            h.each().into_iter().for_each(Stat::reset_peak);
+        }
+        for (i, p) in self.peaks.iter_mut().enumerate() {
+            *p = self.pools[0].each()[i].current + self.pools[1].each()[i].current;
+        }
     }
 }
 
-/// [`Hot`] for all, the small pool and the large pool.
-pub(crate) type HotArray = [Hot; 3];
-
-/// The aggregate level and `pool`'s level (any pool but the small one counts as large).
-#[inline(always)]
-pub(crate) fn hot_pair(a: &mut HotArray, pool: usize) -> (&mut Hot, &mut Hot) {
-    let [all, small, large] = a;
-    (all, if pool == SMALL_POOL { small } else { large })
-}
-
-/// One stat of a [`HotArray`] as a [`StatArray`].
-pub(crate) fn hot_stat(a: &HotArray, f: impl Fn(&Hot) -> Stat) -> StatArray {
-    [f(&a[0]), f(&a[1]), f(&a[2])]
-}
+/// Indexes of [`HotStats::array`].
+pub(crate) const ALLOCATION: usize = 0;
+pub(crate) const ALLOCATED_BYTES: usize = 1;
+pub(crate) const REQUESTED_BYTES: usize = 2;
+pub(crate) const INACTIVE_SPLIT: usize = 3;
+pub(crate) const INACTIVE_SPLIT_BYTES: usize = 4;
 
 /// PyTorch's `DeviceStats`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
