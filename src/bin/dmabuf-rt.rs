@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use dmabuf_rt::caching::Config;
-use dmabuf_rt::caching::replay::{ReplaySource, find_min_capacity, parse_trace, replay};
+use dmabuf_rt::caching::replay::{ReplaySource, parse_trace, replay_report};
 
 const USAGE: &str = "usage: dmabuf-rt <command>
 
@@ -75,25 +75,13 @@ fn run_replay(args: &[String]) -> Result<(), String> {
     let text = std::fs::read_to_string(&file).map_err(|e| format!("{file}: {e}"))?;
     let trace = parse_trace(&text).map_err(|e| e.to_string())?;
     let config = Config::from_env().map_err(|e| e.to_string())?;
-    let mut report = replay(&trace, source, capacity, &config).map_err(|e| e.to_string())?;
-    if find_min {
-        report.min_capacity_bytes = find_min_capacity(&trace, source, capacity, &config).map_err(|e| e.to_string())?;
-    }
+    // With --find-min-capacity, the figures of the replay at the capacity asked for come first,
+    // then those of the replay at the minimum capacity (`at_min_capacity`).
+    let report = replay_report(&trace, source, capacity, &config, find_min).map_err(|e| e.to_string())?;
     if json {
         println!("{}", report.to_json());
     } else {
-        println!("ops                   {}", report.ops);
-        println!("peak_allocated_bytes  {}", report.peak_allocated_bytes);
-        println!("peak_reserved_bytes   {}", report.peak_reserved_bytes);
-        println!("ratio                 {:.4}", report.ratio);
-        println!("backend_allocs        {}", report.backend_allocs);
-        println!("backend_frees         {}", report.backend_frees);
-        println!("ns_per_op             {:.1}", report.ns_per_op);
-        match report.min_capacity_bytes {
-            Some(c) => println!("min_capacity_bytes    {c}"),
-            None => println!("min_capacity_bytes    -"),
-        }
-        println!("ooms                  {}", report.ooms);
+        print!("{}", report.to_text());
     }
     Ok(())
 }

@@ -77,16 +77,110 @@ struct SegEntry {
 struct ExpState {
     /// Bytes of reservation; `size` never exceeds it.
     reserved_len: usize,
-    /// Per chunk of the mapped part: whether its pages count as reserved (not punched).
-    backed: Vec<bool>,
-    /// How many mapped chunks are punched (0 on the hot path: nothing to re-back).
+    /// The punch granularity: the system page size (a memfd's holes are punched per page).
+    page: usize,
+    /// One bit per page of the mapped part, set while the page is punched (not counted as
+    /// reserved). Only pages that lie wholly inside a free block of a pool are punched, and a
+    /// block leaves its pool only through [`Pool::allocate`]'s slow path, which counts its
+    /// pages again ([`Pool::back_chunks`]).
+    holes: Vec<u64>,
+    /// How many mapped pages are punched (0: no block needs re-backing).
     punched: usize,
     /// The block that ends at the mapped end.
     tail: Option<BlockId>,
 }
 
-/// Expandable segments grow, and give pages back, in chunks of this size.
+impl ExpState {
+    /// Calls `f(word, mask)` for the words of `holes` that cover pages `[from, to)`.
+    fn words(from: usize, to: usize, mut f: impl FnMut(usize, u64)) {
+        let mut p = from;
+        while p < to {
+            let bit = p % 64;
+            let n = (to - p).min(64 - bit);
+            let mask = if n == 64 { !0 } else { ((1u64 << n) - 1) << bit };
+            f(p / 64, mask);
+            p += n;
+        }
+    }
+
+    /// Punched pages among pages `[from, to)`.
+    fn holes_in(&self, from: usize, to: usize) -> usize {
+        if self.punched == 0 {
+            return 0;
+        }
+        let mut n = 0;
+        Self::words(from, to, |w, mask| n += (self.holes[w] & mask).count_ones() as usize);
+        n
+    }
+
+    /// Marks pages `[from, to)` punched (`hole`) or backed; returns how many changed.
+    fn mark(&mut self, from: usize, to: usize, hole: bool) -> usize {
+        let mut changed = 0;
+        let holes = &mut self.holes;
+        Self::words(from, to, |w, mask| {
+            let flip = if hole { !holes[w] & mask } else { holes[w] & mask };
+            changed += flip.count_ones() as usize;
+            holes[w] ^= flip;
+        });
+        if hole {
+            self.punched += changed;
+        } else {
+            self.punched -= changed;
+        }
+        changed
+    }
+
+    /// The start of the shortest range `[start, to)` (not before `from`) that holds `pages`
+    /// backed pages, or `from` if `[from, to)` holds fewer.
+    fn backed_suffix(&self, from: usize, to: usize, pages: usize) -> usize {
+        let mut left = pages;
+        let mut end = to;
+        if left == 0 {
+            return to;
+        }
+        while end > from {
+            let w = (end - 1) / 64;
+            let lo = (w * 64).max(from);
+            let n = end - lo;
+            let mask = if n == 64 { !0 } else { ((1u64 << n) - 1) << (lo % 64) };
+            let backed = !self.holes[w] & mask;
+            let count = backed.count_ones() as usize;
+            if count < left {
+                left -= count;
+                end = lo;
+                continue;
+            }
+            // The answer is in this word: drop its highest backed pages until `left` are taken.
+            let mut bits = backed;
+            for _ in 1..left {
+                bits &= !(1u64 << (63 - bits.leading_zeros()));
+            }
+            return w * 64 + (63 - bits.leading_zeros() as usize);
+        }
+        from
+    }
+
+    /// The pages wholly inside bytes `[off, off + len)`: those a free block may give back.
+    fn inner_pages(&self, off: usize, len: usize) -> (usize, usize) {
+        (off.div_ceil(self.page), (off + len) / self.page)
+    }
+
+    /// The pages that bytes `[off, off + len)` touch: those a handed-out block needs.
+    fn outer_pages(&self, off: usize, len: usize) -> (usize, usize) {
+        (off / self.page, (off + len).div_ceil(self.page))
+    }
+}
+
+/// Expandable segments grow in chunks of this size (and give pages back per page).
 const CHUNK: usize = 2 << 20;
+
+/// Where reserved bytes grow (an expandable segment grows, or a cached block with punched
+/// pages is handed out), the trim policy keeps them at most this many thousandths above the
+/// allocated peak, by punching free pages first ([`Pool::trim`])...
+const TRIM_HIGH_PERMILLE: u64 = 45;
+/// ...and when it punches, it takes them down to this many thousandths above it, so that it
+/// does not run again at the next growth.
+const TRIM_LOW_PERMILLE: u64 = 25;
 
 /// A free block's key in its pool: best fit is the first key at or after
 /// `(stream, size, 0, 0)`.
@@ -295,7 +389,11 @@ pub(crate) struct Pool {
     expandable: HashMap<(u64, usize), u32>,
     /// The source cannot make expandable segments: classic segments are used instead.
     expandable_unsupported: bool,
-    /// Punched chunks over all expandable segments (0: no block needs re-backing).
+    /// Punched pages under blocks that can be handed out without passing through
+    /// [`Pool::allocate`]'s slow path, which `hand_out` would have to count again. Always 0:
+    /// only pooled free blocks are punched, they leave their pool only through that slow path,
+    /// which re-counts their pages itself ([`Pool::back_chunks`]), and the quick cache holds
+    /// only blocks that were handed out, so fully backed. (`hand_out`'s check of it is dead.)
     punched: usize,
 }
 
@@ -750,12 +848,15 @@ impl Pool {
     }
 
     /// Grows the (stream, pool) expandable segment so that its free tail holds `rounded`
-    /// bytes; returns that tail block.
+    /// bytes; returns that tail block. Before the reserved bytes grow, [`Pool::trim`] punches
+    /// free pages elsewhere if they would go past its bound or the allowed memory. Making the
+    /// reservation and each growth (one `mmap` of more of the memfd) are calls to the memory
+    /// source, counted in `num_device_alloc`.
     fn grow_expandable(&mut self, rounded: usize, pool: usize, stream: u64, cause: &mut String) -> Option<BlockId> {
         let idx = match self.expandable.get(&(stream, pool)) {
             Some(&i) => i,
             None => {
-                // Address space is cheap and memory is counted by backed chunks, so reserve
+                // Address space is cheap and memory is counted by backed pages, so reserve
                 // several times the allowed memory: holes punched under pressure then leave
                 // room to grow past them.
                 let mut len = (self.allowed.saturating_mul(4).min(1 << 42) as usize).max(CHUNK).next_multiple_of(CHUNK);
@@ -779,12 +880,17 @@ impl Pool {
                     }
                 };
                 let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
-                let exp = ExpState { reserved_len: seg.len(), backed: Vec::new(), punched: 0, tail: None };
+                // CHUNK is a multiple of every page size Linux uses.
+                let page = crate::source::page_size().clamp(1, CHUNK);
+                let exp = ExpState { reserved_len: seg.len(), page, holes: Vec::new(), punched: 0, tail: None };
                 let i = self.add_segment(SegEntry { seg: Arc::new(seg), base, size: 0, pool, stream, exp: Some(exp) });
                 self.expandable.insert((stream, pool), i);
                 i
             }
         };
+        // Free blocks the quick cache holds unmerged can neither extend the tail nor be punched
+        // (normally it is empty here: the miss that led here flushed it).
+        self.flush_quick();
         let (mapped, reserved_len, tail) = {
             let e = self.segments[idx as usize].as_ref().expect("live expandable segment");
             let exp = e.exp.as_ref().expect("expandable");
@@ -800,8 +906,11 @@ impl Pool {
             *cause = format!("; the expandable segment's {reserved_len}-byte reservation is full");
             return None;
         }
+        // The request takes all of the free tail: its punched pages count again too.
+        let need = (grow + tail_free.map_or(0, |t| self.punched_bytes(t, usize::MAX))) as u64;
+        self.trim(need, rounded as u64, tail_free);
         let reserved = self.stats.reserved_bytes[stats::AGGREGATE].current as u64;
-        if reserved + grow as u64 > self.allowed {
+        if reserved + need > self.allowed {
             *cause = format!(
                 "; the allowed memory ({} bytes = fraction {} of capacity) would be exceeded",
                 self.allowed, self.config.per_process_memory_fraction
@@ -815,7 +924,8 @@ impl Pool {
         }
         e.size = mapped + grow;
         let exp = e.exp.as_mut().expect("expandable");
-        exp.backed.extend(std::iter::repeat_n(true, grow / CHUNK));
+        exp.holes.resize(((mapped + grow) / exp.page).div_ceil(64), 0);
+        self.stats.num_device_alloc += 1;
         stats::inc_array(&mut self.stats.reserved_bytes, pool, grow as i64);
         match tail_free {
             Some(t) => {
@@ -850,7 +960,41 @@ impl Pool {
         }
     }
 
-    /// Marks the chunks under an expandable block backed again (they may have been punched).
+    /// Bytes of the punched pages that the first `len` bytes of an expandable block touch (0
+    /// for any other block).
+    fn punched_bytes(&self, id: BlockId, len: usize) -> usize {
+        let b = &self.blocks[id as usize];
+        let Some(exp) = self.segments[b.seg as usize].as_ref().and_then(|e| e.exp.as_ref()) else { return 0 };
+        let (from, to) = exp.outer_pages(b.offset, len.min(b.size));
+        exp.holes_in(from, to) * exp.page
+    }
+
+    /// Whether pooled block `id` can be handed out for a `rounded`-byte request: the punched
+    /// pages that part of it touches count as reserved again once handed out (touching them
+    /// brings them back, with no call to the source), so first the trim policy makes room as
+    /// for a growth, and then they must fit in the allowed memory. On the slow path of
+    /// [`Pool::allocate`] only, and cheap unless the block's segment has punched pages.
+    fn reback_fits(&mut self, id: BlockId, rounded: usize) -> bool {
+        let need = self.punched_bytes(id, rounded) as u64;
+        if need == 0 {
+            return true;
+        }
+        if self.quick.len() > 0 && self.trim_excess(need, rounded as u64) > 0 {
+            // Memory in the quick cache cannot be punched: merge it first, with `id` out of
+            // its pool and marked allocated meanwhile so that no merge absorbs it.
+            self.pool_remove(id);
+            self.blocks[id as usize].allocated = true;
+            self.flush_quick();
+            self.blocks[id as usize].allocated = false;
+            self.pool_insert(id);
+        }
+        self.trim(need, rounded as u64, Some(id));
+        self.stats.reserved_bytes[stats::AGGREGATE].current as u64 + need <= self.allowed
+    }
+
+    /// Counts the punched pages under an expandable block that is being handed out as
+    /// reserved again ([`Pool::reback_fits`] made room for them). Called on the slow path of
+    /// [`Pool::allocate`], the only way out of the pools (see `Pool::punched`).
     fn back_chunks(&mut self, id: BlockId) {
         let b = &self.blocks[id as usize];
         let (seg, off, size, pool) = (b.seg, b.offset, b.size, b.pool);
@@ -858,43 +1002,118 @@ impl Pool {
         if exp.punched == 0 {
             return;
         }
-        let mut added = 0i64;
-        for c in off / CHUNK..=(off + size - 1) / CHUNK {
-            if !exp.backed[c] {
-                exp.backed[c] = true;
-                exp.punched -= 1;
-                self.punched -= 1;
-                added += CHUNK as i64;
-            }
-        }
+        let (from, to) = exp.outer_pages(off, size);
+        let added = exp.mark(from, to, false) * exp.page;
         if added > 0 {
-            stats::inc_array(&mut self.stats.reserved_bytes, pool, added);
+            stats::inc_array(&mut self.stats.reserved_bytes, pool, added as i64);
         }
     }
 
-    /// Gives the pages of every chunk a free expandable block fully covers back to the
-    /// kernel; returns the bytes released.
+    /// Gives every backed page that a free expandable block wholly covers back to the kernel;
+    /// returns the bytes released.
     fn punch_free(&mut self, id: BlockId) -> usize {
+        self.punch_block(id, u64::MAX)
+    }
+
+    /// Gives back at least `want` bytes (or all it has) of the backed pages that a free
+    /// expandable block wholly covers, taken from its end (best fit splits blocks from the
+    /// front, so the end is reused last), with one `fallocate(PUNCH_HOLE)`: a call to the
+    /// source, counted in `num_device_free`. Returns the bytes released.
+    fn punch_block(&mut self, id: BlockId, want: u64) -> usize {
         let b = &self.blocks[id as usize];
         let (seg, off, size, pool) = (b.seg, b.offset, b.size, b.pool);
         let Some(entry) = self.segments[seg as usize].as_mut() else { return 0 };
         let Some(exp) = entry.exp.as_mut() else { return 0 };
-        let mut freed = 0;
-        for c in off.div_ceil(CHUNK)..(off + size) / CHUNK {
-            if exp.backed[c] && entry.seg.punch(c * CHUNK, CHUNK).is_ok() {
-                exp.backed[c] = false;
-                exp.punched += 1;
-                self.punched += 1;
-                freed += CHUNK;
+        let (from, to) = exp.inner_pages(off, size);
+        if to <= from {
+            return 0;
+        }
+        let holes = exp.holes_in(from, to);
+        if holes == to - from {
+            return 0;
+        }
+        let pages = want.div_ceil(exp.page as u64).min((to - from) as u64) as usize;
+        let start = if holes == 0 { to - pages } else { exp.backed_suffix(from, to, pages) };
+        let (from_b, to_b) = (start * exp.page, to * exp.page);
+        if entry.seg.punch(from_b, to_b - from_b).is_err() {
+            return 0;
+        }
+        let freed = exp.mark(start, to, true) * exp.page;
+        let (addr, stream) = (entry.base + from_b, entry.stream);
+        self.stats.num_device_free += 1;
+        stats::dec_array(&mut self.stats.reserved_bytes, pool, freed as i64);
+        self.log(HistoryKind::SegmentFree, addr, freed, stream);
+        freed
+    }
+
+    /// How many bytes [`Pool::trim`] should give back before the reserved bytes grow by `need`
+    /// for a request of `rounded` bytes (0: none).
+    fn trim_excess(&self, need: u64, rounded: u64) -> u64 {
+        self.over_bound(need, rounded).max(self.over_allowed(need))
+    }
+
+    /// How far past the trim policy's bound the reserved bytes would go: the bytes to punch to
+    /// bring them down to its low mark (0 while within the bound).
+    fn over_bound(&self, need: u64, rounded: u64) -> u64 {
+        let after = self.stats.reserved_bytes[stats::AGGREGATE].current as u64 + need;
+        let allocated = self.stats.allocated_bytes[stats::AGGREGATE].current as u64 + rounded;
+        let peak = (self.stats.allocated_bytes[stats::AGGREGATE].peak as u64).max(allocated);
+        if after > peak + peak * TRIM_HIGH_PERMILLE / 1000 {
+            after - (peak + peak * TRIM_LOW_PERMILLE / 1000)
+        } else {
+            0
+        }
+    }
+
+    /// How far past the allowed memory the reserved bytes would go.
+    fn over_allowed(&self, need: u64) -> u64 {
+        (self.stats.reserved_bytes[stats::AGGREGATE].current as u64 + need).saturating_sub(self.allowed)
+    }
+
+    /// The trim policy, which keeps reserved memory close to the allocated peak. It runs only
+    /// where the reserved bytes are about to grow by `need` for a request of `rounded` bytes,
+    /// on the slow path: a miss that grows an expandable segment, or a cached block handed out
+    /// over pages punched earlier. If they would end up more than `TRIM_HIGH_PERMILLE`
+    /// thousandths above the allocated peak (counting this request), it punches free pages of
+    /// pooled host-side blocks (queue 0) in every expandable segment (either pool), largest
+    /// blocks first (fewest calls), each from its end, until they would end
+    /// `TRIM_LOW_PERMILLE` thousandths above it. A block bound to a queue is left alone: work
+    /// queued before its free may still read or write it, and a punch is not ordered after
+    /// that work. Only past the allowed memory does it punch any cached block, as the OOM
+    /// ladder's `release_cached` would. `keep` (the block the request will take) is spared. A
+    /// periodic workload whose pages all fit within the bound stops punching once warm; one
+    /// that touches more pages per iteration than that punches some every iteration.
+    fn trim(&mut self, need: u64, rounded: u64, keep: Option<BlockId>) {
+        let excess = self.trim_excess(need, rounded);
+        if excess == 0 {
+            return;
+        }
+        if self.punch_largest(excess, keep, true) > 0 {
+            let over = self.over_allowed(need);
+            if over > 0 {
+                self.punch_largest(over, keep, false);
             }
         }
-        if freed > 0 {
-            stats::dec_array(&mut self.stats.reserved_bytes, pool, freed as i64);
-            let addr = entry.base + off;
-            let stream = entry.stream;
-            self.log(HistoryKind::SegmentFree, addr, freed, stream);
+    }
+
+    /// Punches at least `excess` bytes of free pages from pooled expandable blocks (only those
+    /// of queue 0 if `host_only`), largest first, sparing `keep`; returns what is left of
+    /// `excess`.
+    fn punch_largest(&mut self, mut excess: u64, keep: Option<BlockId>, host_only: bool) -> u64 {
+        let mut victims: Vec<(std::cmp::Reverse<usize>, BlockId)> = [SMALL_POOL, LARGE_POOL]
+            .iter()
+            .flat_map(|&p| self.pools[p].iter())
+            .filter(|k| Some(k.3) != keep && (k.0 == 0 || !host_only) && self.is_expandable(k.3))
+            .map(|k| (std::cmp::Reverse(k.1), k.3))
+            .collect();
+        victims.sort_unstable();
+        for (_, id) in victims {
+            excess = excess.saturating_sub(self.punch_block(id, excess) as u64);
+            if excess == 0 {
+                break;
+            }
         }
-        freed
+        excess
     }
 
     // ---- allocation (seed 003's malloc) ----
@@ -975,6 +1194,12 @@ impl Pool {
                 }
             }
         }
+        if found.is_some_and(|id| !self.reback_fits(id, rounded)) {
+            found = None;
+            cause = "; the pages of the cached block that fits were given back, and taking them again would exceed \
+                     the allowed memory"
+                .into();
+        }
         let Some(id) = found else {
             self.stats.num_ooms += 1;
             self.log(HistoryKind::Oom, 0, size, stream);
@@ -1018,6 +1243,8 @@ impl Pool {
             self.fix_tail(rest);
             self.pool_insert(rest);
         }
+        // Pages punched while the block was cached count as reserved again.
+        self.back_chunks(id);
         Ok(Outcome::Got(self.hand_out(id, size, stream)))
     }
 

@@ -4,6 +4,7 @@
 //! "size": int}`, where `addr` names a block from its alloc to its free.
 
 use std::collections::HashMap;
+use std::fmt::Write;
 use std::time::Instant;
 
 use super::stats::AGGREGATE;
@@ -38,34 +39,46 @@ pub enum ReplaySource {
 }
 
 /// What a replay measured.
+///
+/// Every figure but `min_capacity_bytes` and `at_min_capacity` comes from the replay at the
+/// capacity asked for (by default unlimited for practical purposes: 1 TiB).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReplayReport {
     /// Operations replayed.
     pub ops: u64,
     /// Peak bytes allocated to callers (rounded block sizes).
     pub peak_allocated_bytes: u64,
-    /// Peak bytes reserved from the source.
+    /// Peak bytes reserved from the source (for expandable segments: backed pages, so pages
+    /// given back with a punch no longer count).
     pub peak_reserved_bytes: u64,
     /// `peak_reserved_bytes / peak_allocated_bytes`.
     pub ratio: f64,
-    /// Segments obtained from the source.
+    /// Calls that obtained memory from the source (`num_device_alloc`): classic segments;
+    /// with expandable segments, each reservation and each growth of one.
     pub backend_allocs: u64,
-    /// Segments returned to the source.
+    /// Calls that gave memory back to the source (`num_device_free`): classic segments
+    /// released; with expandable segments, each punch of free pages.
     pub backend_frees: u64,
     /// Wall time per operation.
     pub ns_per_op: f64,
-    /// With `--find-min-capacity`: the smallest capacity that replays without an OOM.
+    /// With `--find-min-capacity`: the smallest capacity (to 2 MiB) that replays without an
+    /// OOM.
     pub min_capacity_bytes: Option<u64>,
     /// Allocations that failed with out-of-memory.
     pub ooms: u64,
+    /// With `--find-min-capacity`: the replay at `min_capacity_bytes` (its own peaks, backend
+    /// calls and timing; its `min_capacity_bytes` and `at_min_capacity` are `None`).
+    pub at_min_capacity: Option<Box<ReplayReport>>,
 }
 
 impl ReplayReport {
-    /// As one JSON object with the keys named as the fields.
+    /// As one JSON object with the keys named as the fields. `at_min_capacity` is there only
+    /// with `--find-min-capacity`: a nested object with the same keys (its
+    /// `min_capacity_bytes` null, no `at_min_capacity`), or `null` when the full replay failed.
     pub fn to_json(&self) -> String {
         format!(
             "{{\"ops\":{},\"peak_allocated_bytes\":{},\"peak_reserved_bytes\":{},\"ratio\":{:.4},\"backend_allocs\":{},\
-             \"backend_frees\":{},\"ns_per_op\":{:.1},\"min_capacity_bytes\":{},\"ooms\":{}}}",
+             \"backend_frees\":{},\"ns_per_op\":{:.1},\"min_capacity_bytes\":{},\"ooms\":{}{}}}",
             self.ops,
             self.peak_allocated_bytes,
             self.peak_reserved_bytes,
@@ -74,8 +87,41 @@ impl ReplayReport {
             self.backend_frees,
             self.ns_per_op,
             self.min_capacity_bytes.map_or("null".to_string(), |c| c.to_string()),
-            self.ooms
+            self.ooms,
+            match (&self.at_min_capacity, self.min_capacity_bytes) {
+                (Some(r), _) => format!(",\"at_min_capacity\":{}", r.to_json()),
+                (None, Some(_)) => ",\"at_min_capacity\":null".to_string(),
+                (None, None) => String::new(),
+            }
         )
+    }
+
+    /// As aligned `name value` lines: the replay at the capacity asked for, then, with
+    /// `--find-min-capacity`, the replay at the minimum capacity under its own heading.
+    pub fn to_text(&self) -> String {
+        let mut s = String::new();
+        let figures = |r: &ReplayReport, s: &mut String| {
+            let _ = writeln!(s, "ops                   {}", r.ops);
+            let _ = writeln!(s, "peak_allocated_bytes  {}", r.peak_allocated_bytes);
+            let _ = writeln!(s, "peak_reserved_bytes   {}", r.peak_reserved_bytes);
+            let _ = writeln!(s, "ratio                 {:.4}", r.ratio);
+            let _ = writeln!(s, "backend_allocs        {}", r.backend_allocs);
+            let _ = writeln!(s, "backend_frees         {}", r.backend_frees);
+            let _ = writeln!(s, "ns_per_op             {:.1}", r.ns_per_op);
+            let _ = writeln!(s, "ooms                  {}", r.ooms);
+        };
+        figures(self, &mut s);
+        match self.min_capacity_bytes {
+            Some(c) => {
+                let _ = writeln!(s, "min_capacity_bytes    {c}");
+                if let Some(r) = &self.at_min_capacity {
+                    s.push_str("at min_capacity_bytes:\n");
+                    figures(r, &mut s);
+                }
+            }
+            None => s.push_str("min_capacity_bytes    -\n"),
+        }
+        s
     }
 }
 
@@ -171,6 +217,7 @@ pub fn replay(trace: &[TraceOp], source: ReplaySource, capacity: u64, config: &C
         ns_per_op: elapsed.as_nanos() as f64 / trace.len().max(1) as f64,
         min_capacity_bytes: None,
         ooms,
+        at_min_capacity: None,
     })
 }
 
@@ -182,22 +229,60 @@ pub fn find_min_capacity(
     capacity: u64,
     config: &Config,
 ) -> Result<Option<u64>> {
-    const STEP: u64 = 2 << 20;
     let full = replay(trace, source, capacity, config)?;
+    Ok(min_capacity_of(trace, source, &full, config)?.map(|r| r.0))
+}
+
+/// Replays `trace` at `capacity` and, with `find_min`, finds the minimum capacity as
+/// [`find_min_capacity`] does: the report of the first replay, with `min_capacity_bytes` and
+/// the replay at that capacity in `at_min_capacity`.
+pub fn replay_report(
+    trace: &[TraceOp],
+    source: ReplaySource,
+    capacity: u64,
+    config: &Config,
+    find_min: bool,
+) -> Result<ReplayReport> {
+    let mut report = replay(trace, source, capacity, config)?;
+    if find_min {
+        if let Some((min, at)) = min_capacity_of(trace, source, &report, config)? {
+            report.min_capacity_bytes = Some(min);
+            report.at_min_capacity = Some(Box::new(at));
+        }
+    }
+    Ok(report)
+}
+
+/// Bisects for the minimum capacity, given the full replay; returns it with the replay there.
+fn min_capacity_of(
+    trace: &[TraceOp],
+    source: ReplaySource,
+    full: &ReplayReport,
+    config: &Config,
+) -> Result<Option<(u64, ReplayReport)>> {
+    const STEP: u64 = 2 << 20;
     if full.ooms > 0 {
         return Ok(None);
     }
     let (mut lo, mut hi) = (full.peak_allocated_bytes / STEP, full.peak_reserved_bytes.div_ceil(STEP));
     // Invariant: hi*STEP works; (lo*STEP) is not known to work.
+    let mut at_hi = None;
     while lo < hi {
         let mid = (lo + hi) / 2;
-        if mid > 0 && replay(trace, source, mid * STEP, config)?.ooms == 0 {
-            hi = mid;
-        } else {
-            lo = mid + 1;
+        let r = if mid > 0 { Some(replay(trace, source, mid * STEP, config)?) } else { None };
+        match r {
+            Some(r) if r.ooms == 0 => {
+                hi = mid;
+                at_hi = Some(r);
+            }
+            _ => lo = mid + 1,
         }
     }
-    Ok(Some(hi * STEP))
+    let at = match at_hi {
+        Some(r) => r,
+        None => replay(trace, source, hi * STEP, config)?,
+    };
+    Ok(Some((hi * STEP, at)))
 }
 
 #[cfg(test)]
@@ -234,12 +319,29 @@ mod tests {
         assert_eq!(r.peak_allocated_bytes, 32 << 20);
         // Two 8 MiB blocks fit in each 20 MiB segment; the second generation reuses them.
         assert_eq!(r.backend_allocs, 2, "the second generation reused the cache");
-        // One expandable segment, grown to exactly what the blocks need.
+        // One expandable segment (one call to reserve it, one per growth: four of 8 MiB), grown
+        // to exactly what the blocks need, then reused without a call.
         let e = replay(&t, ReplaySource::Virtual, 1 << 40, &Config::default()).unwrap();
-        assert_eq!((e.backend_allocs, e.peak_reserved_bytes), (1, 32 << 20));
+        assert_eq!((e.backend_allocs, e.backend_frees, e.peak_reserved_bytes), (5, 0, 32 << 20));
         assert_eq!(r.ooms, 0);
         let min = find_min_capacity(&t, ReplaySource::Virtual, 1 << 40, &c).unwrap().unwrap();
         assert!(min >= 32 << 20 && min <= r.peak_reserved_bytes, "{min}");
+        // The report keeps the full replay's figures and adds the replay at the minimum.
+        let both = replay_report(&t, ReplaySource::Virtual, 1 << 40, &c, true).unwrap();
+        assert_eq!((both.peak_reserved_bytes, both.min_capacity_bytes), (r.peak_reserved_bytes, Some(min)));
+        let at = both.at_min_capacity.as_deref().unwrap();
+        assert_eq!(at.ooms, 0);
+        assert!(at.peak_reserved_bytes <= min, "reserved {} past the capacity {min}", at.peak_reserved_bytes);
+        let j = both.to_json();
+        assert!(
+            j.contains(&format!("\"min_capacity_bytes\":{min},\"ooms\":0,\"at_min_capacity\":{{\"ops\":16")),
+            "{j}"
+        );
+        let text = both.to_text();
+        assert!(
+            text.contains("at min_capacity_bytes:") && text.contains(&format!("min_capacity_bytes    {min}")),
+            "{text}"
+        );
         assert_eq!(replay(&t, ReplaySource::Virtual, min, &c).unwrap().ooms, 0);
         assert!(replay(&t, ReplaySource::Virtual, min - (2 << 20), &c).unwrap().ooms > 0);
         let j = r.to_json();

@@ -234,9 +234,12 @@ pub struct DeviceStats {
     pub num_alloc_retries: i64,
     /// Allocations that failed with out-of-memory.
     pub num_ooms: i64,
-    /// Segments obtained from the memory source.
+    /// Calls that obtained memory from the memory source: a classic segment each; with
+    /// expandable segments, each reservation of address space and each growth (`mmap` of more
+    /// of its memfd). Zero per iteration once a periodic workload is warm.
     pub num_device_alloc: i64,
-    /// Segments returned to the memory source.
+    /// Calls that gave memory back to the memory source: a classic segment released each; with
+    /// expandable segments, each punch of free pages (`fallocate(PUNCH_HOLE)`).
     pub num_device_free: i64,
     /// Allocations at least `max_split_size`.
     pub oversize_allocations: Stat,
