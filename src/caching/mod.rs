@@ -203,7 +203,7 @@ impl CachingAllocator {
             Some(h) => h,
             None => {
                 drop(pool);
-                return self.allocate_slow(size, stream);
+                return self.allocate_slow(size, queue);
             }
         };
         Ok(self.wrap(pool, got, size, stream))
@@ -226,10 +226,14 @@ impl CachingAllocator {
     }
 
     #[inline(never)]
-    fn allocate_slow(&self, size: usize, stream: u64) -> Result<Allocation> {
+    fn allocate_slow(&self, size: usize, queue: Option<&Queue>) -> Result<Allocation> {
+        let stream = queue.map_or(0, Queue::id);
         let mut waited = false;
         loop {
             let mut pool = self.lock();
+            if let Some(q) = queue {
+                pool.register_queue(q);
+            }
             let pending = !self.inner.pending.is_zero();
             match pool.allocate(size, stream, pending, waited)? {
                 Outcome::Got(b) => return Ok(self.wrap(pool, b, size, stream)),
@@ -252,9 +256,18 @@ impl CachingAllocator {
         }
     }
 
-    /// Returns every cached, unsplit segment to the source (after waiting for pending frees).
+    /// Returns every cached, unsplit segment to the source, and the pages of free parts of
+    /// expandable segments. It first waits (each wait bounded by the pending-wait limit) for
+    /// pending frees and for the work already submitted to the queues blocks are bound to:
+    /// that work may still use freed blocks, whose pages cannot be given back under it.
     pub fn empty_cache(&self) {
         self.wait_for_pending();
+        let queues = self.lock().queue_handles();
+        for q in queues {
+            if let Ok(done) = q.record() {
+                let _ = done.synchronize(Some(self.inner.pending_limit));
+            }
+        }
         self.lock().release_cached(None);
     }
 
@@ -315,6 +328,9 @@ impl CachingAllocator {
         let mut waited = false;
         loop {
             let mut pool = self.lock();
+            if let Some(q) = queue {
+                pool.register_queue(q);
+            }
             let pending = !self.inner.pending.is_zero();
             match pool.allocate_raw(size, stream, pending, waited)? {
                 Some(addr) => return Ok(addr as *mut u8),

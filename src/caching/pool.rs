@@ -376,6 +376,8 @@ pub(crate) struct Pool {
     /// Scratch for draining the free list in push order.
     #[allow(clippy::vec_box, reason = "the nodes are boxes in the list and are recycled as boxes")]
     scratch: Vec<Box<Node<FreeMsg>>>,
+    /// The queues blocks were allocated on, to tell whether one still has work in flight.
+    queues: HashMap<u64, QueueHandle, FxBuild>,
     /// Every block of every live segment by address: raw frees look their pointer up here.
     by_addr: HashMap<usize, BlockId, FxBuild>,
     /// The other queues that used a raw block (`Block::raw_used`).
@@ -389,12 +391,6 @@ pub(crate) struct Pool {
     expandable: HashMap<(u64, usize), u32>,
     /// The source cannot make expandable segments: classic segments are used instead.
     expandable_unsupported: bool,
-    /// Punched pages under blocks that can be handed out without passing through
-    /// [`Pool::allocate`]'s slow path, which `hand_out` would have to count again. Always 0:
-    /// only pooled free blocks are punched, they leave their pool only through that slow path,
-    /// which re-counts their pages itself ([`Pool::back_chunks`]), and the quick cache holds
-    /// only blocks that were handed out, so fully backed. (`hand_out`'s check of it is dead.)
-    punched: usize,
 }
 
 /// How many freed blocks the quick cache holds before it is flushed into the pools.
@@ -430,13 +426,13 @@ impl Pool {
             started: Instant::now(),
             nodes: Vec::new(),
             scratch: Vec::new(),
+            queues: HashMap::default(),
             by_addr: HashMap::default(),
             raw_uses: HashMap::default(),
             raw_deferred: Vec::new(),
             quick: Quick::default(),
             expandable: HashMap::new(),
             expandable_unsupported: false,
-            punched: 0,
         }
     }
 
@@ -994,7 +990,7 @@ impl Pool {
 
     /// Counts the punched pages under an expandable block that is being handed out as
     /// reserved again ([`Pool::reback_fits`] made room for them). Called on the slow path of
-    /// [`Pool::allocate`], the only way out of the pools (see `Pool::punched`).
+    /// [`Pool::allocate`], the only way out of the pools (see `Pool::hand_out`).
     fn back_chunks(&mut self, id: BlockId) {
         let b = &self.blocks[id as usize];
         let (seg, off, size, pool) = (b.seg, b.offset, b.size, b.pool);
@@ -1022,6 +1018,10 @@ impl Pool {
     fn punch_block(&mut self, id: BlockId, want: u64) -> usize {
         let b = &self.blocks[id as usize];
         let (seg, off, size, pool) = (b.seg, b.offset, b.size, b.pool);
+        if self.queue_busy(b.stream) {
+            // Work queued before the free may still use the block: a punch would not wait.
+            return 0;
+        }
         let Some(entry) = self.segments[seg as usize].as_mut() else { return 0 };
         let Some(exp) = entry.exp.as_mut() else { return 0 };
         let (from, to) = exp.inner_pages(off, size);
@@ -1056,8 +1056,9 @@ impl Pool {
     /// bring them down to its low mark (0 while within the bound).
     fn over_bound(&self, need: u64, rounded: u64) -> u64 {
         let after = self.stats.reserved_bytes[stats::AGGREGATE].current as u64 + need;
-        let allocated = self.stats.allocated_bytes[stats::AGGREGATE].current as u64 + rounded;
-        let peak = (self.stats.allocated_bytes[stats::AGGREGATE].peak as u64).max(allocated);
+        let bytes = self.hot.array(stats::ALLOCATED_BYTES)[stats::AGGREGATE];
+        let allocated = bytes.current as u64 + rounded;
+        let peak = (bytes.peak as u64).max(allocated);
         if after > peak + peak * TRIM_HIGH_PERMILLE / 1000 {
             after - (peak + peak * TRIM_LOW_PERMILLE / 1000)
         } else {
@@ -1085,25 +1086,19 @@ impl Pool {
     /// that touches more pages per iteration than that punches some every iteration.
     fn trim(&mut self, need: u64, rounded: u64, keep: Option<BlockId>) {
         let excess = self.trim_excess(need, rounded);
-        if excess == 0 {
-            return;
-        }
-        if self.punch_largest(excess, keep, true) > 0 {
-            let over = self.over_allowed(need);
-            if over > 0 {
-                self.punch_largest(over, keep, false);
-            }
+        if excess > 0 {
+            self.punch_largest(excess, keep);
         }
     }
 
-    /// Punches at least `excess` bytes of free pages from pooled expandable blocks (only those
-    /// of queue 0 if `host_only`), largest first, sparing `keep`; returns what is left of
-    /// `excess`.
-    fn punch_largest(&mut self, mut excess: u64, keep: Option<BlockId>, host_only: bool) -> u64 {
+    /// Punches at least `excess` bytes of free pages from pooled expandable blocks, largest
+    /// first, sparing `keep` and the blocks of queues with work in flight; returns what is
+    /// left of `excess`.
+    fn punch_largest(&mut self, mut excess: u64, keep: Option<BlockId>) -> u64 {
         let mut victims: Vec<(std::cmp::Reverse<usize>, BlockId)> = [SMALL_POOL, LARGE_POOL]
             .iter()
             .flat_map(|&p| self.pools[p].iter())
-            .filter(|k| Some(k.3) != keep && (k.0 == 0 || !host_only) && self.is_expandable(k.3))
+            .filter(|k| Some(k.3) != keep && self.is_expandable(k.3) && !self.queue_busy(k.0))
             .map(|k| (std::cmp::Reverse(k.1), k.3))
             .collect();
         victims.sort_unstable();
@@ -1117,6 +1112,23 @@ impl Pool {
     }
 
     // ---- allocation (seed 003's malloc) ----
+
+    /// Notes `queue` as one that blocks are bound to (called on the slow path: a queue's first
+    /// allocation always takes it).
+    pub(crate) fn register_queue(&mut self, queue: &Queue) {
+        self.queues.entry(queue.id()).or_insert_with(|| queue.handle());
+    }
+
+    /// Whether the queue `stream` has work queued or running: its freed blocks may still be
+    /// read or written by it, so their pages must not be punched yet.
+    fn queue_busy(&self, stream: u64) -> bool {
+        stream != 0 && self.queues.get(&stream).is_some_and(|h| !h.is_idle())
+    }
+
+    /// The queues blocks are bound to (for `empty_cache`, which lets them finish first).
+    pub(crate) fn queue_handles(&self) -> Vec<QueueHandle> {
+        self.queues.values().cloned().collect()
+    }
 
     /// The allocation fast path: a quick-cached block of exactly the rounded size on this
     /// queue. `None` sends the caller to [`Pool::allocate`], which handles everything else
@@ -1271,24 +1283,20 @@ impl Pool {
         b.requested = size;
         let (bsize, bpool, bseg, boff) = (b.size, b.pool, b.seg, b.offset);
         self.hot.on_alloc(bpool, bsize as i64, size as i64);
-        if self.punched > 0
-            || self.pending[stats::AGGREGATE].current > 0
-            || bsize >= self.config.max_split_size
-            || self.record_all
-        {
+        // No punched pages to count here: only pooled free blocks are punched, they leave
+        // their pool only through `allocate`'s slow path, which counts their pages again
+        // (`back_chunks`), and the quick cache holds only blocks that were handed out.
+        if self.pending[stats::AGGREGATE].current > 0 || bsize >= self.config.max_split_size || self.record_all {
             self.hand_out_rare(id, stream);
         }
         let segment = SegRef::new(&self.segments[bseg as usize].as_ref().expect("live segment").seg);
         Handed { id, segment, offset: boff }
     }
 
-    /// What a hand-out may need besides: re-backing punched chunks, active peaks while frees
-    /// are pending, oversize counts, history.
+    /// What a hand-out may need besides: active peaks while frees are pending, oversize
+    /// counts, history.
     #[cold]
     fn hand_out_rare(&mut self, id: BlockId, stream: u64) {
-        if self.punched > 0 {
-            self.back_chunks(id);
-        }
         let (bsize, bpool) = (self.blocks[id as usize].size, self.blocks[id as usize].pool);
         if self.pending[stats::AGGREGATE].current > 0 {
             let (allocation, bytes) = (self.hot.current(stats::ALLOCATION), self.hot.current(stats::ALLOCATED_BYTES));

@@ -312,6 +312,13 @@ impl QueueHandle {
         self.shared.id
     }
 
+    /// True when nothing is queued or running (also once the queue has been dropped: its
+    /// work is then done or cancelled).
+    pub fn is_idle(&self) -> bool {
+        let s = self.shared.lock();
+        s.ops.is_empty() && !s.running
+    }
+
     /// A new event recorded at the queue's current end.
     pub fn record(&self) -> Result<Event> {
         let event = Event::new();
