@@ -175,12 +175,11 @@ impl ExpState {
 const CHUNK: usize = 2 << 20;
 
 /// Where reserved bytes grow (an expandable segment grows, or a cached block with punched
-/// pages is handed out), the trim policy keeps them at most this many thousandths above the
-/// allocated peak, by punching free pages first ([`Pool::trim`])...
-const TRIM_HIGH_PERMILLE: u64 = 45;
-/// ...and when it punches, it takes them down to this many thousandths above it, so that it
-/// does not run again at the next growth.
-const TRIM_LOW_PERMILLE: u64 = 25;
+/// pages is handed out), the trim policy keeps them under `Config::trim_ratio` times the
+/// allocated peak by punching free pages first ([`Pool::trim`]); when it punches, it takes them
+/// down to this share of that margin (1.025 for a ratio of 1.045), so that it does not run
+/// again at the next growth.
+const TRIM_LOW_SHARE: f64 = 25.0 / 45.0;
 
 /// A free block's key in its pool: best fit is the first key at or after
 /// `(stream, size, 0, 0)`.
@@ -1056,14 +1055,16 @@ impl Pool {
     /// bring them down to its low mark (0 while within the bound).
     fn over_bound(&self, need: u64, rounded: u64) -> u64 {
         let after = self.stats.reserved_bytes[stats::AGGREGATE].current as u64 + need;
+        let ratio = self.config.trim_ratio;
+        if ratio == 0.0 {
+            return 0;
+        }
         let bytes = self.hot.array(stats::ALLOCATED_BYTES)[stats::AGGREGATE];
         let allocated = bytes.current as u64 + rounded;
-        let peak = (bytes.peak as u64).max(allocated);
-        if after > peak + peak * TRIM_HIGH_PERMILLE / 1000 {
-            after - (peak + peak * TRIM_LOW_PERMILLE / 1000)
-        } else {
-            0
-        }
+        let peak = (bytes.peak as u64).max(allocated) as f64;
+        // Punch down to a low mark, so the next growth does not trim again at once.
+        let (high, low) = (peak * ratio, peak * (1.0 + (ratio - 1.0) * TRIM_LOW_SHARE));
+        if after as f64 > high { after - low as u64 } else { 0 }
     }
 
     /// How far past the allowed memory the reserved bytes would go.
@@ -1074,16 +1075,15 @@ impl Pool {
     /// The trim policy, which keeps reserved memory close to the allocated peak. It runs only
     /// where the reserved bytes are about to grow by `need` for a request of `rounded` bytes,
     /// on the slow path: a miss that grows an expandable segment, or a cached block handed out
-    /// over pages punched earlier. If they would end up more than `TRIM_HIGH_PERMILLE`
-    /// thousandths above the allocated peak (counting this request), it punches free pages of
-    /// pooled host-side blocks (queue 0) in every expandable segment (either pool), largest
-    /// blocks first (fewest calls), each from its end, until they would end
-    /// `TRIM_LOW_PERMILLE` thousandths above it. A block bound to a queue is left alone: work
-    /// queued before its free may still read or write it, and a punch is not ordered after
-    /// that work. Only past the allowed memory does it punch any cached block, as the OOM
-    /// ladder's `release_cached` would. `keep` (the block the request will take) is spared. A
-    /// periodic workload whose pages all fit within the bound stops punching once warm; one
-    /// that touches more pages per iteration than that punches some every iteration.
+    /// over pages punched earlier. If they would end up above `Config::trim_ratio` times the
+    /// allocated peak (counting this request), or past the allowed memory, it punches free
+    /// pages of pooled blocks in every expandable segment (either pool), largest blocks first
+    /// (fewest calls), each from its end, down to the low mark (`TRIM_LOW_SHARE`). A block
+    /// bound to a queue with work in flight is left alone: that work was queued before the
+    /// free and may still read or write it, and a punch is not ordered after it.
+    /// `keep` (the block the request will take) is spared. A periodic workload whose pages all
+    /// fit within the bound stops punching once warm; one that touches more pages per
+    /// iteration than that punches some every iteration.
     fn trim(&mut self, need: u64, rounded: u64, keep: Option<BlockId>) {
         let excess = self.trim_excess(need, rounded);
         if excess > 0 {
