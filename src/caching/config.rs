@@ -214,9 +214,11 @@ mod tests {
     fn parses_every_key() {
         let c = Config::parse(
             "max_split_size_mb:256, roundup_power2_divisions:4,garbage_collection_threshold:0.6,\
-             expandable_segments:True,per_process_memory_fraction:0.5",
+             expandable_segments:True,per_process_memory_fraction:0.5,trim_ratio:1.1",
         )
         .unwrap();
+        assert_eq!(c.trim_ratio, 1.1);
+        assert_eq!(Config::parse("trim_ratio:0").unwrap().trim_ratio, 0.0);
         assert_eq!(c.max_split_size, 256 << 20);
         assert_eq!(c.divisions_for(1000), 4);
         assert_eq!(c.garbage_collection_threshold, 0.6);
@@ -250,6 +252,9 @@ mod tests {
             ("roundup_power2_divisions:9223372036854775808", "at most 64"),
             ("roundup_power2_divisions:[256:1,128:2]", "increase"),
             ("roundup_power2_divisions:[256:1", "missing `]`"),
+            ("trim_ratio:0.9", "0 (off) or more than 1"),
+            ("trim_ratio:inf", "0 (off) or more than 1"),
+            ("trim_ratio:x", "expected a number"),
             ("colour:blue", "unknown key `colour`"),
             ("max_split_size_mb", "not `key:value`"),
         ] {
