@@ -17,11 +17,12 @@
 //!   whenever 512 bytes remain; reserved bytes count backed pages. Free pages that cached
 //!   blocks wholly cover are punched back to the kernel (per page) under pressure, and, on the
 //!   slow path only (a growth, or a cached block handed out over punched pages), whenever the
-//!   reserved bytes would otherwise go more than 4.5% past the allocated peak: the trim
-//!   policy, which keeps peak reserved / peak allocated near 1.045 on real traces. Without
-//!   pressure it punches only host-side blocks (no queue): a punch is not ordered after work
-//!   still queued on a freed block's queue. Each growth and each punch counts as a call to the
-//!   source (`num_device_alloc` / `num_device_free`).
+//!   reserved bytes would otherwise pass [`Config::trim_ratio`] (1.045) times the allocated
+//!   peak: the trim policy, which keeps peak reserved / peak allocated under 1.05 on real
+//!   traces. Blocks of a queue with work in flight are never punched (that work was queued
+//!   before the free and may still use them, and a punch is not ordered after it);
+//!   `empty_cache` lets the queues finish first. Each growth and each punch counts as a call
+//!   to the source (`num_device_alloc` / `num_device_free`).
 //! - A block is bound to the queue it was allocated on. Used on other queues
 //!   ([`Allocation::record_stream`]), its free records an event on each of them and the block
 //!   returns to its pool only when they complete, reported through the events' completion
