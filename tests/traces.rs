@@ -10,10 +10,17 @@ use dmabuf_rt::source::SparseSource;
 
 const TRACES: [&str; 4] = ["transformer_train", "cnn_train", "varlen_infer", "kv_decode"];
 
+/// The traces are compiled in, so the test binary also runs where the source tree is not
+/// (the kernel lane's guest).
 fn trace(name: &str) -> Vec<TraceOp> {
-    let path = format!("{}/examples/torch-traces/{name}.jsonl", env!("CARGO_MANIFEST_DIR"));
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-    parse_trace(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+    let text = match name {
+        "transformer_train" => include_str!("../examples/torch-traces/transformer_train.jsonl"),
+        "cnn_train" => include_str!("../examples/torch-traces/cnn_train.jsonl"),
+        "varlen_infer" => include_str!("../examples/torch-traces/varlen_infer.jsonl"),
+        "kv_decode" => include_str!("../examples/torch-traces/kv_decode.jsonl"),
+        other => panic!("no trace {other}"),
+    };
+    parse_trace(text).unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
 /// The peak of live bytes, each request rounded to 512 bytes as the allocator rounds it.
