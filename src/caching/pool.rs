@@ -1092,23 +1092,43 @@ impl Pool {
     }
 
     /// Punches at least `excess` bytes of free pages from pooled expandable blocks, largest
-    /// first, sparing `keep` and the blocks of queues with work in flight; returns what is
-    /// left of `excess`.
+    /// first (both pools walked from their largest key down and merged by size: exact for one
+    /// queue, per queue otherwise), sparing `keep` and the blocks of queues with work in
+    /// flight; returns what is left of `excess`. Walks the pools in place: no collecting, no
+    /// sorting.
     fn punch_largest(&mut self, mut excess: u64, keep: Option<BlockId>) -> u64 {
-        let mut victims: Vec<(std::cmp::Reverse<usize>, BlockId)> = [SMALL_POOL, LARGE_POOL]
-            .iter()
-            .flat_map(|&p| self.pools[p].iter())
-            .filter(|k| Some(k.3) != keep && self.is_expandable(k.3) && !self.queue_busy(k.0))
-            .map(|k| (std::cmp::Reverse(k.1), k.3))
-            .collect();
-        victims.sort_unstable();
-        for (_, id) in victims {
-            excess = excess.saturating_sub(self.punch_block(id, excess) as u64);
+        let mut below: [Option<Key>; 2] = [None, None];
+        let mut done = [false; 2];
+        let pools = [SMALL_POOL, LARGE_POOL];
+        loop {
+            let mut peek = [None, None];
+            for i in 0..2 {
+                if !done[i] {
+                    let set = &self.pools[pools[i]];
+                    peek[i] = match below[i] {
+                        None => set.iter().next_back().copied(),
+                        Some(k) => set.range(..k).next_back().copied(),
+                    };
+                    done[i] = peek[i].is_none();
+                }
+            }
+            let i = match (peek[0], peek[1]) {
+                (None, None) => return excess,
+                (Some(_), None) => 0,
+                (None, Some(_)) => 1,
+                (Some(a), Some(b)) => usize::from(b.1 >= a.1),
+            };
+            let k = peek[i].expect("picked a present key");
+            below[i] = Some(k);
+            if Some(k.3) == keep || !self.is_expandable(k.3) || self.queue_busy(k.0) {
+                continue;
+            }
+            // Punching keeps the block in its pool under the same key.
+            excess = excess.saturating_sub(self.punch_block(k.3, excess) as u64);
             if excess == 0 {
-                break;
+                return 0;
             }
         }
-        excess
     }
 
     // ---- allocation (seed 003's malloc) ----
