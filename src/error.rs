@@ -182,6 +182,18 @@ pub enum Error {
         why: &'static str,
     },
 
+    /// A pointer that does not lie in memory this library handed out (a copy's device side,
+    /// a stream or event handle that is not live).
+    #[error("{what} {ptr:#x} is not {expected}")]
+    UnknownPointer {
+        /// What the pointer was passed as.
+        what: &'static str,
+        /// The pointer.
+        ptr: usize,
+        /// What it should have been.
+        expected: &'static str,
+    },
+
     /// A system call failed.
     #[error("{op}: {source}")]
     Io {

@@ -22,6 +22,7 @@ pub mod discovery;
 pub mod error;
 pub mod mapping;
 pub mod queue;
+pub mod runtime;
 pub mod segment;
 pub mod source;
 mod sync;

@@ -381,6 +381,32 @@ impl CachingAllocator {
         self.lock().record_stream_raw(ptr as usize, queue).map_err(|why| Error::InvalidFree { ptr: ptr as usize, why })
     }
 
+    /// `len` bytes at `ptr`, anywhere inside memory this allocator holds (frameworks that
+    /// sub-allocate pass pointers into the middle of blocks), as a queue range that keeps the
+    /// segment mapped while operations use it. A range that is not wholly inside one segment
+    /// is refused. Takes the allocator's lock.
+    pub fn mem_at(&self, ptr: *const u8, len: usize) -> Result<Mem> {
+        let addr = ptr as usize;
+        let (seg, off) = self.lock().segment_at(addr, len).ok_or(Error::UnknownPointer {
+            what: "pointer",
+            ptr: addr,
+            expected: "inside memory of this allocator (with the whole range)",
+        })?;
+        Mem::from(&seg).range(off, len)
+    }
+
+    /// The size asked for by the live raw allocation at `ptr`.
+    pub fn raw_size(&self, ptr: *mut u8) -> Result<usize> {
+        let (_, _, size) =
+            self.lock().raw_block(ptr as usize).map_err(|why| Error::InvalidFree { ptr: ptr as usize, why })?;
+        Ok(size)
+    }
+
+    /// The capacity the allocator was built with.
+    pub fn capacity(&self) -> u64 {
+        self.lock().capacity()
+    }
+
     /// The first `len` bytes of the live raw allocation at `ptr` as a queue range (for copies
     /// through the C ABI); more than the size asked for is refused.
     pub fn raw_mem(&self, ptr: *mut u8, len: usize) -> Result<Mem> {

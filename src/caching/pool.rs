@@ -479,6 +479,10 @@ impl Pool {
         }
     }
 
+    pub(crate) fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
     pub(crate) fn config(&self) -> &Config {
         &self.config
     }
@@ -1625,6 +1629,13 @@ impl Pool {
         let b = &self.blocks[self.raw_at(addr)? as usize];
         let seg = Arc::clone(&self.segments[b.seg as usize].as_ref().expect("live segment").seg);
         Ok((seg, b.offset, b.requested))
+    }
+
+    /// The segment that holds `[addr, addr + len)` wholly, and the offset of `addr` in it.
+    pub(crate) fn segment_at(&self, addr: usize, len: usize) -> Option<(Arc<Segment>, usize)> {
+        let s = self.segments.iter().flatten().find(|s| addr >= s.base && addr - s.base < s.size)?;
+        let off = addr - s.base;
+        (off.checked_add(len)? <= s.size).then(|| (Arc::clone(&s.seg), off))
     }
 
     /// Why a pointer that starts no block is not a live allocation.

@@ -123,6 +123,9 @@ impl HostBuffer {
 enum Target {
     Host(HostBuffer),
     Segment(Arc<Segment>),
+    /// Memory the caller vouched for ([`Mem::from_raw`]): an address, and whether it may be
+    /// written.
+    Raw { base: usize, writable: bool },
 }
 
 /// A byte range of a segment or a host buffer, for queue operations.
@@ -138,6 +141,7 @@ impl std::fmt::Debug for Mem {
         let what = match &self.target {
             Target::Host(_) => "host",
             Target::Segment(_) => "segment",
+            Target::Raw { .. } => "raw",
         };
         write!(f, "Mem({what} {}+{})", self.offset, self.len)
     }
@@ -156,6 +160,24 @@ impl From<&Arc<Segment>> for Mem {
 }
 
 impl Mem {
+    /// `len` bytes at `ptr` that this crate does not own: host memory a C caller passes in.
+    /// Copies go through the same byte-wise atomic copy as every other range.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must be valid for reads (and, if `writable`, for writes) from now
+    /// until every operation given this range (or a clone or sub-range of it) has completed,
+    /// and must not be freed or unmapped before. Other accesses during that time must not be
+    /// plain (non-atomic) writes the copy could race with. A null `ptr` is refused.
+    pub unsafe fn from_raw(ptr: *mut u8, len: usize, writable: bool) -> Result<Mem> {
+        if ptr.is_null() {
+            return Err(Error::Unsupported { what: "a null pointer".into() });
+        }
+        if (ptr as usize).checked_add(len).is_none() {
+            return Err(Error::OutOfBounds { offset: ptr as usize, len, size: usize::MAX });
+        }
+        Ok(Mem { target: Target::Raw { base: ptr as usize, writable }, offset: 0, len })
+    }
+
     /// The sub-range `[offset, offset + len)` of this range.
     pub fn range(&self, offset: usize, len: usize) -> Result<Mem> {
         match offset.checked_add(len) {
@@ -189,6 +211,7 @@ impl Mem {
                 .mapping()
                 .map(|m| m.as_ptr().wrapping_add(self.offset))
                 .ok_or_else(|| Error::Unsupported { what: "segment has no CPU mapping".into() }),
+            Target::Raw { base, .. } => Ok((*base as *mut u8).wrapping_add(self.offset)),
         }
     }
 
@@ -196,6 +219,7 @@ impl Mem {
         match &self.target {
             Target::Host(_) => true,
             Target::Segment(s) => s.is_writable(),
+            Target::Raw { writable, .. } => *writable,
         }
     }
 
@@ -211,7 +235,7 @@ impl Mem {
     pub(crate) fn memfd(&self) -> Option<(BorrowedFd<'_>, u64)> {
         match &self.target {
             Target::Segment(s) => s.memfd().map(|fd| (fd, self.offset as u64)),
-            Target::Host(_) => None,
+            Target::Host(_) | Target::Raw { .. } => None,
         }
     }
 }

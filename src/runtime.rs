@@ -1,0 +1,561 @@
+//! The process-wide runtime behind the C ABI and the Paddle plugin: the device table, the
+//! current device of each thread, and the live streams, events, host and unified blocks, so
+//! that every handle and pointer a C caller passes is checked before it is used.
+//!
+//! Devices: device 0 is the embedded default (shmem: sealed memfds, which udmabuf can export
+//! as dma-bufs); each DMA-BUF heap and each DRM card node this process may
+//! open is another device. `DMABUF_RT_DEVICES` replaces that list with a comma-separated one of
+//! `shmem`, `heap:NAME` and `gem[:PATH]` (for example `shmem,shmem` gives two memory domains on
+//! a machine without devices). `DMABUF_RT_CAPACITY` caps each device (bytes, or with a `K`,
+//! `M` or `G` suffix; default: this machine's RAM). The allocators read `DMABUF_RT_ALLOC_CONF`.
+//!
+//! Handles given to C callers (streams, events) are numbers, not addresses: a destroyed
+//! handle is never reissued, so using one after destroying it is an error, not a use after free.
+
+#![allow(unsafe_code)]
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use crate::caching::{CachingAllocator, Config, HostAllocation, HostCachingAllocator};
+use crate::error::{Error, Result};
+use crate::queue::{Event, HostBuffer, Mem, Queue, QueueHandle, copy_now};
+use crate::segment::Segment;
+use crate::source::{GemSource, HeapSource, MemorySource, ShmemSource};
+
+/// Replaces the discovered device list.
+pub const DEVICES_ENV: &str = "DMABUF_RT_DEVICES";
+/// Caps each device's memory.
+pub const CAPACITY_ENV: &str = "DMABUF_RT_CAPACITY";
+
+/// One device: a memory domain with its caching allocator.
+pub struct Device {
+    id: usize,
+    spec: String,
+    alloc: CachingAllocator,
+    /// Streams created on this device (a synchronous copy waits for them, as CUDA's legacy
+    /// default stream does), and a default stream for asynchronous work given no stream.
+    queues: Mutex<DeviceQueues>,
+}
+
+#[derive(Default)]
+struct DeviceQueues {
+    live: HashMap<u64, QueueHandle>,
+    default: Option<Arc<Queue>>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device").field("id", &self.id).field("spec", &self.spec).finish()
+    }
+}
+
+impl Device {
+    /// Its index.
+    pub fn id(&self) -> usize {
+        self.id
+    }
+
+    /// What it is: `shmem`, `heap:system`, `gem:/dev/dri/card0`.
+    pub fn spec(&self) -> &str {
+        &self.spec
+    }
+
+    /// Its caching allocator.
+    pub fn allocator(&self) -> &CachingAllocator {
+        &self.alloc
+    }
+
+    fn queues(&self) -> MutexGuard<'_, DeviceQueues> {
+        self.queues.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits for the work submitted to every stream of this device.
+    pub fn synchronize(&self) -> Result<()> {
+        let (live, default): (Vec<QueueHandle>, Option<Arc<Queue>>) = {
+            let q = self.queues();
+            (q.live.values().cloned().collect(), q.default.clone())
+        };
+        let mut first_err = None;
+        for h in live {
+            if let Err(e) = h.record().and_then(|ev| ev.synchronize(None)) {
+                first_err.get_or_insert(e);
+            }
+        }
+        if let Some(q) = default {
+            if let Err(e) = q.synchronize() {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    fn default_queue(&self) -> Result<Arc<Queue>> {
+        let mut q = self.queues();
+        if let Some(d) = &q.default {
+            return Ok(Arc::clone(d));
+        }
+        let d = Arc::new(Queue::builder().name(&format!("dmabuf-rt-dev{}", self.id)).build()?);
+        q.default = Some(Arc::clone(&d));
+        Ok(d)
+    }
+}
+
+struct StreamEntry {
+    device: usize,
+    queue: Arc<Queue>,
+}
+
+/// What a copy goes between.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyKind {
+    /// Host memory to device memory.
+    HostToDevice,
+    /// Device memory to host memory.
+    DeviceToHost,
+    /// Within one device.
+    DeviceToDevice,
+    /// Between two devices.
+    PeerToPeer,
+}
+
+/// The runtime: see the module documentation.
+pub struct Runtime {
+    devices: Vec<Device>,
+    host: HostCachingAllocator,
+    host_live: Mutex<HashMap<usize, HostAllocation>>,
+    unified: Mutex<HashMap<usize, Arc<Segment>>>,
+    streams: Mutex<HashMap<usize, StreamEntry>>,
+    events: Mutex<HashMap<usize, Event>>,
+    next_handle: AtomicUsize,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime").field("devices", &self.devices).finish()
+    }
+}
+
+static RUNTIME: OnceLock<std::result::Result<Runtime, String>> = OnceLock::new();
+
+thread_local! {
+    static CURRENT: Cell<usize> = const { Cell::new(0) };
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Parses `DMABUF_RT_CAPACITY`'s syntax: bytes, or a number with `K`, `M` or `G`.
+pub fn parse_capacity(s: &str) -> Result<u64> {
+    let s = s.trim();
+    let bad = || Error::Config { what: format!("{CAPACITY_ENV}: `{s}` is not a size (bytes, or with K, M or G)") };
+    let (num, shift) = match s.as_bytes().last() {
+        Some(b'K' | b'k') => (&s[..s.len() - 1], 10),
+        Some(b'M' | b'm') => (&s[..s.len() - 1], 20),
+        Some(b'G' | b'g') => (&s[..s.len() - 1], 30),
+        _ => (s, 0),
+    };
+    let n: u64 = num.trim().parse().map_err(|_| bad())?;
+    let v = n.checked_mul(1u64 << shift).ok_or_else(bad)?;
+    if v == 0 {
+        return Err(bad());
+    }
+    Ok(v)
+}
+
+/// The device specs from `DMABUF_RT_DEVICES`, or shmem plus what discovery finds usable.
+fn device_specs() -> Result<Vec<String>> {
+    if let Ok(list) = std::env::var(DEVICES_ENV) {
+        let specs: Vec<String> = list.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+        if specs.is_empty() {
+            return Err(Error::Config { what: format!("{DEVICES_ENV} is set but names no device") });
+        }
+        return Ok(specs);
+    }
+    let inv = crate::discovery::discover();
+    let mut specs = vec!["shmem".to_string()];
+    for h in inv.heaps.iter().filter(|h| h.access.allowed()) {
+        if let Some(name) = h.path.file_name() {
+            specs.push(format!("heap:{}", name.to_string_lossy()));
+        }
+    }
+    for d in &inv.drm {
+        if d.kind == crate::discovery::DrmNodeKind::Card && d.node.access.allowed() {
+            specs.push(format!("gem:{}", d.node.path.display()));
+        }
+    }
+    Ok(specs)
+}
+
+fn source_for(spec: &str) -> Result<Box<dyn MemorySource>> {
+    let (kind, arg) = spec.split_once(':').map_or((spec, None), |(k, a)| (k, Some(a)));
+    Ok(match (kind, arg) {
+        // Plain sealed memfds: they grow in place (expandable segments), and any of them can
+        // be exported as a dma-buf through udmabuf on demand.
+        ("shmem", None) => Box::new(ShmemSource::new()),
+        ("heap", Some(name)) => Box::new(HeapSource::open(name)?),
+        ("gem", None) => Box::new(GemSource::open_first(None)?),
+        ("gem", Some(path)) => Box::new(GemSource::open(&PathBuf::from(path))?),
+        _ => {
+            return Err(Error::Config {
+                what: format!("{DEVICES_ENV}: `{spec}` is not a device (shmem, heap:NAME, gem or gem:PATH)"),
+            });
+        }
+    })
+}
+
+impl Runtime {
+    /// The runtime, built on first use from the environment. Its error, if the environment
+    /// names devices that cannot be opened, is the same on every call.
+    pub fn get() -> Result<&'static Runtime> {
+        RUNTIME
+            .get_or_init(|| Runtime::from_env().map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| Error::Config { what: format!("dmabuf-rt runtime: {e}") })
+    }
+
+    fn from_env() -> Result<Runtime> {
+        let config = Config::from_env()?;
+        let capacity = match std::env::var(CAPACITY_ENV) {
+            Ok(s) => Some(parse_capacity(&s)?),
+            Err(_) => None,
+        };
+        let mut devices = Vec::new();
+        for (id, spec) in device_specs()?.into_iter().enumerate() {
+            let source = source_for(&spec)?;
+            let mut b = CachingAllocator::builder_boxed(source).config(config.clone());
+            if let Some(c) = capacity {
+                b = b.capacity(c);
+            }
+            devices.push(Device { id, spec, alloc: b.build()?, queues: Mutex::new(DeviceQueues::default()) });
+        }
+        Ok(Runtime {
+            devices,
+            host: HostCachingAllocator::default(),
+            host_live: Mutex::new(HashMap::new()),
+            unified: Mutex::new(HashMap::new()),
+            streams: Mutex::new(HashMap::new()),
+            events: Mutex::new(HashMap::new()),
+            next_handle: AtomicUsize::new(1),
+        })
+    }
+
+    /// The devices, by id.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// Device `id`, or an error naming the valid range.
+    pub fn device(&self, id: usize) -> Result<&Device> {
+        self.devices.get(id).ok_or_else(|| Error::Config {
+            what: format!("device {id} does not exist (this process has {} devices)", self.devices.len()),
+        })
+    }
+
+    /// Makes `id` this thread's current device.
+    pub fn set_current(&self, id: usize) -> Result<()> {
+        self.device(id)?;
+        CURRENT.with(|c| c.set(id));
+        Ok(())
+    }
+
+    /// This thread's current device (0 until set).
+    pub fn current(&self) -> usize {
+        CURRENT.with(Cell::get)
+    }
+
+    fn new_handle(&self) -> usize {
+        // Spaced and offset like pointers, so a handle never looks like a small integer.
+        0x1000 + 0x10 * self.next_handle.fetch_add(1, Ordering::Relaxed)
+    }
+
+    // ---- memory ----
+
+    /// `size` bytes of device memory on `device`.
+    pub fn device_alloc(&self, device: usize, size: usize) -> Result<*mut u8> {
+        self.device(device)?.alloc.allocate_raw(size, None)
+    }
+
+    /// Frees device memory; `size`, when given, must be what was asked for.
+    pub fn device_free(&self, device: usize, ptr: *mut u8, size: Option<usize>) -> Result<()> {
+        let dev = self.device(device)?;
+        if let Some(size) = size {
+            let held = dev.alloc.raw_size(ptr)?;
+            if held != size {
+                return Err(Error::SizeMismatch { dst: held, src: size });
+            }
+        }
+        dev.alloc.free_raw(ptr)
+    }
+
+    /// `size` bytes of pinned host memory.
+    pub fn host_alloc(&self, size: usize) -> Result<*mut u8> {
+        let a = self.host.allocate(size)?;
+        let ptr = a.segment().mapping().map_or(std::ptr::null_mut(), |m| m.as_ptr());
+        if ptr.is_null() {
+            return Err(Error::Unsupported { what: "pinned host memory without a CPU mapping".into() });
+        }
+        lock(&self.host_live).insert(ptr as usize, a);
+        Ok(ptr)
+    }
+
+    /// Frees pinned host memory.
+    pub fn host_free(&self, ptr: *mut u8) -> Result<()> {
+        match lock(&self.host_live).remove(&(ptr as usize)) {
+            Some(a) => {
+                drop(a);
+                Ok(())
+            }
+            None => Err(Error::InvalidFree { ptr: ptr as usize, why: "not live pinned host memory from this runtime" }),
+        }
+    }
+
+    /// `size` bytes of unified memory: a shared mapping of a sealed memfd, the same bytes for
+    /// the CPU and any importer of its fd.
+    pub fn unified_alloc(&self, size: usize) -> Result<*mut u8> {
+        let seg = Arc::new(ShmemSource::new().allocate(size)?);
+        let ptr = seg.mapping().map_or(std::ptr::null_mut(), |m| m.as_ptr());
+        lock(&self.unified).insert(ptr as usize, seg);
+        Ok(ptr)
+    }
+
+    /// Frees unified memory.
+    pub fn unified_free(&self, ptr: *mut u8) -> Result<()> {
+        match lock(&self.unified).remove(&(ptr as usize)) {
+            Some(_) => Ok(()),
+            None => Err(Error::InvalidFree { ptr: ptr as usize, why: "not live unified memory from this runtime" }),
+        }
+    }
+
+    /// `len` bytes at `ptr` as a range: inside a device's memory, or else inside pinned host
+    /// or unified memory of this runtime.
+    fn device_mem(&self, device: usize, ptr: *const u8, len: usize) -> Result<Mem> {
+        self.device(device)?.alloc.mem_at(ptr, len)
+    }
+
+    /// Host memory at `ptr`: ours when it is (pinned host or unified blocks are segments),
+    /// else memory the caller vouches for.
+    ///
+    /// # Safety
+    /// As for [`Mem::from_raw`] when `ptr` is not ours.
+    unsafe fn host_mem(&self, ptr: *mut u8, len: usize, writable: bool) -> Result<Mem> {
+        // SAFETY: the caller's contract.
+        unsafe { Mem::from_raw(ptr, len, writable) }
+    }
+
+    /// Copies `len` bytes from `src` to `dst`. Device-side pointers may point anywhere inside
+    /// memory of their device's allocator (and the whole range must lie in one segment).
+    /// Without a stream the copy is synchronous: it first waits for every stream of the
+    /// devices involved (as CUDA's legacy default stream does), then copies. With a stream it
+    /// is queued there: host-to-device copies read the host side at once (into a staging
+    /// buffer), so the caller may reuse it on return; device-to-host copies write the host
+    /// side when the stream reaches them.
+    ///
+    /// # Safety
+    /// The host side must be valid for `len` bytes: for reads until this returns, for writes
+    /// until the stream (if any) has passed the copy.
+    pub unsafe fn copy(
+        &self,
+        kind: CopyKind,
+        (dst_dev, dst): (usize, *mut u8),
+        (src_dev, src): (usize, *const u8),
+        len: usize,
+        stream: Option<usize>,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        if dst.is_null() || src.is_null() {
+            return Err(Error::UnknownPointer { what: "copy pointer", ptr: 0, expected: "non-null" });
+        }
+        let queue = match stream {
+            Some(h) => Some(self.stream(h)?),
+            None => None,
+        };
+        // SAFETY (both host_mem calls): the caller's contract covers the host side.
+        let (d, s) = match kind {
+            CopyKind::HostToDevice => {
+                (self.device_mem(dst_dev, dst, len)?, unsafe { self.host_mem(src.cast_mut(), len, false)? })
+            }
+            CopyKind::DeviceToHost => (unsafe { self.host_mem(dst, len, true)? }, self.device_mem(src_dev, src, len)?),
+            CopyKind::DeviceToDevice | CopyKind::PeerToPeer => {
+                (self.device_mem(dst_dev, dst, len)?, self.device_mem(src_dev, src, len)?)
+            }
+        };
+        match queue {
+            None => {
+                self.device(dst_dev)?.synchronize()?;
+                if src_dev != dst_dev {
+                    self.device(src_dev)?.synchronize()?;
+                }
+                copy_now(d, s)
+            }
+            Some(q) if kind == CopyKind::HostToDevice => {
+                let staged = HostBuffer::new(len)?;
+                copy_now(&staged, s)?;
+                q.copy(d, &staged)
+            }
+            Some(q) => q.copy(d, s),
+        }
+    }
+
+    /// Sets `len` bytes at device pointer `ptr` to `byte` (synchronously, after the device's
+    /// streams).
+    pub fn memset(&self, device: usize, ptr: *mut u8, byte: u8, len: usize) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let m = self.device_mem(device, ptr, len)?;
+        let dev = self.device(device)?;
+        dev.synchronize()?;
+        let q = dev.default_queue()?;
+        q.fill(m, byte)?;
+        q.synchronize()
+    }
+
+    /// Total and free bytes of `device` (capacity, and capacity minus what its allocator
+    /// holds).
+    pub fn memory_stats(&self, device: usize) -> Result<(u64, u64)> {
+        let a = &self.device(device)?.alloc;
+        let total = a.capacity();
+        let reserved = a.stats().reserved_bytes[crate::caching::stats::AGGREGATE].current.max(0) as u64;
+        Ok((total, total.saturating_sub(reserved)))
+    }
+
+    // ---- streams ----
+
+    /// A new stream on `device`.
+    pub fn create_stream(&self, device: usize) -> Result<usize> {
+        let dev = self.device(device)?;
+        let q = Arc::new(Queue::builder().name(&format!("dmabuf-rt-dev{device}")).build()?);
+        dev.queues().live.insert(q.id(), q.handle());
+        let h = self.new_handle();
+        lock(&self.streams).insert(h, StreamEntry { device, queue: q });
+        Ok(h)
+    }
+
+    fn stream(&self, h: usize) -> Result<Arc<Queue>> {
+        lock(&self.streams).get(&h).map(|e| Arc::clone(&e.queue)).ok_or(Error::UnknownPointer {
+            what: "stream",
+            ptr: h,
+            expected: "a live stream",
+        })
+    }
+
+    /// The stream's device.
+    pub fn stream_device(&self, h: usize) -> Result<usize> {
+        lock(&self.streams).get(&h).map(|e| e.device).ok_or(Error::UnknownPointer {
+            what: "stream",
+            ptr: h,
+            expected: "a live stream",
+        })
+    }
+
+    /// Destroys a stream after its submitted work has run.
+    pub fn destroy_stream(&self, h: usize) -> Result<()> {
+        let e = lock(&self.streams).remove(&h).ok_or(Error::UnknownPointer {
+            what: "stream",
+            ptr: h,
+            expected: "a live stream",
+        })?;
+        if let Ok(dev) = self.device(e.device) {
+            dev.queues().live.remove(&e.queue.id());
+        }
+        let r = e.queue.synchronize();
+        drop(e); // the queue's executor finishes and exits when the last holder lets go
+        r
+    }
+
+    /// Whether the stream has finished everything submitted (an error if it failed).
+    pub fn query_stream(&self, h: usize) -> Result<bool> {
+        let q = self.stream(h)?;
+        if let Some(e) = q.error() {
+            return Err(e);
+        }
+        Ok(q.is_idle())
+    }
+
+    /// Waits for everything submitted to the stream.
+    pub fn synchronize_stream(&self, h: usize) -> Result<()> {
+        self.stream(h)?.synchronize()
+    }
+
+    /// Runs `f` on the stream's thread after the work submitted before it.
+    pub fn stream_add_callback(&self, h: usize, f: impl FnOnce(Result<()>) + Send + 'static) -> Result<()> {
+        self.stream(h)?.callback(f)
+    }
+
+    /// Makes the stream wait for the event's latest record.
+    pub fn stream_wait_event(&self, stream: usize, event: usize) -> Result<()> {
+        let ev = self.event(event)?;
+        self.stream(stream)?.wait(&ev)
+    }
+
+    // ---- events ----
+
+    /// A new event (complete until recorded).
+    pub fn create_event(&self) -> usize {
+        let h = self.new_handle();
+        lock(&self.events).insert(h, Event::new());
+        h
+    }
+
+    fn event(&self, h: usize) -> Result<Event> {
+        lock(&self.events).get(&h).cloned().ok_or(Error::UnknownPointer {
+            what: "event",
+            ptr: h,
+            expected: "a live event",
+        })
+    }
+
+    /// Records the event at the stream's current end (or the device's default stream).
+    pub fn record_event(&self, device: usize, stream: Option<usize>, event: usize) -> Result<()> {
+        let ev = self.event(event)?;
+        let q = match stream {
+            Some(s) => self.stream(s)?,
+            None => self.device(device)?.default_queue()?,
+        };
+        q.record_event(&ev)
+    }
+
+    /// Whether the event's latest record has completed (an error if it failed).
+    pub fn query_event(&self, h: usize) -> Result<bool> {
+        self.event(h)?.query()
+    }
+
+    /// Waits for the event's latest record.
+    pub fn synchronize_event(&self, h: usize) -> Result<()> {
+        self.event(h)?.synchronize(None)
+    }
+
+    /// Destroys an event (a stream still waiting on it keeps its own reference).
+    pub fn destroy_event(&self, h: usize) -> Result<()> {
+        lock(&self.events).remove(&h).map(drop).ok_or(Error::UnknownPointer {
+            what: "event",
+            ptr: h,
+            expected: "a live event",
+        })
+    }
+
+    /// Ends the runtime's own threads (the devices' default streams) after their work, and
+    /// returns cached host memory. Live memory stays valid: a framework that finalizes with
+    /// tensors alive must not crash, and the process is about to exit or unload us.
+    pub fn finalize(&self) {
+        for d in &self.devices {
+            let default = d.queues().default.take();
+            if let Some(q) = default {
+                let _ = q.synchronize();
+            }
+        }
+        let streams: Vec<StreamEntry> = lock(&self.streams).drain().map(|(_, e)| e).collect();
+        for e in streams {
+            let _ = e.queue.synchronize();
+        }
+        lock(&self.events).clear();
+        self.host.empty_cache();
+    }
+}
