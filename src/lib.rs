@@ -20,6 +20,7 @@ pub mod caching;
 mod copy;
 pub mod discovery;
 pub mod error;
+pub mod ffi;
 pub mod mapping;
 pub mod queue;
 pub mod runtime;

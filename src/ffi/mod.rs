@@ -1,0 +1,63 @@
+//! The C ABI: the library's own C API ([`capi`], declared in `include/dmabuf_rt.h`) and the
+//! PaddlePaddle custom-runtime plugin ([`paddle`]). Both are thin layers over
+//! [`crate::runtime`]: they check every pointer and handle, call the runtime, and turn errors
+//! into status codes. A failure's reason is logged on stderr (`dmabuf-rt: <function>: <why>`)
+//! and kept for the calling thread (`dmabuf_rt_last_error`). A panic never crosses the
+//! boundary: it becomes an error status.
+
+#![allow(unsafe_code)]
+
+pub mod capi;
+pub mod paddle;
+
+use std::cell::RefCell;
+use std::ffi::CString;
+use std::io::Write;
+
+use crate::error::{Error, Result};
+
+thread_local! {
+    static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
+}
+
+/// Records and logs why `func` failed.
+pub(crate) fn report(func: &str, e: &Error) {
+    let msg = format!("{func}: {e}");
+    let _ = writeln!(std::io::stderr(), "dmabuf-rt: {msg}");
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    // The thread-local may be gone while the thread exits (a framework finalizing): then
+    // only the log line remains.
+    let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = Some(c));
+}
+
+/// The calling thread's last error message, if any, as a C string owned by the thread (valid
+/// until its next failing call).
+pub(crate) fn last_error() -> *const std::ffi::c_char {
+    LAST_ERROR
+        .try_with(|l| l.borrow().as_ref().map_or(std::ptr::null(), |c| c.as_ptr()))
+        .unwrap_or(std::ptr::null())
+}
+
+/// Runs `f` for the C function `func`: a panic becomes an error, and an error is reported.
+pub(crate) fn run<T>(func: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let r = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => {
+            let why = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(Error::OperationFailed { reason: format!("internal error (panic): {why}").into() })
+        }
+    };
+    if let Err(e) = &r {
+        report(func, e);
+    }
+    r
+}
+
+/// An error for a null pointer argument.
+pub(crate) fn null(what: &'static str) -> Error {
+    Error::UnknownPointer { what, ptr: 0, expected: "a non-null pointer" }
+}

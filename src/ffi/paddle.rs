@@ -1,0 +1,1 @@
+//! The PaddlePaddle custom-runtime plugin.
