@@ -33,9 +33,7 @@ pub(crate) fn report(func: &str, e: &Error) {
 /// The calling thread's last error message, if any, as a C string owned by the thread (valid
 /// until its next failing call).
 pub(crate) fn last_error() -> *const std::ffi::c_char {
-    LAST_ERROR
-        .try_with(|l| l.borrow().as_ref().map_or(std::ptr::null(), |c| c.as_ptr()))
-        .unwrap_or(std::ptr::null())
+    LAST_ERROR.try_with(|l| l.borrow().as_ref().map_or(std::ptr::null(), |c| c.as_ptr())).unwrap_or(std::ptr::null())
 }
 
 /// Runs `f` for the C function `func`: a panic becomes an error, and an error is reported.

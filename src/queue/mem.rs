@@ -125,7 +125,10 @@ enum Target {
     Segment(Arc<Segment>),
     /// Memory the caller vouched for ([`Mem::from_raw`]): an address, and whether it may be
     /// written.
-    Raw { base: usize, writable: bool },
+    Raw {
+        base: usize,
+        writable: bool,
+    },
 }
 
 /// A byte range of a segment or a host buffer, for queue operations.
