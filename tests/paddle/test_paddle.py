@@ -25,22 +25,31 @@ CAPACITY = 1 << 30
 
 
 class Stats(ctypes.Structure):
+    """`dmabuf_rt_device_stats` from include/dmabuf_rt.h."""
+
     _fields_ = [
-        ("allocated_bytes", ctypes.c_uint64),
-        ("peak_allocated_bytes", ctypes.c_uint64),
-        ("reserved_bytes", ctypes.c_uint64),
-        ("peak_reserved_bytes", ctypes.c_uint64),
-        ("num_allocs", ctypes.c_uint64),
-        ("num_frees", ctypes.c_uint64),
-        ("num_ooms", ctypes.c_uint64),
-        ("num_device_alloc", ctypes.c_uint64),
-        ("num_device_free", ctypes.c_uint64),
+        (name, ctypes.c_uint64)
+        for name in [
+            "allocated_bytes",
+            "peak_allocated_bytes",
+            "reserved_bytes",
+            "peak_reserved_bytes",
+            "requested_bytes",
+            "allocations",
+            "num_allocs",
+            "num_frees",
+            "num_ooms",
+            "num_alloc_retries",
+            "num_backend_allocs",
+            "num_backend_frees",
+            "capacity_bytes",
+        ]
     ]
 
 
 def stats(device=0):
     f = LIB.dmabuf_rt_device_stats
-    f.argtypes = [ctypes.c_size_t, ctypes.POINTER(Stats)]
+    f.argtypes = [ctypes.c_int, ctypes.POINTER(Stats)]
     f.restype = ctypes.c_int
     s = Stats()
     assert f(device, ctypes.byref(s)) == 0
@@ -145,6 +154,7 @@ class Memory(unittest.TestCase):
             paddle.zeros([CAPACITY // 4 + 1024], dtype="float32")  # just over 1 GiB
         self.assertIn("memory", str(cm.exception).lower())
         self.assertGreater(stats().num_ooms, 0)
+        self.assertEqual(stats().capacity_bytes, CAPACITY)
         x = paddle.to_tensor(np.arange(10, dtype=np.float32))
         self.assertTrue(np.array_equal((x + x).numpy(), 2 * np.arange(10, dtype=np.float32)))
 
