@@ -331,20 +331,9 @@ impl Runtime {
         }
     }
 
-    /// `len` bytes at `ptr` as a range: inside a device's memory, or else inside pinned host
-    /// or unified memory of this runtime.
+    /// `len` bytes at `ptr` inside a device's memory, as a range.
     fn device_mem(&self, device: usize, ptr: *const u8, len: usize) -> Result<Mem> {
         self.device(device)?.alloc.mem_at(ptr, len)
-    }
-
-    /// Host memory at `ptr`: ours when it is (pinned host or unified blocks are segments),
-    /// else memory the caller vouches for.
-    ///
-    /// # Safety
-    /// As for [`Mem::from_raw`] when `ptr` is not ours.
-    unsafe fn host_mem(&self, ptr: *mut u8, len: usize, writable: bool) -> Result<Mem> {
-        // SAFETY: the caller's contract.
-        unsafe { Mem::from_raw(ptr, len, writable) }
     }
 
     /// Copies `len` bytes from `src` to `dst`. Device-side pointers may point anywhere inside
@@ -376,12 +365,17 @@ impl Runtime {
             Some(h) => Some(self.stream(h)?),
             None => None,
         };
-        // SAFETY (both host_mem calls): the caller's contract covers the host side.
         let (d, s) = match kind {
             CopyKind::HostToDevice => {
-                (self.device_mem(dst_dev, dst, len)?, unsafe { self.host_mem(src.cast_mut(), len, false)? })
+                // SAFETY: the caller's contract covers the host side (read-only here).
+                let host = unsafe { Mem::from_raw(src.cast_mut(), len, false)? };
+                (self.device_mem(dst_dev, dst, len)?, host)
             }
-            CopyKind::DeviceToHost => (unsafe { self.host_mem(dst, len, true)? }, self.device_mem(src_dev, src, len)?),
+            CopyKind::DeviceToHost => {
+                // SAFETY: the caller's contract covers the host side.
+                let host = unsafe { Mem::from_raw(dst, len, true)? };
+                (host, self.device_mem(src_dev, src, len)?)
+            }
             CopyKind::DeviceToDevice | CopyKind::PeerToPeer => {
                 (self.device_mem(dst_dev, dst, len)?, self.device_mem(src_dev, src, len)?)
             }

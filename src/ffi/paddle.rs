@@ -355,8 +355,10 @@ unsafe extern "C" fn get_device_list(list: *mut usize) -> CStatus {
             return Err(null("list"));
         }
         for (i, d) in rt().map(Runtime::devices).unwrap_or_default().iter().enumerate() {
-            // SAFETY: Paddle sizes the array by get_device_count.
-            unsafe { list.add(i).write(d.id()) };
+            // SAFETY: Paddle sizes the array by get_device_count, so entry `i` is in it.
+            let slot = unsafe { list.add(i) };
+            // SAFETY: as above; the array is Paddle's and writable.
+            unsafe { slot.write(d.id()) };
         }
         Ok(())
     }))
@@ -367,10 +369,9 @@ unsafe extern "C" fn device_memory_stats(dev: CDevice, total: *mut usize, free: 
         // SAFETY: Paddle passes its C_Device.
         let (t, f) = rt()?.memory_stats(unsafe { dev_id(dev)? })?;
         // SAFETY: Paddle passes writable size_ts.
-        unsafe {
-            put(total, t as usize, "total")?;
-            put(free, f as usize, "free")
-        }
+        unsafe { put(total, t as usize, "total")? };
+        // SAFETY: as above.
+        unsafe { put(free, f as usize, "free") }
     }))
 }
 
@@ -484,7 +485,9 @@ unsafe fn copy_cb(
 ) -> CStatus {
     status(run(name, || {
         // SAFETY: Paddle passes its C_Devices.
-        let (d, s) = unsafe { (dev_id(dst_dev)?, dev_id(src_dev)?) };
+        let d = unsafe { dev_id(dst_dev)? };
+        // SAFETY: as above.
+        let s = unsafe { dev_id(src_dev)? };
         let stream = (!stream.is_null()).then_some(stream as usize);
         // SAFETY: the host side is Paddle's buffer, valid for the call (and, for an async
         // d2h, until the stream passes the copy, which Paddle synchronizes before reading).
