@@ -1,10 +1,809 @@
-//! The library's own C API (see `include/dmabuf_rt.h`).
+//! The library's own C API, declared in `include/dmabuf_rt.h`. The header is generated from
+//! this file by cbindgen (`DMABUF_RT_BLESS=1 cargo test --test header` rewrites it; the same
+//! test fails when it is out of date), so the `///` docs here are the C documentation.
+//!
+//! Every function returns a [`dmabuf_rt_status`] (or, for the few that cannot fail, a plain
+//! value), checks every pointer and handle it is given, and never unwinds: a failure is
+//! logged on stderr and kept for the calling thread ([`dmabuf_rt_last_error`]).
 
-use std::ffi::c_char;
+#![allow(non_camel_case_types)]
 
-/// The calling thread's last error message (NULL if none): valid until the thread's next
-/// failing call.
+use std::collections::BTreeSet;
+use std::ffi::{CString, c_char, c_int, c_void};
+use std::fmt::Write as _;
+use std::sync::Mutex;
+
+use super::{null, run};
+use crate::error::{Error, Result};
+use crate::runtime::{CopyKind, Runtime};
+
+/// What a call did. Every function that can fail returns one; on anything but
+/// `DMABUF_RT_OK`, `dmabuf_rt_last_error()` says why (and the reason was logged on stderr as
+/// `dmabuf-rt: <function>: <why>`). A failed call changes nothing and writes no out-pointer.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum dmabuf_rt_status {
+    /// Success.
+    DMABUF_RT_OK = 0,
+    /// A bad value: size 0, an unknown device id or copy kind, a buffer too small, a range
+    /// outside its block, an invalid setting in the environment.
+    DMABUF_RT_INVALID_ARGUMENT = 1,
+    /// The device (or the machine) cannot provide that much memory, even after emptying the
+    /// cache; the message gives the capacity, what is allocated and what is cached.
+    DMABUF_RT_OUT_OF_MEMORY = 2,
+    /// A NULL or misaligned pointer argument, or a pointer this library did not hand out (or
+    /// already freed, or of another device, or a range not inside one of its blocks).
+    DMABUF_RT_INVALID_POINTER = 3,
+    /// A stream or event handle that is not live (never created, or destroyed: handles are
+    /// never reused).
+    DMABUF_RT_INVALID_HANDLE = 4,
+    /// This device cannot do it.
+    DMABUF_RT_NOT_SUPPORTED = 5,
+    /// Anything else: a failed system call, a stream whose earlier work failed.
+    DMABUF_RT_FAILED = 6,
+}
+
+use dmabuf_rt_status as S;
+
+/// A stream: an ordered queue of copies, event records, waits and callbacks, with its own
+/// executor thread. 0 is never a valid stream; where a function takes an optional stream,
+/// 0 means none.
+pub type dmabuf_rt_stream = u64;
+
+/// An event: a point in a stream that other streams and the host can wait for. 0 is never
+/// a valid event.
+pub type dmabuf_rt_event = u64;
+
+/// The device argument that means the calling thread's current device
+/// (`dmabuf_rt_set_device`).
+pub const DMABUF_RT_CURRENT_DEVICE: c_int = -1;
+
+/// What a copy goes between: one of the `DMABUF_RT_MEMCPY_*` values (any other value is
+/// refused with `DMABUF_RT_INVALID_ARGUMENT`).
+pub type dmabuf_rt_memcpy_kind = c_int;
+/// Host memory to device memory.
+pub const DMABUF_RT_MEMCPY_HOST_TO_DEVICE: dmabuf_rt_memcpy_kind = 0;
+/// Device memory to host memory.
+pub const DMABUF_RT_MEMCPY_DEVICE_TO_HOST: dmabuf_rt_memcpy_kind = 1;
+/// Device memory to device memory (the two may be on different devices).
+pub const DMABUF_RT_MEMCPY_DEVICE_TO_DEVICE: dmabuf_rt_memcpy_kind = 2;
+/// Device memory of one device to device memory of another.
+pub const DMABUF_RT_MEMCPY_PEER_TO_PEER: dmabuf_rt_memcpy_kind = 3;
+
+/// A host function a stream calls once the work submitted before it has run, on the
+/// stream's own thread, with the stream, `DMABUF_RT_OK` or the status of the stream's
+/// earlier failure, and the `user_data` given to `dmabuf_rt_stream_add_callback`.
+pub type dmabuf_rt_callback =
+    Option<unsafe extern "C" fn(stream: dmabuf_rt_stream, status: dmabuf_rt_status, user_data: *mut c_void)>;
+
+/// A device's caching-allocator statistics. Bytes are block sizes (requests rounded up to
+/// 512 bytes or more) unless said otherwise; peaks are since the start or the last
+/// `dmabuf_rt_reset_peak_stats`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct dmabuf_rt_device_stats {
+    /// Bytes allocated to callers now.
+    pub allocated_bytes: u64,
+    /// Peak of `allocated_bytes`.
+    pub peak_allocated_bytes: u64,
+    /// Bytes obtained from the device's memory source now (allocated plus cached).
+    pub reserved_bytes: u64,
+    /// Peak of `reserved_bytes`.
+    pub peak_reserved_bytes: u64,
+    /// Bytes callers asked for, unrounded, now.
+    pub requested_bytes: u64,
+    /// Live allocations now.
+    pub allocations: u64,
+    /// Allocations made.
+    pub num_allocs: u64,
+    /// Frees completed.
+    pub num_frees: u64,
+    /// Allocations that failed with out-of-memory.
+    pub num_ooms: u64,
+    /// Allocations that had to free cached memory and retry.
+    pub num_alloc_retries: u64,
+    /// Calls that obtained memory from the memory source (segments, or growths of
+    /// expandable segments).
+    pub num_backend_allocs: u64,
+    /// Calls that gave memory back to the memory source.
+    pub num_backend_frees: u64,
+    /// The device's capacity in bytes (`DMABUF_RT_CAPACITY`, or this machine's RAM).
+    pub capacity_bytes: u64,
+}
+
+// ---- helpers ----
+
+/// The status for an error.
+fn status_of(e: &Error) -> dmabuf_rt_status {
+    match e {
+        Error::ZeroLength
+        | Error::Config { .. }
+        | Error::SizeMismatch { .. }
+        | Error::OutOfBounds { .. }
+        | Error::ReadOnly
+        | Error::BadImport { .. }
+        | Error::NoTiming { .. } => S::DMABUF_RT_INVALID_ARGUMENT,
+        Error::TooLarge { .. }
+        | Error::OutOfMemory { .. }
+        | Error::AllocatorOom { .. }
+        | Error::UdmabufLimit { .. } => S::DMABUF_RT_OUT_OF_MEMORY,
+        // The runtime's errors for handles that are not live (an out-pointer named `stream`
+        // that is NULL is an invalid pointer, not an invalid handle).
+        Error::UnknownPointer { what: "stream" | "event", expected: "a live stream" | "a live event", .. } => {
+            S::DMABUF_RT_INVALID_HANDLE
+        }
+        Error::UnknownPointer { .. } | Error::InvalidFree { .. } => S::DMABUF_RT_INVALID_POINTER,
+        Error::Unsupported { .. } => S::DMABUF_RT_NOT_SUPPORTED,
+        Error::NoSuchHeap { .. }
+        | Error::NoDevice { .. }
+        | Error::Open { .. }
+        | Error::Timeout { .. }
+        | Error::OperationFailed { .. }
+        | Error::Io { .. } => S::DMABUF_RT_FAILED,
+    }
+}
+
+/// Runs `f` as the C function `func` (panics caught, errors logged and recorded) and turns
+/// the outcome into a status.
+fn call(func: &str, f: impl FnOnce() -> Result<()>) -> dmabuf_rt_status {
+    match run(func, f) {
+        Ok(()) => S::DMABUF_RT_OK,
+        Err(e) => status_of(&e),
+    }
+}
+
+fn rt() -> Result<&'static Runtime> {
+    Runtime::get()
+}
+
+fn invalid(what: String) -> Error {
+    Error::Config { what }
+}
+
+/// The device a C device argument names (`DMABUF_RT_CURRENT_DEVICE`: the thread's current one).
+fn device_id(rt: &Runtime, device: c_int) -> Result<usize> {
+    let id = match device {
+        DMABUF_RT_CURRENT_DEVICE => rt.current(),
+        d if d < 0 => {
+            return Err(invalid(format!(
+                "device {d} does not exist (this process has {} devices; {DMABUF_RT_CURRENT_DEVICE} means the \
+                 current device)",
+                rt.devices().len()
+            )));
+        }
+        d => d as usize,
+    };
+    Ok(rt.device(id)?.id())
+}
+
+fn handle(h: dmabuf_rt_stream) -> usize {
+    // Handles fit in usize on every target this library builds for; a value that does not
+    // becomes one no stream has.
+    usize::try_from(h).unwrap_or(usize::MAX)
+}
+
+/// Checks an out-pointer: not NULL and aligned for `T`.
+fn out<T>(p: *mut T, what: &'static str) -> Result<*mut T> {
+    if p.is_null() {
+        return Err(null(what));
+    }
+    if !p.is_aligned() {
+        return Err(Error::UnknownPointer { what, ptr: p as usize, expected: "aligned for its type" });
+    }
+    Ok(p)
+}
+
+/// Stores `v` through an out-pointer checked by [`out`].
+///
+/// # Safety
+/// `p` must be valid for a write of `T` (the C caller's contract for out-pointers).
+unsafe fn store<T>(p: *mut T, v: T) {
+    // SAFETY: `p` is non-null and aligned (checked by `out`), and valid for writes by the
+    // caller's contract.
+    unsafe { p.write(v) }
+}
+
+fn copy_kind(kind: dmabuf_rt_memcpy_kind) -> Result<CopyKind> {
+    Ok(match kind {
+        DMABUF_RT_MEMCPY_HOST_TO_DEVICE => CopyKind::HostToDevice,
+        DMABUF_RT_MEMCPY_DEVICE_TO_HOST => CopyKind::DeviceToHost,
+        DMABUF_RT_MEMCPY_DEVICE_TO_DEVICE => CopyKind::DeviceToDevice,
+        DMABUF_RT_MEMCPY_PEER_TO_PEER => CopyKind::PeerToPeer,
+        k => return Err(invalid(format!("copy kind {k} is not one of DMABUF_RT_MEMCPY_* (0 to 3)"))),
+    })
+}
+
+fn nonzero(size: usize) -> Result<usize> {
+    if size == 0 { Err(Error::ZeroLength) } else { Ok(size) }
+}
+
+/// Strings handed to C callers, so that `dmabuf_rt_string_free` refuses any other pointer.
+static STRINGS: Mutex<BTreeSet<usize>> = Mutex::new(BTreeSet::new());
+
+fn strings() -> std::sync::MutexGuard<'static, BTreeSet<usize>> {
+    STRINGS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `s` as a JSON string literal.
+fn json_str(s: &str) -> String {
+    let mut o = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => o.push_str("\\\""),
+            '\\' => o.push_str("\\\\"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(o, "\\u{:04x}", c as u32);
+            }
+            c => o.push(c),
+        }
+    }
+    o.push('"');
+    o
+}
+
+/// A C callback and its user data, carried to the stream's thread.
+struct CCallback {
+    f: unsafe extern "C" fn(dmabuf_rt_stream, dmabuf_rt_status, *mut c_void),
+    stream: dmabuf_rt_stream,
+    user_data: *mut c_void,
+}
+
+// SAFETY: `dmabuf_rt_stream_add_callback`'s documented C contract: the caller guarantees that
+// `f` may be called, with `user_data`, on another thread (the stream's), at any time until
+// the stream has run it. We only move the two pointers there and never dereference them.
+unsafe impl Send for CCallback {}
+
+impl CCallback {
+    fn call(self, status: dmabuf_rt_status) {
+        // SAFETY: the C contract above: `f` is a valid function and accepts `user_data`.
+        unsafe { (self.f)(self.stream, status, self.user_data) }
+    }
+}
+
+// ---- errors and versions ----
+
+/// The calling thread's last error message (NULL if none): a NUL-terminated string owned by
+/// the library, valid until the thread's next failing call. Do not free it.
 #[unsafe(no_mangle)]
 pub extern "C" fn dmabuf_rt_last_error() -> *const c_char {
     super::last_error()
+}
+
+/// The name of a status (`"DMABUF_RT_OK"`, ...; `"unknown status"` for any other value), a
+/// static string.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_status_name(status: c_int) -> *const c_char {
+    let s: &'static std::ffi::CStr = match status {
+        0 => c"DMABUF_RT_OK",
+        1 => c"DMABUF_RT_INVALID_ARGUMENT",
+        2 => c"DMABUF_RT_OUT_OF_MEMORY",
+        3 => c"DMABUF_RT_INVALID_POINTER",
+        4 => c"DMABUF_RT_INVALID_HANDLE",
+        5 => c"DMABUF_RT_NOT_SUPPORTED",
+        6 => c"DMABUF_RT_FAILED",
+        _ => c"unknown status",
+    };
+    s.as_ptr()
+}
+
+/// The library's version (`"0.1.0"`), a static string.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+// ---- devices ----
+
+/// Stores the number of devices in `*count`. The first call builds the process-wide runtime
+/// from the environment (`DMABUF_RT_DEVICES`, `DMABUF_RT_CAPACITY`, `DMABUF_RT_ALLOC_CONF`),
+/// read once; any call may be the first.
+///
+/// # Safety
+/// `count` must be NULL (refused) or valid for writing an `int`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_device_count(count: *mut c_int) -> dmabuf_rt_status {
+    call("dmabuf_rt_device_count", || {
+        let count = out(count, "count")?;
+        let n = c_int::try_from(rt()?.devices().len()).unwrap_or(c_int::MAX);
+        // SAFETY: the caller's contract for `count`.
+        unsafe { store(count, n) };
+        Ok(())
+    })
+}
+
+/// Copies the device's description (`shmem`, `heap:system`, `gem:/dev/dri/card0`) into `buf`
+/// as a NUL-terminated string. A buffer of `len` bytes too small for it is refused with
+/// `DMABUF_RT_INVALID_ARGUMENT` and left untouched.
+///
+/// # Safety
+/// `buf` must be NULL (refused) or valid for writing `len` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_device_name(device: c_int, buf: *mut c_char, len: usize) -> dmabuf_rt_status {
+    call("dmabuf_rt_device_name", || {
+        let buf = out(buf, "buf")?;
+        let rt = rt()?;
+        let name = rt.device(device_id(rt, device)?)?.spec();
+        if name.len() >= len {
+            return Err(invalid(format!(
+                "a buffer of {len} bytes cannot hold the name `{name}` ({} bytes with its NUL)",
+                name.len() + 1
+            )));
+        }
+        // SAFETY: `buf` is valid for `len` bytes (the caller's contract), and we write
+        // `name.len() + 1 <= len` of them; a Rust string does not overlap the caller's buffer.
+        unsafe { std::ptr::copy_nonoverlapping(name.as_ptr().cast::<c_char>(), buf, name.len()) };
+        // SAFETY: as above: `name.len() < len`, so the NUL's place is inside the buffer.
+        let end = unsafe { buf.add(name.len()) };
+        // SAFETY: as above.
+        unsafe { end.write(0) };
+        Ok(())
+    })
+}
+
+/// Makes `device` the calling thread's current device: the one `DMABUF_RT_CURRENT_DEVICE`
+/// (-1) names, and where `dmabuf_rt_event_record` with no stream records. Every thread
+/// starts on device 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_set_device(device: c_int) -> dmabuf_rt_status {
+    call("dmabuf_rt_set_device", || {
+        let rt = rt()?;
+        rt.set_current(device_id(rt, device)?)
+    })
+}
+
+/// Stores the calling thread's current device in `*device`.
+///
+/// # Safety
+/// `device` must be NULL (refused) or valid for writing an `int`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_get_device(device: *mut c_int) -> dmabuf_rt_status {
+    call("dmabuf_rt_get_device", || {
+        let device = out(device, "device")?;
+        let id = c_int::try_from(rt()?.current()).unwrap_or(c_int::MAX);
+        // SAFETY: the caller's contract for `device`.
+        unsafe { store(device, id) };
+        Ok(())
+    })
+}
+
+/// Waits for the work submitted to every stream of `device`.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_device_synchronize(device: c_int) -> dmabuf_rt_status {
+    call("dmabuf_rt_device_synchronize", || {
+        let rt = rt()?;
+        rt.device(device_id(rt, device)?)?.synchronize()
+    })
+}
+
+/// Stores the device's capacity in `*total` and what its allocator does not hold (capacity
+/// minus reserved bytes) in `*free`.
+///
+/// # Safety
+/// `total` and `free` must each be NULL (refused) or valid for writing a `uint64_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_device_memory(device: c_int, total: *mut u64, free: *mut u64) -> dmabuf_rt_status {
+    call("dmabuf_rt_device_memory", || {
+        let (total, free) = (out(total, "total")?, out(free, "free")?);
+        let rt = rt()?;
+        let (t, f) = rt.memory_stats(device_id(rt, device)?)?;
+        // SAFETY: the caller's contract for `total` and `free`.
+        unsafe { store(total, t) };
+        // SAFETY: as above.
+        unsafe { store(free, f) };
+        Ok(())
+    })
+}
+
+// ---- memory ----
+
+/// Allocates `size` bytes of device memory on `device` through its caching allocator and
+/// stores the pointer in `*ptr`. The pointer is the CPU address of the block's mapping (device
+/// memory here is DMA-BUF memory the CPU can map), but read and write it through
+/// `dmabuf_rt_memcpy` and `dmabuf_rt_memset`, which order the access with the streams. Size 0
+/// is refused (`DMABUF_RT_INVALID_ARGUMENT`); more than the device can give is
+/// `DMABUF_RT_OUT_OF_MEMORY`, after the cache has been emptied.
+///
+/// # Safety
+/// `ptr` must be NULL (refused) or valid for writing a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_device_alloc(device: c_int, size: usize, ptr: *mut *mut c_void) -> dmabuf_rt_status {
+    call("dmabuf_rt_device_alloc", || {
+        let ptr = out(ptr, "ptr")?;
+        let size = nonzero(size)?;
+        let rt = rt()?;
+        let p = rt.device_alloc(device_id(rt, device)?, size)?;
+        // SAFETY: the caller's contract for `ptr`.
+        unsafe { store(ptr, p.cast::<c_void>()) };
+        Ok(())
+    })
+}
+
+/// Frees device memory from `dmabuf_rt_device_alloc` on the same device (no size needed).
+/// The block returns to the device's cache, not to the system (see `dmabuf_rt_empty_cache`).
+/// Free memory only after the streams that use it have finished with it (synchronize them or
+/// an event recorded after the work). NULL, a pointer this device never handed out, a pointer
+/// into the middle of a block and a second free of the same pointer are refused with
+/// `DMABUF_RT_INVALID_POINTER` and change nothing. (The free never waits for the allocator's
+/// lock: if another thread holds it at that moment, the free is queued and checked when it is
+/// applied, and a bad pointer is then reported on stderr instead of by the status.)
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_device_free(device: c_int, ptr: *mut c_void) -> dmabuf_rt_status {
+    call("dmabuf_rt_device_free", || {
+        let rt = rt()?;
+        rt.device_free(device_id(rt, device)?, ptr.cast(), None)
+    })
+}
+
+/// Allocates `size` bytes of pinned (page-locked) host memory and stores the pointer in
+/// `*ptr`: ordinary CPU memory, faster as the host side of copies. Size 0 is refused.
+///
+/// # Safety
+/// `ptr` must be NULL (refused) or valid for writing a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_host_alloc(size: usize, ptr: *mut *mut c_void) -> dmabuf_rt_status {
+    call("dmabuf_rt_host_alloc", || {
+        let ptr = out(ptr, "ptr")?;
+        let p = rt()?.host_alloc(nonzero(size)?)?;
+        // SAFETY: the caller's contract for `ptr`.
+        unsafe { store(ptr, p.cast::<c_void>()) };
+        Ok(())
+    })
+}
+
+/// Frees pinned host memory from `dmabuf_rt_host_alloc`. Any other pointer, NULL, or a second
+/// free is refused with `DMABUF_RT_INVALID_POINTER`. Not while a stream may still copy to or
+/// from it.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_host_free(ptr: *mut c_void) -> dmabuf_rt_status {
+    call("dmabuf_rt_host_free", || rt()?.host_free(ptr.cast()))
+}
+
+/// Allocates `size` bytes of unified memory (a shared mapping of a sealed memfd, the same
+/// bytes for the CPU and for any importer of its fd) and stores the pointer in `*ptr`. Size 0
+/// is refused.
+///
+/// # Safety
+/// `ptr` must be NULL (refused) or valid for writing a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_unified_alloc(size: usize, ptr: *mut *mut c_void) -> dmabuf_rt_status {
+    call("dmabuf_rt_unified_alloc", || {
+        let ptr = out(ptr, "ptr")?;
+        let p = rt()?.unified_alloc(nonzero(size)?)?;
+        // SAFETY: the caller's contract for `ptr`.
+        unsafe { store(ptr, p.cast::<c_void>()) };
+        Ok(())
+    })
+}
+
+/// Frees unified memory from `dmabuf_rt_unified_alloc`. Any other pointer, NULL, or a second
+/// free is refused with `DMABUF_RT_INVALID_POINTER`. Not while a stream may still copy to or
+/// from it.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_unified_free(ptr: *mut c_void) -> dmabuf_rt_status {
+    call("dmabuf_rt_unified_free", || rt()?.unified_free(ptr.cast()))
+}
+
+/// Sets `size` bytes of device memory at `ptr` (anywhere inside a block of `device`, the
+/// whole range in one segment) to `(unsigned char)value`, as `memset` does, after the work
+/// already submitted to the device's streams; returns when done. Size 0 does nothing.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_memset(device: c_int, ptr: *mut c_void, value: c_int, size: usize) -> dmabuf_rt_status {
+    call("dmabuf_rt_memset", || {
+        let rt = rt()?;
+        let dev = device_id(rt, device)?;
+        if size > 0 && ptr.is_null() {
+            return Err(null("ptr"));
+        }
+        rt.memset(dev, ptr.cast(), value as u8, size)
+    })
+}
+
+/// Copies `size` bytes from `src` to `dst`.
+///
+/// `kind` says which sides are device memory: `DMABUF_RT_MEMCPY_HOST_TO_DEVICE`,
+/// `_DEVICE_TO_HOST`, `_DEVICE_TO_DEVICE` or `_PEER_TO_PEER`. A device side must lie inside
+/// memory `dmabuf_rt_device_alloc` handed out on the device given with it (`dst_device`,
+/// `src_device`; pointers into the middle of a block are fine, but the whole range must be
+/// inside one segment), else `DMABUF_RT_INVALID_POINTER`. The device argument of a host side
+/// is ignored. The host side may be any memory of the process (pinned host memory from
+/// `dmabuf_rt_host_alloc` is not required); it cannot be checked beyond NULL.
+///
+/// With `stream` 0 the copy is synchronous: it first waits for the work submitted to every
+/// stream of the devices involved, then copies, and returns when the bytes are there. With a
+/// stream, the copy is queued on it and this returns at once: a host-to-device copy has read
+/// the host bytes before returning (into a staging buffer), so the caller may reuse them; a
+/// device-to-host copy writes the host bytes when the stream reaches it (wait with
+/// `dmabuf_rt_stream_synchronize` or an event).
+///
+/// A NULL `dst` or `src` (with `size` > 0) is refused with `DMABUF_RT_INVALID_POINTER`. A copy
+/// of 0 bytes checks the devices, kind and stream, then does nothing.
+///
+/// # Safety
+/// The host side must be valid for `size` bytes: for reading (host-to-device) until this
+/// returns; for writing (device-to-host) until the copy has run, that is, until this returns
+/// with stream 0, or until the stream has passed the copy. It must not be freed or unmapped
+/// before then, and nothing else may write it meanwhile.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_memcpy(
+    dst_device: c_int,
+    dst: *mut c_void,
+    src_device: c_int,
+    src: *const c_void,
+    size: usize,
+    kind: dmabuf_rt_memcpy_kind,
+    stream: dmabuf_rt_stream,
+) -> dmabuf_rt_status {
+    call("dmabuf_rt_memcpy", || {
+        let kind = copy_kind(kind)?;
+        let rt = rt()?;
+        let (dst_dev, src_dev) = match kind {
+            CopyKind::HostToDevice => (device_id(rt, dst_device)?, 0),
+            CopyKind::DeviceToHost => (0, device_id(rt, src_device)?),
+            CopyKind::DeviceToDevice | CopyKind::PeerToPeer => (device_id(rt, dst_device)?, device_id(rt, src_device)?),
+        };
+        let stream = match stream {
+            0 => None,
+            h => {
+                rt.stream_device(handle(h))?;
+                Some(handle(h))
+            }
+        };
+        if size > 0 && (dst.is_null() || src.is_null()) {
+            return Err(null(if dst.is_null() { "dst" } else { "src" }));
+        }
+        // SAFETY: the caller's contract covers the host side, as `Runtime::copy` requires;
+        // device sides are checked against the allocators.
+        unsafe { rt.copy(kind, (dst_dev, dst.cast()), (src_dev, src.cast()), size, stream) }
+    })
+}
+
+// ---- streams ----
+
+/// Creates a stream on `device` and stores its handle in `*stream`.
+///
+/// # Safety
+/// `stream` must be NULL (refused) or valid for writing a `dmabuf_rt_stream`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_stream_create(device: c_int, stream: *mut dmabuf_rt_stream) -> dmabuf_rt_status {
+    call("dmabuf_rt_stream_create", || {
+        let stream = out(stream, "stream")?;
+        let rt = rt()?;
+        let h = rt.create_stream(device_id(rt, device)?)?;
+        // SAFETY: the caller's contract for `stream`.
+        unsafe { store(stream, h as dmabuf_rt_stream) };
+        Ok(())
+    })
+}
+
+/// Destroys a stream after the work submitted to it has run (returning that work's failure,
+/// if any). The handle is never valid again: a second destroy, or any use, is
+/// `DMABUF_RT_INVALID_HANDLE`.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_stream_destroy(stream: dmabuf_rt_stream) -> dmabuf_rt_status {
+    call("dmabuf_rt_stream_destroy", || rt()?.destroy_stream(handle(stream)))
+}
+
+/// Waits until everything submitted to the stream has run; returns `DMABUF_RT_FAILED` if any
+/// of it failed (a failed operation fails the later ones on its stream too).
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_stream_synchronize(stream: dmabuf_rt_stream) -> dmabuf_rt_status {
+    call("dmabuf_rt_stream_synchronize", || rt()?.synchronize_stream(handle(stream)))
+}
+
+/// Stores in `*done` whether the stream has run everything submitted to it, without waiting;
+/// `DMABUF_RT_FAILED` if some of it failed.
+///
+/// # Safety
+/// `done` must be NULL (refused) or valid for writing a `bool`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_stream_query(stream: dmabuf_rt_stream, done: *mut bool) -> dmabuf_rt_status {
+    call("dmabuf_rt_stream_query", || {
+        let done = out(done, "done")?;
+        let d = rt()?.query_stream(handle(stream))?;
+        // SAFETY: the caller's contract for `done`.
+        unsafe { store(done, d) };
+        Ok(())
+    })
+}
+
+/// Queues a call of `callback(stream, status, user_data)` on the stream, after the work
+/// submitted before it; `status` is `DMABUF_RT_OK`, or the failure of earlier work on the
+/// stream. If this returns `DMABUF_RT_OK` the callback is called exactly once, on the
+/// stream's own thread (destroying the stream runs it first); otherwise never. A NULL
+/// callback is refused. The callback must not block for long (the stream waits for it) and
+/// must not synchronize or destroy its own stream.
+///
+/// # Safety
+/// `callback` must be safe to call from another thread with `user_data`, at any time until it
+/// has run; the library only passes `user_data` back, never dereferences it.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_stream_add_callback(
+    stream: dmabuf_rt_stream,
+    callback: dmabuf_rt_callback,
+    user_data: *mut c_void,
+) -> dmabuf_rt_status {
+    call("dmabuf_rt_stream_add_callback", || {
+        let f = callback.ok_or_else(|| null("callback"))?;
+        let cb = CCallback { f, stream, user_data };
+        rt()?.stream_add_callback(handle(stream), move |r| {
+            let status = match &r {
+                Ok(()) => S::DMABUF_RT_OK,
+                Err(e) => status_of(e),
+            };
+            cb.call(status);
+        })
+    })
+}
+
+/// Makes the stream wait, before its later work, until the event's latest record (at the
+/// time of this call) has completed. An event never recorded is complete.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_stream_wait_event(stream: dmabuf_rt_stream, event: dmabuf_rt_event) -> dmabuf_rt_status {
+    call("dmabuf_rt_stream_wait_event", || rt()?.stream_wait_event(handle(stream), handle(event)))
+}
+
+// ---- events ----
+
+/// Creates an event (complete until first recorded) and stores its handle in `*event`.
+///
+/// # Safety
+/// `event` must be NULL (refused) or valid for writing a `dmabuf_rt_event`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_event_create(event: *mut dmabuf_rt_event) -> dmabuf_rt_status {
+    call("dmabuf_rt_event_create", || {
+        let event = out(event, "event")?;
+        let h = rt()?.create_event();
+        // SAFETY: the caller's contract for `event`.
+        unsafe { store(event, h as dmabuf_rt_event) };
+        Ok(())
+    })
+}
+
+/// Records the event at the current end of `stream`: it completes when the stream has run
+/// the work submitted before. With `stream` 0 it is recorded on the current device's own
+/// stream, which only runs synchronous work, so it completes at once.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_event_record(event: dmabuf_rt_event, stream: dmabuf_rt_stream) -> dmabuf_rt_status {
+    call("dmabuf_rt_event_record", || {
+        let rt = rt()?;
+        let stream = if stream == 0 { None } else { Some(handle(stream)) };
+        rt.record_event(rt.current(), stream, handle(event))
+    })
+}
+
+/// Stores in `*done` whether the event's latest record has completed, without waiting;
+/// `DMABUF_RT_FAILED` if the work before it failed.
+///
+/// # Safety
+/// `done` must be NULL (refused) or valid for writing a `bool`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_event_query(event: dmabuf_rt_event, done: *mut bool) -> dmabuf_rt_status {
+    call("dmabuf_rt_event_query", || {
+        let done = out(done, "done")?;
+        let d = rt()?.query_event(handle(event))?;
+        // SAFETY: the caller's contract for `done`.
+        unsafe { store(done, d) };
+        Ok(())
+    })
+}
+
+/// Waits until the event's latest record has completed; `DMABUF_RT_FAILED` if the work
+/// before it failed.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_event_synchronize(event: dmabuf_rt_event) -> dmabuf_rt_status {
+    call("dmabuf_rt_event_synchronize", || rt()?.synchronize_event(handle(event)))
+}
+
+/// Destroys an event (streams already waiting on it still wait). The handle is never valid
+/// again: a second destroy, or any use, is `DMABUF_RT_INVALID_HANDLE`.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_event_destroy(event: dmabuf_rt_event) -> dmabuf_rt_status {
+    call("dmabuf_rt_event_destroy", || rt()?.destroy_event(handle(event)))
+}
+
+// ---- statistics and the cache ----
+
+/// Stores the device's allocator statistics in `*stats`.
+///
+/// # Safety
+/// `stats` must be NULL (refused) or valid for writing a `dmabuf_rt_device_stats`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_device_stats(device: c_int, stats: *mut dmabuf_rt_device_stats) -> dmabuf_rt_status {
+    call("dmabuf_rt_device_stats", || {
+        let stats = out(stats, "stats")?;
+        let rt = rt()?;
+        let a = rt.device(device_id(rt, device)?)?.allocator();
+        let d = a.stats();
+        let all = crate::caching::stats::AGGREGATE;
+        let u = |v: i64| v.max(0) as u64;
+        let s = dmabuf_rt_device_stats {
+            allocated_bytes: u(d.allocated_bytes[all].current),
+            peak_allocated_bytes: u(d.allocated_bytes[all].peak),
+            reserved_bytes: u(d.reserved_bytes[all].current),
+            peak_reserved_bytes: u(d.reserved_bytes[all].peak),
+            requested_bytes: u(d.requested_bytes[all].current),
+            allocations: u(d.allocation[all].current),
+            num_allocs: u(d.allocation[all].allocated),
+            num_frees: u(d.allocation[all].freed),
+            num_ooms: u(d.num_ooms),
+            num_alloc_retries: u(d.num_alloc_retries),
+            num_backend_allocs: u(d.num_device_alloc),
+            num_backend_frees: u(d.num_device_free),
+            capacity_bytes: a.capacity(),
+        };
+        // SAFETY: the caller's contract for `stats`.
+        unsafe { store(stats, s) };
+        Ok(())
+    })
+}
+
+/// Sets every peak of the device's statistics to its current value.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_reset_peak_stats(device: c_int) -> dmabuf_rt_status {
+    call("dmabuf_rt_reset_peak_stats", || {
+        let rt = rt()?;
+        rt.device(device_id(rt, device)?)?.allocator().reset_peak_stats();
+        Ok(())
+    })
+}
+
+/// Returns the device's cached (freed but kept) memory to the system, after the work already
+/// submitted to its streams. Live allocations are untouched.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_empty_cache(device: c_int) -> dmabuf_rt_status {
+    call("dmabuf_rt_empty_cache", || {
+        let rt = rt()?;
+        rt.device(device_id(rt, device)?)?.allocator().empty_cache();
+        Ok(())
+    })
+}
+
+/// Stores in `*json` a snapshot of the device's allocator as a NUL-terminated JSON object:
+/// `{"device":N,"spec":"...","stats":{...},"segments":[...]}`, where `stats` uses PyTorch's
+/// `memory_stats()` key names and `segments` lists each segment with its blocks (PyTorch's
+/// `memory_snapshot()` shape). The string belongs to the caller: free it with
+/// `dmabuf_rt_string_free` (not `free`).
+///
+/// # Safety
+/// `json` must be NULL (refused) or valid for writing a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_snapshot_json(device: c_int, json: *mut *mut c_char) -> dmabuf_rt_status {
+    call("dmabuf_rt_snapshot_json", || {
+        let json = out(json, "json")?;
+        let rt = rt()?;
+        let dev = rt.device(device_id(rt, device)?)?;
+        let (stats, snapshot) = (dev.allocator().stats().to_json(), dev.allocator().snapshot().to_json());
+        // `snapshot` is `{"segments":[...]}`: splice its members after ours.
+        let s = format!(
+            "{{\"device\":{},\"spec\":{},\"stats\":{stats},{}",
+            dev.id(),
+            json_str(dev.spec()),
+            snapshot.strip_prefix('{').unwrap_or(&snapshot)
+        );
+        let p = CString::new(s).map_err(|_| invalid("snapshot JSON with a NUL byte".into()))?.into_raw();
+        strings().insert(p as usize);
+        // SAFETY: the caller's contract for `json`.
+        unsafe { store(json, p) };
+        Ok(())
+    })
+}
+
+/// Frees a string from `dmabuf_rt_snapshot_json`. NULL does nothing (as with `free`); any
+/// other pointer, or a second free, is refused with `DMABUF_RT_INVALID_POINTER`.
+#[unsafe(no_mangle)]
+// Safe for any pointer: only pointers found in `STRINGS` are turned back into strings.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
+pub extern "C" fn dmabuf_rt_string_free(s: *mut c_char) -> dmabuf_rt_status {
+    call("dmabuf_rt_string_free", || {
+        if s.is_null() {
+            return Ok(());
+        }
+        if !strings().remove(&(s as usize)) {
+            return Err(Error::InvalidFree { ptr: s as usize, why: "not a live string from this library" });
+        }
+        // SAFETY: `s` came from `CString::into_raw` in this module (it was in `STRINGS`, and
+        // is removed from it now, so this runs once per string).
+        drop(unsafe { CString::from_raw(s) });
+        Ok(())
+    })
 }

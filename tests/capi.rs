@@ -1,0 +1,607 @@
+//! The C API (`include/dmabuf_rt.h`) called the way a C program calls it: the `extern "C"`
+//! functions directly, with raw pointers and handles. Bad input (NULL out-pointers, size 0,
+//! foreign, interior and double frees, out-of-range devices, NULL copy pointers, destroyed
+//! handles, more than the capacity) must return an error status with a reason in
+//! `dmabuf_rt_last_error`, write nothing, and leave the allocator working with consistent
+//! statistics. `examples/c/` runs the same cases from C.
+//!
+//! The runtime is process-wide and reads its environment once, so every test first calls
+//! [`setup`]: it sets two shmem devices (peer copies need two) and a 256 MiB capacity before
+//! the first call, and serializes the tests (they compare the shared allocators' statistics
+//! before and after).
+
+#![allow(unsafe_code)]
+
+use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ptr::{null, null_mut};
+use std::sync::{Mutex, MutexGuard, Once};
+
+use dmabuf_rt::ffi::capi::dmabuf_rt_status::*;
+use dmabuf_rt::ffi::capi::*;
+
+const CAPACITY: u64 = 256 << 20;
+
+fn setup() -> MutexGuard<'static, ()> {
+    static ENV: Once = Once::new();
+    static SERIAL: Mutex<()> = Mutex::new(());
+    ENV.call_once(|| {
+        // SAFETY: every test calls `setup` before anything else, and `call_once` holds the
+        // others until this returns, so no thread of this process reads the environment
+        // while it is written (the runtime reads it on the first C call, after this).
+        unsafe {
+            std::env::set_var("DMABUF_RT_DEVICES", "shmem,shmem");
+        }
+        // SAFETY: as above.
+        unsafe {
+            std::env::set_var("DMABUF_RT_CAPACITY", "256M");
+        }
+    });
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn last_error() -> String {
+    let p = dmabuf_rt_last_error();
+    assert!(!p.is_null(), "dmabuf_rt_last_error() is NULL after a failure");
+    // SAFETY: a non-null last error is a NUL-terminated string valid until this thread's next
+    // failing call.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+/// Asserts that a call failed with `want` and left a reason naming the function.
+#[track_caller]
+fn refused(got: dmabuf_rt_status, want: dmabuf_rt_status, func: &str) -> String {
+    assert_eq!(got, want, "{func}: wrong status");
+    let why = last_error();
+    assert!(why.starts_with(&format!("{func}: ")), "{func}: last error `{why}` does not name the function");
+    why
+}
+
+#[track_caller]
+fn ok(s: dmabuf_rt_status) {
+    assert_eq!(s, DMABUF_RT_OK, "call failed: {}", if s == DMABUF_RT_OK { String::new() } else { last_error() });
+}
+
+fn stats(device: c_int) -> dmabuf_rt_device_stats {
+    let mut s = dmabuf_rt_device_stats::default();
+    // SAFETY: `s` is a valid out-pointer.
+    ok(unsafe { dmabuf_rt_device_stats(device, &mut s) });
+    s
+}
+
+fn alloc(device: c_int, size: usize) -> (dmabuf_rt_status, *mut c_void) {
+    let mut p = null_mut();
+    // SAFETY: `p` is a valid out-pointer.
+    let s = unsafe { dmabuf_rt_device_alloc(device, size, &mut p) };
+    (s, p)
+}
+
+fn device_alloc(device: c_int, size: usize) -> *mut c_void {
+    let (s, p) = alloc(device, size);
+    ok(s);
+    assert!(!p.is_null());
+    p
+}
+
+/// A copy whose host side is `host` (a Rust buffer alive for the call).
+fn memcpy(
+    (dst_dev, dst): (c_int, *mut c_void),
+    (src_dev, src): (c_int, *const c_void),
+    size: usize,
+    kind: dmabuf_rt_memcpy_kind,
+    stream: dmabuf_rt_stream,
+) -> dmabuf_rt_status {
+    // SAFETY: the tests pass host sides that are live Rust buffers of at least `size` bytes,
+    // and synchronize any stream before reading or dropping them.
+    unsafe { dmabuf_rt_memcpy(dst_dev, dst, src_dev, src, size, kind, stream) }
+}
+
+fn new_stream(device: c_int) -> dmabuf_rt_stream {
+    let mut s = 0;
+    // SAFETY: `s` is a valid out-pointer.
+    ok(unsafe { dmabuf_rt_stream_create(device, &mut s) });
+    assert_ne!(s, 0);
+    s
+}
+
+fn new_event() -> dmabuf_rt_event {
+    let mut e = 0;
+    // SAFETY: `e` is a valid out-pointer.
+    ok(unsafe { dmabuf_rt_event_create(&mut e) });
+    assert_ne!(e, 0);
+    e
+}
+
+/// The allocator still works: allocate, fill, read back, free; live allocations unchanged.
+#[track_caller]
+fn still_works(before: &[dmabuf_rt_device_stats; 2]) {
+    for dev in 0..2 {
+        let p = device_alloc(dev, 4096);
+        ok(dmabuf_rt_memset(dev, p, 0x5a, 4096));
+        let mut back = vec![0u8; 4096];
+        ok(memcpy((0, back.as_mut_ptr().cast()), (dev, p), 4096, DMABUF_RT_MEMCPY_DEVICE_TO_HOST, 0));
+        assert!(back.iter().all(|&b| b == 0x5a));
+        ok(dmabuf_rt_device_free(dev, p));
+        let after = stats(dev);
+        let b = before[dev as usize];
+        assert_eq!(after.allocated_bytes, b.allocated_bytes, "device {dev}: allocated bytes changed");
+        assert_eq!(after.allocations, b.allocations, "device {dev}: live allocations changed");
+        assert_eq!(after.num_allocs - b.num_allocs, after.num_frees - b.num_frees, "device {dev}: allocs != frees");
+    }
+}
+
+fn before() -> [dmabuf_rt_device_stats; 2] {
+    [stats(0), stats(1)]
+}
+
+#[test]
+fn devices_names_and_versions() {
+    let _g = setup();
+    let mut n = 0;
+    // SAFETY: `n` is a valid out-pointer.
+    ok(unsafe { dmabuf_rt_device_count(&mut n) });
+    assert_eq!(n, 2);
+    let mut buf = [0 as c_char; 64];
+    // SAFETY: `buf` is valid for its length.
+    ok(unsafe { dmabuf_rt_device_name(1, buf.as_mut_ptr(), buf.len()) });
+    // SAFETY: the call wrote a NUL-terminated string into `buf`.
+    assert_eq!(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().unwrap(), "shmem");
+    // A buffer too small is refused and left untouched.
+    let mut small = [7 as c_char; 5];
+    // SAFETY: `small` is valid for its length.
+    let s = unsafe { dmabuf_rt_device_name(0, small.as_mut_ptr(), small.len()) };
+    refused(s, DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_device_name");
+    assert!(small.iter().all(|&c| c == 7));
+    // SAFETY: a static string.
+    let v = unsafe { CStr::from_ptr(dmabuf_rt_version()) };
+    assert_eq!(v.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
+    for (code, name) in [(0, "DMABUF_RT_OK"), (3, "DMABUF_RT_INVALID_POINTER"), (42, "unknown status")] {
+        // SAFETY: a static string.
+        assert_eq!(unsafe { CStr::from_ptr(dmabuf_rt_status_name(code)) }.to_str().unwrap(), name);
+    }
+    let (mut total, mut free) = (0, 0);
+    // SAFETY: valid out-pointers.
+    ok(unsafe { dmabuf_rt_device_memory(0, &mut total, &mut free) });
+    assert_eq!(total, CAPACITY);
+    assert!(free <= total);
+    assert_eq!(stats(1).capacity_bytes, CAPACITY);
+}
+
+#[test]
+fn current_device_is_per_thread() {
+    let _g = setup();
+    let mut d = 7;
+    // SAFETY: valid out-pointer.
+    ok(unsafe { dmabuf_rt_get_device(&mut d) });
+    assert_eq!(d, 0);
+    ok(dmabuf_rt_set_device(1));
+    // SAFETY: valid out-pointer.
+    ok(unsafe { dmabuf_rt_get_device(&mut d) });
+    assert_eq!(d, 1);
+    // DMABUF_RT_CURRENT_DEVICE names it.
+    let p = device_alloc(DMABUF_RT_CURRENT_DEVICE, 1000);
+    refused(dmabuf_rt_device_free(0, p), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_free");
+    ok(dmabuf_rt_device_free(1, p));
+    std::thread::spawn(|| {
+        let mut d = 7;
+        // SAFETY: valid out-pointer.
+        ok(unsafe { dmabuf_rt_get_device(&mut d) });
+        assert_eq!(d, 0, "a new thread starts on device 0");
+    })
+    .join()
+    .unwrap();
+    ok(dmabuf_rt_set_device(0));
+}
+
+#[test]
+fn tour_copies_streams_events_stats() {
+    let _g = setup();
+    ok(dmabuf_rt_empty_cache(0));
+    ok(dmabuf_rt_empty_cache(1));
+    let base = before();
+    const N: usize = 3 << 20;
+    let src: Vec<u8> = (0..N).map(|i| (i * 7 + i / 4096) as u8).collect();
+    let (a, b, c) = (device_alloc(0, N), device_alloc(0, N), device_alloc(1, N));
+    ok(memcpy((0, a), (0, src.as_ptr().cast()), N, DMABUF_RT_MEMCPY_HOST_TO_DEVICE, 0));
+    ok(memcpy((0, b), (0, a), N, DMABUF_RT_MEMCPY_DEVICE_TO_DEVICE, 0));
+    ok(memcpy((1, c), (0, b), N, DMABUF_RT_MEMCPY_PEER_TO_PEER, 0));
+    let mut out = vec![0u8; N];
+    ok(memcpy((0, out.as_mut_ptr().cast()), (1, c), N, DMABUF_RT_MEMCPY_DEVICE_TO_HOST, 0));
+    assert!(out == src, "synchronous round trip");
+
+    // The same on a stream, with an event and a callback; an interior pointer too.
+    let s = new_stream(1);
+    let ev = new_event();
+    ok(memset_dev(0, b, 0, N));
+    ok(memcpy((0, b), (0, src.as_ptr().cast()), N, DMABUF_RT_MEMCPY_HOST_TO_DEVICE, s));
+    ok(memcpy((1, c), (0, b), N, DMABUF_RT_MEMCPY_PEER_TO_PEER, s));
+    let mut out2 = vec![0u8; N - 100];
+    // SAFETY: `c + 100` is inside the block of N bytes.
+    let interior = unsafe { c.byte_add(100) };
+    ok(memcpy((0, out2.as_mut_ptr().cast()), (1, interior), N - 100, DMABUF_RT_MEMCPY_DEVICE_TO_HOST, s));
+    ok(dmabuf_rt_event_record(ev, s));
+    static CALLED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    unsafe extern "C" fn cb(_s: dmabuf_rt_stream, status: dmabuf_rt_status, user: *mut c_void) {
+        assert_eq!(status, DMABUF_RT_OK);
+        CALLED.fetch_add(user as usize, std::sync::atomic::Ordering::SeqCst);
+    }
+    // SAFETY: `cb` may run on any thread; its user data is a plain number.
+    ok(unsafe { dmabuf_rt_stream_add_callback(s, Some(cb), 5 as *mut c_void) });
+    let s2 = new_stream(0);
+    ok(dmabuf_rt_stream_wait_event(s2, ev));
+    ok(dmabuf_rt_event_synchronize(ev));
+    let mut done = false;
+    // SAFETY: valid out-pointer.
+    ok(unsafe { dmabuf_rt_event_query(ev, &mut done) });
+    assert!(done);
+    assert!(out2[..] == src[100..], "stream round trip");
+    ok(dmabuf_rt_stream_synchronize(s));
+    ok(dmabuf_rt_stream_synchronize(s2));
+    // SAFETY: valid out-pointer.
+    ok(unsafe { dmabuf_rt_stream_query(s, &mut done) });
+    assert!(done);
+    assert_eq!(CALLED.load(std::sync::atomic::Ordering::SeqCst), 5);
+
+    let mid = stats(0);
+    assert_eq!(mid.allocated_bytes - base[0].allocated_bytes, 2 * N as u64);
+    assert_eq!(mid.allocations - base[0].allocations, 2);
+    assert!(mid.peak_allocated_bytes >= mid.allocated_bytes);
+    assert!(mid.reserved_bytes >= mid.allocated_bytes);
+    let mut json: *mut c_char = null_mut();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { dmabuf_rt_snapshot_json(0, &mut json) });
+    // SAFETY: a NUL-terminated string we own until dmabuf_rt_string_free.
+    let text = unsafe { CStr::from_ptr(json) }.to_str().unwrap().to_owned();
+    assert!(text.starts_with("{\"device\":0,\"spec\":\"shmem\",\"stats\":{"), "{text}");
+    assert!(text.contains("\"segments\":[{") && text.contains("active_allocated"), "{text}");
+    ok(dmabuf_rt_string_free(json));
+
+    for (dev, p) in [(0, a), (0, b), (1, c)] {
+        ok(dmabuf_rt_device_free(dev, p));
+    }
+    ok(dmabuf_rt_stream_destroy(s));
+    ok(dmabuf_rt_stream_destroy(s2));
+    ok(dmabuf_rt_event_destroy(ev));
+    ok(dmabuf_rt_empty_cache(0));
+    ok(dmabuf_rt_empty_cache(1));
+    for dev in 0..2 {
+        let st = stats(dev);
+        assert_eq!(st.allocated_bytes, base[dev as usize].allocated_bytes);
+        assert_eq!(st.reserved_bytes, 0, "device {dev}: empty_cache left {} bytes reserved", st.reserved_bytes);
+        assert_eq!(st.num_allocs - st.num_frees, st.allocations);
+    }
+
+    // Pinned host and unified memory as the host side.
+    for (alloc, free) in [
+        (
+            dmabuf_rt_host_alloc as unsafe extern "C" fn(usize, *mut *mut c_void) -> dmabuf_rt_status,
+            dmabuf_rt_host_free as extern "C" fn(*mut c_void) -> dmabuf_rt_status,
+        ),
+        (dmabuf_rt_unified_alloc, dmabuf_rt_unified_free),
+    ] {
+        let mut h = null_mut();
+        // SAFETY: valid out-pointer.
+        ok(unsafe { alloc(4096, &mut h) });
+        let d = device_alloc(0, 4096);
+        ok(dmabuf_rt_memset(0, d, 0xab, 4096));
+        ok(memcpy((0, h), (0, d), 4096, DMABUF_RT_MEMCPY_DEVICE_TO_HOST, 0));
+        // SAFETY: `h` is 4096 bytes of host memory the copy wrote.
+        let got = unsafe { std::slice::from_raw_parts(h.cast::<u8>(), 4096) };
+        assert!(got.iter().all(|&x| x == 0xab));
+        ok(dmabuf_rt_device_free(0, d));
+        ok(free(h));
+    }
+}
+
+fn memset_dev(dev: c_int, p: *mut c_void, v: c_int, n: usize) -> dmabuf_rt_status {
+    dmabuf_rt_memset(dev, p, v, n)
+}
+
+#[test]
+fn null_and_misaligned_out_pointers_are_refused() {
+    let _g = setup();
+    let base = before();
+    // SAFETY: NULL or misaligned out-pointers are refused before any write, which is what is
+    // tested here and below; the other pointers are valid.
+    let s = unsafe { dmabuf_rt_device_count(null_mut()) };
+    refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_count");
+    // SAFETY: as above.
+    let s = unsafe { dmabuf_rt_device_name(0, null_mut(), 64) };
+    refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_name");
+    // SAFETY: as above.
+    let s = unsafe { dmabuf_rt_get_device(null_mut()) };
+    refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_get_device");
+    let mut t = 0;
+    // SAFETY: as above.
+    let s = unsafe { dmabuf_rt_device_memory(0, &mut t, null_mut()) };
+    refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_memory");
+    // SAFETY: as above.
+    let s = unsafe { dmabuf_rt_device_alloc(0, 4096, null_mut()) };
+    let why = refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_alloc");
+    assert!(why.contains("ptr"), "{why}");
+    // SAFETY: as above.
+    let s = unsafe { dmabuf_rt_host_alloc(4096, null_mut()) };
+    refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_host_alloc");
+    // SAFETY: as above.
+    let s = unsafe { dmabuf_rt_unified_alloc(4096, null_mut()) };
+    refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_unified_alloc");
+    // SAFETY: as above.
+    let s = unsafe { dmabuf_rt_stream_create(0, null_mut()) };
+    refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_stream_create");
+    // SAFETY: as above.
+    let s = unsafe { dmabuf_rt_event_create(null_mut()) };
+    refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_event_create");
+    let (st, ev) = (new_stream(0), new_event());
+    // SAFETY: as above.
+    let s = unsafe { dmabuf_rt_stream_query(st, null_mut()) };
+    refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_stream_query");
+    // SAFETY: as above.
+    let s = unsafe { dmabuf_rt_event_query(ev, null_mut()) };
+    refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_event_query");
+    // SAFETY: as above.
+    let s = unsafe { dmabuf_rt_device_stats(0, null_mut()) };
+    refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_stats");
+    // SAFETY: as above.
+    let s = unsafe { dmabuf_rt_snapshot_json(0, null_mut()) };
+    refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_snapshot_json");
+    // SAFETY: as above (a NULL callback is refused too).
+    let s = unsafe { dmabuf_rt_stream_add_callback(st, None, null_mut()) };
+    refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_stream_add_callback");
+    // Misaligned: refused, and the bytes around it untouched.
+    let mut raw = [0u64; 32];
+    let odd = raw.as_mut_ptr().cast::<u8>().wrapping_add(1).cast::<dmabuf_rt_device_stats>();
+    // SAFETY: as above.
+    let s = unsafe { dmabuf_rt_device_stats(0, odd) };
+    let why = refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_stats");
+    assert!(why.contains("aligned"), "{why}");
+    assert!(raw.iter().all(|&x| x == 0));
+    let odd = raw.as_mut_ptr().cast::<u8>().wrapping_add(4).cast::<*mut c_void>();
+    // SAFETY: as above.
+    let s = unsafe { dmabuf_rt_device_alloc(0, 4096, odd) };
+    refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_alloc");
+    assert!(raw.iter().all(|&x| x == 0));
+    ok(dmabuf_rt_stream_destroy(st));
+    ok(dmabuf_rt_event_destroy(ev));
+    // Nothing was allocated by the refused calls.
+    assert_eq!(stats(0).num_allocs, base[0].num_allocs);
+    still_works(&base);
+}
+
+#[test]
+fn size_zero_is_refused() {
+    let _g = setup();
+    let base = before();
+    let sentinel = 0x1234 as *mut c_void;
+    let mut p = sentinel;
+    // SAFETY: valid out-pointer.
+    let s = unsafe { dmabuf_rt_device_alloc(0, 0, &mut p) };
+    refused(s, DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_device_alloc");
+    assert_eq!(p, sentinel, "a failed call wrote its out-pointer");
+    // SAFETY: valid out-pointer.
+    let s = unsafe { dmabuf_rt_host_alloc(0, &mut p) };
+    refused(s, DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_host_alloc");
+    // SAFETY: valid out-pointer.
+    let s = unsafe { dmabuf_rt_unified_alloc(0, &mut p) };
+    refused(s, DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_unified_alloc");
+    assert_eq!(p, sentinel);
+    // Copies and fills of 0 bytes do nothing, whatever the pointers.
+    ok(memcpy((0, null_mut()), (0, null()), 0, DMABUF_RT_MEMCPY_DEVICE_TO_DEVICE, 0));
+    ok(dmabuf_rt_memset(0, null_mut(), 0, 0));
+    still_works(&base);
+}
+
+#[test]
+fn foreign_interior_and_double_frees_are_refused() {
+    let _g = setup();
+    let base = before();
+    let mut local = [0u64; 64];
+    let foreign = local.as_mut_ptr().cast::<c_void>();
+    refused(dmabuf_rt_device_free(0, foreign), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_free");
+    refused(dmabuf_rt_device_free(0, null_mut()), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_free");
+    let p = device_alloc(0, 10_000);
+    let q = device_alloc(0, 10_000);
+    // SAFETY: inside the block.
+    let interior = unsafe { p.byte_add(512) };
+    refused(dmabuf_rt_device_free(0, interior), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_free");
+    // Device 0's pointer freed on device 1.
+    refused(dmabuf_rt_device_free(1, p), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_free");
+    ok(dmabuf_rt_device_free(0, p));
+    let why = refused(dmabuf_rt_device_free(0, p), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_free");
+    assert!(why.contains("double free") || why.contains("already freed"), "{why}");
+    // The neighbour is intact and the freed block is reused normally.
+    ok(dmabuf_rt_memset(0, q, 1, 10_000));
+    let r = device_alloc(0, 10_000);
+    ok(dmabuf_rt_device_free(0, r));
+    ok(dmabuf_rt_device_free(0, q));
+    refused(dmabuf_rt_device_free(0, q), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_free");
+
+    // Pinned host, unified and strings.
+    refused(dmabuf_rt_host_free(foreign), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_host_free");
+    refused(dmabuf_rt_unified_free(foreign), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_unified_free");
+    let (mut h, mut u) = (null_mut(), null_mut());
+    // SAFETY: valid out-pointers.
+    ok(unsafe { dmabuf_rt_host_alloc(100, &mut h) });
+    // SAFETY: valid out-pointer.
+    ok(unsafe { dmabuf_rt_unified_alloc(100, &mut u) });
+    refused(dmabuf_rt_device_free(0, h), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_free");
+    refused(dmabuf_rt_unified_free(h), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_unified_free");
+    refused(dmabuf_rt_host_free(u), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_host_free");
+    ok(dmabuf_rt_host_free(h));
+    refused(dmabuf_rt_host_free(h), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_host_free");
+    ok(dmabuf_rt_unified_free(u));
+    refused(dmabuf_rt_unified_free(u), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_unified_free");
+    let mut json = null_mut();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { dmabuf_rt_snapshot_json(1, &mut json) });
+    refused(dmabuf_rt_string_free(foreign.cast()), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_string_free");
+    ok(dmabuf_rt_string_free(json));
+    refused(dmabuf_rt_string_free(json), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_string_free");
+    ok(dmabuf_rt_string_free(null_mut()));
+    still_works(&base);
+}
+
+#[test]
+fn out_of_range_devices_are_refused() {
+    let _g = setup();
+    let base = before();
+    for dev in [2, 99, -2, c_int::MIN, c_int::MAX] {
+        let (s, p) = alloc(dev, 4096);
+        let why = refused(s, DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_device_alloc");
+        assert!(why.contains("does not exist"), "{why}");
+        assert!(p.is_null());
+        refused(dmabuf_rt_set_device(dev), DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_set_device");
+        refused(dmabuf_rt_device_free(dev, 0x1000 as *mut c_void), DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_device_free");
+        refused(dmabuf_rt_memset(dev, 0x1000 as *mut c_void, 0, 1), DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_memset");
+        refused(dmabuf_rt_device_synchronize(dev), DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_device_synchronize");
+        refused(dmabuf_rt_empty_cache(dev), DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_empty_cache");
+        refused(dmabuf_rt_reset_peak_stats(dev), DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_reset_peak_stats");
+        let mut st = dmabuf_rt_device_stats::default();
+        // SAFETY: valid out-pointer.
+        let s = unsafe { dmabuf_rt_device_stats(dev, &mut st) };
+        refused(s, DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_device_stats");
+        let mut h = 0;
+        // SAFETY: valid out-pointer.
+        let s = unsafe { dmabuf_rt_stream_create(dev, &mut h) };
+        refused(s, DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_stream_create");
+        let mut buf = [0 as c_char; 32];
+        // SAFETY: valid for its length.
+        let s = unsafe { dmabuf_rt_device_name(dev, buf.as_mut_ptr(), buf.len()) };
+        refused(s, DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_device_name");
+        let mut host = [0u8; 16];
+        let s =
+            memcpy((dev, host.as_mut_ptr().cast()), (0, host.as_ptr().cast()), 16, DMABUF_RT_MEMCPY_PEER_TO_PEER, 0);
+        refused(s, DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_memcpy");
+    }
+    let mut d = 9;
+    // SAFETY: valid out-pointer.
+    ok(unsafe { dmabuf_rt_get_device(&mut d) });
+    assert_eq!(d, 0, "a refused set_device changed the current device");
+    still_works(&base);
+}
+
+#[test]
+fn bad_copies_are_refused() {
+    let _g = setup();
+    let base = before();
+    let d0 = device_alloc(0, 8192);
+    let d1 = device_alloc(1, 8192);
+    let mut host = vec![0u8; 8192];
+    let h = host.as_mut_ptr().cast::<c_void>();
+    let st = new_stream(0);
+    for stream in [0, st] {
+        for (dst, src, kind) in [
+            ((0, null_mut()), (0, h.cast_const()), DMABUF_RT_MEMCPY_HOST_TO_DEVICE),
+            ((0, d0), (0, null()), DMABUF_RT_MEMCPY_HOST_TO_DEVICE),
+            ((0, null_mut()), (0, d0.cast_const()), DMABUF_RT_MEMCPY_DEVICE_TO_HOST),
+            ((0, h), (0, null()), DMABUF_RT_MEMCPY_DEVICE_TO_HOST),
+            ((0, null_mut()), (0, d0.cast_const()), DMABUF_RT_MEMCPY_DEVICE_TO_DEVICE),
+            ((0, d0), (0, null()), DMABUF_RT_MEMCPY_DEVICE_TO_DEVICE),
+            ((1, null_mut()), (0, d0.cast_const()), DMABUF_RT_MEMCPY_PEER_TO_PEER),
+            ((1, d1), (0, null()), DMABUF_RT_MEMCPY_PEER_TO_PEER),
+            // Host memory passed as a device side, and a device pointer on the wrong device.
+            ((0, h), (0, h.cast_const()), DMABUF_RT_MEMCPY_DEVICE_TO_DEVICE),
+            ((0, h), (1, d0.cast_const()), DMABUF_RT_MEMCPY_DEVICE_TO_HOST),
+        ] {
+            let s = memcpy(dst, src, 4096, kind, stream);
+            refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_memcpy");
+        }
+        // A range running past the end of the device memory.
+        let s = memcpy((0, h), (0, d0), 64 << 20, DMABUF_RT_MEMCPY_DEVICE_TO_HOST, stream);
+        refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_memcpy");
+        // A kind that is not one.
+        for kind in [4, -1, 1000] {
+            let s = memcpy((0, d0), (0, h.cast_const()), 16, kind, stream);
+            refused(s, DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_memcpy");
+        }
+    }
+    refused(dmabuf_rt_memset(0, null_mut(), 0, 16), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_memset");
+    refused(dmabuf_rt_memset(0, h, 0, 16), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_memset");
+    refused(dmabuf_rt_memset(1, d0, 0, 16), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_memset");
+    // The stream is not failed by refused calls.
+    ok(dmabuf_rt_stream_synchronize(st));
+    ok(memcpy((0, d0), (0, h.cast_const()), 8192, DMABUF_RT_MEMCPY_HOST_TO_DEVICE, st));
+    ok(dmabuf_rt_stream_destroy(st));
+    ok(dmabuf_rt_device_free(0, d0));
+    ok(dmabuf_rt_device_free(1, d1));
+    drop(host);
+    still_works(&base);
+}
+
+#[test]
+fn destroyed_and_unknown_handles_are_refused() {
+    let _g = setup();
+    let base = before();
+    let (st, ev) = (new_stream(0), new_event());
+    ok(dmabuf_rt_event_record(ev, st));
+    ok(dmabuf_rt_stream_destroy(st));
+    ok(dmabuf_rt_event_destroy(ev));
+    let d0 = device_alloc(0, 4096);
+    let mut host = [0u8; 4096];
+    unsafe extern "C" fn never(_: dmabuf_rt_stream, _: dmabuf_rt_status, _: *mut c_void) {
+        panic!("a callback on a destroyed stream ran");
+    }
+    for bad_stream in [st, 0x1234_5678, u64::MAX] {
+        let h = "dmabuf_rt_stream_destroy";
+        refused(dmabuf_rt_stream_destroy(bad_stream), DMABUF_RT_INVALID_HANDLE, h);
+        refused(dmabuf_rt_stream_synchronize(bad_stream), DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_stream_synchronize");
+        let mut done = false;
+        // SAFETY: valid out-pointer.
+        let s = unsafe { dmabuf_rt_stream_query(bad_stream, &mut done) };
+        refused(s, DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_stream_query");
+        // SAFETY: `never` is callable from any thread (and must not be called).
+        let s = unsafe { dmabuf_rt_stream_add_callback(bad_stream, Some(never), null_mut()) };
+        refused(s, DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_stream_add_callback");
+        let s = memcpy((0, host.as_mut_ptr().cast()), (0, d0), 4096, DMABUF_RT_MEMCPY_DEVICE_TO_HOST, bad_stream);
+        refused(s, DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_memcpy");
+        // Even a copy of 0 bytes checks its stream.
+        let s = memcpy((0, host.as_mut_ptr().cast()), (0, d0), 0, DMABUF_RT_MEMCPY_DEVICE_TO_HOST, bad_stream);
+        refused(s, DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_memcpy");
+        let e2 = new_event();
+        refused(dmabuf_rt_stream_wait_event(bad_stream, e2), DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_stream_wait_event");
+        refused(dmabuf_rt_event_record(e2, bad_stream), DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_event_record");
+        ok(dmabuf_rt_event_destroy(e2));
+    }
+    let live = new_stream(0);
+    for bad_event in [ev, 0, 0x1234_5678, u64::MAX] {
+        refused(dmabuf_rt_event_destroy(bad_event), DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_event_destroy");
+        refused(dmabuf_rt_event_synchronize(bad_event), DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_event_synchronize");
+        refused(dmabuf_rt_event_record(bad_event, live), DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_event_record");
+        refused(dmabuf_rt_event_record(bad_event, 0), DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_event_record");
+        let mut done = false;
+        // SAFETY: valid out-pointer.
+        let s = unsafe { dmabuf_rt_event_query(bad_event, &mut done) };
+        refused(s, DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_event_query");
+        refused(dmabuf_rt_stream_wait_event(live, bad_event), DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_stream_wait_event");
+    }
+    // Stream handle 0 means "none" only where a stream is optional.
+    refused(dmabuf_rt_stream_synchronize(0), DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_stream_synchronize");
+    ok(dmabuf_rt_stream_synchronize(live));
+    ok(dmabuf_rt_stream_destroy(live));
+    ok(dmabuf_rt_device_free(0, d0));
+    still_works(&base);
+}
+
+#[test]
+fn more_than_the_capacity_is_out_of_memory() {
+    let _g = setup();
+    let base = before();
+    for size in [CAPACITY as usize + 1, 1 << 40, usize::MAX, usize::MAX / 2] {
+        let (s, p) = alloc(0, size);
+        refused(s, DMABUF_RT_OUT_OF_MEMORY, "dmabuf_rt_device_alloc");
+        assert!(p.is_null());
+    }
+    let why = {
+        let (s, _) = alloc(1, CAPACITY as usize * 2);
+        refused(s, DMABUF_RT_OUT_OF_MEMORY, "dmabuf_rt_device_alloc")
+    };
+    assert!(why.contains("capacity"), "{why}");
+    // Holding most of the capacity, the rest is refused, then freed memory serves again.
+    let big = device_alloc(0, 200 << 20);
+    let (s, _) = alloc(0, 100 << 20);
+    refused(s, DMABUF_RT_OUT_OF_MEMORY, "dmabuf_rt_device_alloc");
+    ok(dmabuf_rt_device_free(0, big));
+    let again = device_alloc(0, 100 << 20);
+    ok(dmabuf_rt_device_free(0, again));
+    assert!(stats(0).num_ooms > base[0].num_ooms);
+    ok(dmabuf_rt_empty_cache(0));
+    still_works(&base);
+}
