@@ -1,0 +1,77 @@
+//! `include/dmabuf_rt.h` is what cbindgen generates from `src/ffi/capi.rs` with `cbindgen.toml`,
+//! byte for byte. `DMABUF_RT_BLESS=1 cargo test --test header` rewrites it.
+//!
+//! The inputs are compiled in (`include_str!`), and cbindgen reads them from a temporary
+//! directory, so this test also runs where the source tree is absent (the kernel lane's
+//! guest). Only `capi.rs` is parsed: the C API is declared there alone, and cbindgen need not
+//! understand the rest of the crate.
+
+use std::path::{Path, PathBuf};
+
+const CAPI_RS: &str = include_str!("../src/ffi/capi.rs");
+const CONFIG: &str = include_str!("../cbindgen.toml");
+const HEADER: &str = include_str!("../include/dmabuf_rt.h");
+const HEADER_PATH: &str = "include/dmabuf_rt.h";
+const BLESS_ENV: &str = "DMABUF_RT_BLESS";
+
+fn generate() -> String {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("dmabuf-rt-header-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("create temp dir");
+    let (src, cfg) = (dir.join("capi.rs"), dir.join("cbindgen.toml"));
+    std::fs::write(&src, CAPI_RS).expect("write capi.rs");
+    std::fs::write(&cfg, CONFIG).expect("write cbindgen.toml");
+    let config = cbindgen::Config::from_file(&cfg).expect("cbindgen.toml");
+    let bindings =
+        cbindgen::Builder::new().with_config(config).with_src(&src).generate().expect("cbindgen cannot parse capi.rs");
+    let mut out = Vec::new();
+    bindings.write(&mut out);
+    let _ = std::fs::remove_dir_all(&dir);
+    String::from_utf8(out).expect("cbindgen wrote UTF-8")
+}
+
+/// The first line where `a` and `b` differ, for the failure message.
+fn first_difference(a: &str, b: &str) -> String {
+    for (i, (x, y)) in a.lines().zip(b.lines()).enumerate() {
+        if x != y {
+            return format!("line {}:\n  checked in: {x}\n  generated:  {y}", i + 1);
+        }
+    }
+    format!("the checked-in header has {} lines, the generated one {}", a.lines().count(), b.lines().count())
+}
+
+#[test]
+fn header_is_current() {
+    let generated = generate();
+    if std::env::var(BLESS_ENV).as_deref() == Ok("1") {
+        let path: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR")).join(HEADER_PATH);
+        std::fs::write(&path, &generated).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+        eprintln!("wrote {}", path.display());
+        return;
+    }
+    assert!(
+        generated == HEADER,
+        "{HEADER_PATH} is not what cbindgen generates from src/ffi/capi.rs ({}).\n\
+         Regenerate it with:\n    {BLESS_ENV}=1 cargo test --test header\nand commit it.",
+        first_difference(HEADER, &generated)
+    );
+}
+
+#[test]
+fn header_declares_the_whole_api() {
+    // Every exported function of capi.rs appears in the header (a guard against a cbindgen
+    // setting that silently drops items).
+    let exported: Vec<&str> = CAPI_RS
+        .lines()
+        .filter_map(|l| l.split("extern \"C\" fn ").nth(1))
+        .filter_map(|rest| rest.split('(').next())
+        .filter(|name| name.starts_with("dmabuf_rt_"))
+        .collect();
+    assert!(exported.len() >= 30, "found only {} exported functions in capi.rs", exported.len());
+    let header = generate();
+    for name in exported {
+        let declared = [" ", "*"].iter().any(|before| header.contains(&format!("{before}{name}(")));
+        assert!(declared, "{name} is missing from the generated header");
+    }
+}
