@@ -62,7 +62,7 @@ typedef uint64_t dmabuf_rt_event;
 // A device's caching-allocator statistics. Bytes are block sizes (requests rounded up to
 // 512 bytes or more) unless said otherwise; peaks are since the start or the last
 // `dmabuf_rt_reset_peak_stats`.
-typedef struct dmabuf_rt_device_stats {
+typedef struct dmabuf_rt_stats {
   // Bytes allocated to callers now.
   uint64_t allocated_bytes;
   // Peak of `allocated_bytes`.
@@ -90,7 +90,7 @@ typedef struct dmabuf_rt_device_stats {
   uint64_t num_backend_frees;
   // The device's capacity in bytes (`DMABUF_RT_CAPACITY`, or this machine's RAM).
   uint64_t capacity_bytes;
-} dmabuf_rt_device_stats;
+} dmabuf_rt_stats;
 
 // Host memory to device memory.
 #define DMABUF_RT_MEMCPY_HOST_TO_DEVICE 0
@@ -301,8 +301,8 @@ enum dmabuf_rt_status dmabuf_rt_event_destroy(dmabuf_rt_event event);
 // Stores the device's allocator statistics in `*stats`.
 //
 // # Safety
-// `stats` must be NULL (refused) or valid for writing a `dmabuf_rt_device_stats`.
-enum dmabuf_rt_status dmabuf_rt_device_stats(int device, struct dmabuf_rt_device_stats *stats);
+// `stats` must be NULL (refused) or valid for writing a `dmabuf_rt_stats`.
+enum dmabuf_rt_status dmabuf_rt_device_stats(int device, struct dmabuf_rt_stats *stats);
 
 // Sets every peak of the device's statistics to its current value.
 enum dmabuf_rt_status dmabuf_rt_reset_peak_stats(int device);

@@ -61,8 +61,8 @@ fn ok(s: dmabuf_rt_status) {
     assert_eq!(s, DMABUF_RT_OK, "call failed: {}", if s == DMABUF_RT_OK { String::new() } else { last_error() });
 }
 
-fn stats(device: c_int) -> dmabuf_rt_device_stats {
-    let mut s = dmabuf_rt_device_stats::default();
+fn stats(device: c_int) -> dmabuf_rt_stats {
+    let mut s = dmabuf_rt_stats::default();
     // SAFETY: `s` is a valid out-pointer.
     ok(unsafe { dmabuf_rt_device_stats(device, &mut s) });
     s
@@ -113,7 +113,7 @@ fn new_event() -> dmabuf_rt_event {
 
 /// The allocator still works: allocate, fill, read back, free; live allocations unchanged.
 #[track_caller]
-fn still_works(before: &[dmabuf_rt_device_stats; 2]) {
+fn still_works(before: &[dmabuf_rt_stats; 2]) {
     for dev in 0..2 {
         let p = device_alloc(dev, 4096);
         ok(dmabuf_rt_memset(dev, p, 0x5a, 4096));
@@ -129,7 +129,7 @@ fn still_works(before: &[dmabuf_rt_device_stats; 2]) {
     }
 }
 
-fn before() -> [dmabuf_rt_device_stats; 2] {
+fn before() -> [dmabuf_rt_stats; 2] {
     [stats(0), stats(1)]
 }
 
@@ -348,7 +348,7 @@ fn null_and_misaligned_out_pointers_are_refused() {
     refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_stream_add_callback");
     // Misaligned: refused, and the bytes around it untouched.
     let mut raw = [0u64; 32];
-    let odd = raw.as_mut_ptr().cast::<u8>().wrapping_add(1).cast::<dmabuf_rt_device_stats>();
+    let odd = raw.as_mut_ptr().cast::<u8>().wrapping_add(1).cast::<dmabuf_rt_stats>();
     // SAFETY: as above.
     let s = unsafe { dmabuf_rt_device_stats(0, odd) };
     let why = refused(s, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_stats");
@@ -454,7 +454,7 @@ fn out_of_range_devices_are_refused() {
         refused(dmabuf_rt_device_synchronize(dev), DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_device_synchronize");
         refused(dmabuf_rt_empty_cache(dev), DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_empty_cache");
         refused(dmabuf_rt_reset_peak_stats(dev), DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_reset_peak_stats");
-        let mut st = dmabuf_rt_device_stats::default();
+        let mut st = dmabuf_rt_stats::default();
         // SAFETY: valid out-pointer.
         let s = unsafe { dmabuf_rt_device_stats(dev, &mut st) };
         refused(s, DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_device_stats");

@@ -75,3 +75,31 @@ fn header_declares_the_whole_api() {
         assert!(declared, "{name} is missing from the generated header");
     }
 }
+
+#[test]
+fn header_compiles_as_c11_and_cxx() {
+    // A C name clash (a function and a type of one name are fine in Rust, not in C) or a type
+    // cbindgen cannot express shows here, before examples/c/run. Without a compiler (the
+    // kernel lane's guest) there is nothing to check.
+    let dir = std::env::temp_dir().join(format!("dmabuf-rt-header-cc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("create temp dir");
+    // What cbindgen generates (equal to the checked-in header unless blessing).
+    std::fs::write(dir.join("dmabuf_rt.h"), generate()).expect("write header");
+    std::fs::write(dir.join("t.c"), "#include \"dmabuf_rt.h\"\nint main(void) { return dmabuf_rt_version() == 0; }\n")
+        .expect("write t.c");
+    for (cc, args) in [
+        ("cc", &["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-fsyntax-only", "-x", "c", "t.c"][..]),
+        ("c++", &["-std=c++17", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", "-x", "c++", "t.c"][..]),
+    ] {
+        match std::process::Command::new(cc).args(args).current_dir(&dir).output() {
+            Err(e) => eprintln!("SKIP header_compiles_as_c11_and_cxx ({cc}): {e}"),
+            Ok(o) => assert!(
+                o.status.success(),
+                "{HEADER_PATH} does not compile with `{cc} {}`:\n{}",
+                args.join(" "),
+                String::from_utf8_lossy(&o.stderr)
+            ),
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

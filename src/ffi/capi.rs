@@ -81,7 +81,7 @@ pub type dmabuf_rt_callback =
 /// `dmabuf_rt_reset_peak_stats`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct dmabuf_rt_device_stats {
+pub struct dmabuf_rt_stats {
     /// Bytes allocated to callers now.
     pub allocated_bytes: u64,
     /// Peak of `allocated_bytes`.
@@ -706,9 +706,9 @@ pub extern "C" fn dmabuf_rt_event_destroy(event: dmabuf_rt_event) -> dmabuf_rt_s
 /// Stores the device's allocator statistics in `*stats`.
 ///
 /// # Safety
-/// `stats` must be NULL (refused) or valid for writing a `dmabuf_rt_device_stats`.
+/// `stats` must be NULL (refused) or valid for writing a `dmabuf_rt_stats`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn dmabuf_rt_device_stats(device: c_int, stats: *mut dmabuf_rt_device_stats) -> dmabuf_rt_status {
+pub unsafe extern "C" fn dmabuf_rt_device_stats(device: c_int, stats: *mut dmabuf_rt_stats) -> dmabuf_rt_status {
     call("dmabuf_rt_device_stats", || {
         let stats = out(stats, "stats")?;
         let rt = rt()?;
@@ -716,7 +716,7 @@ pub unsafe extern "C" fn dmabuf_rt_device_stats(device: c_int, stats: *mut dmabu
         let d = a.stats();
         let all = crate::caching::stats::AGGREGATE;
         let u = |v: i64| v.max(0) as u64;
-        let s = dmabuf_rt_device_stats {
+        let s = dmabuf_rt_stats {
             allocated_bytes: u(d.allocated_bytes[all].current),
             peak_allocated_bytes: u(d.allocated_bytes[all].peak),
             reserved_bytes: u(d.reserved_bytes[all].current),
