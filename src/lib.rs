@@ -26,6 +26,7 @@ pub mod queue;
 pub mod runtime;
 pub mod segment;
 pub mod source;
+pub mod synced;
 mod sync;
 mod sys;
 #[doc(hidden)]
