@@ -19,7 +19,9 @@
 
 // What a call did. Every function that can fail returns one; on anything but
 // `DMABUF_RT_OK`, `dmabuf_rt_last_error()` says why (and the reason was logged on stderr as
-// `dmabuf-rt: <function>: <why>`). A failed call changes nothing and writes no out-pointer.
+// `dmabuf-rt: <function>: <why>`). A call refused for bad input (a NULL, foreign or freed
+// pointer, a dead handle, a device out of range, size 0, too much memory) changes nothing
+// and writes no out-pointer.
 typedef enum dmabuf_rt_status {
   // Success.
   DMABUF_RT_OK = 0,

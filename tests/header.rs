@@ -6,6 +6,7 @@
 //! guest). Only `capi.rs` is parsed: the C API is declared there alone, and cbindgen need not
 //! understand the rest of the crate.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 const CAPI_RS: &str = include_str!("../src/ffi/capi.rs");
@@ -92,7 +93,10 @@ fn header_compiles_as_c11_and_cxx() {
         ("c++", &["-std=c++17", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", "-x", "c++", "t.c"][..]),
     ] {
         match std::process::Command::new(cc).args(args).current_dir(&dir).output() {
-            Err(e) => eprintln!("SKIP header_compiles_as_c11_and_cxx ({cc}): {e}"),
+            // Straight to stderr, past libtest's capture, as the other tests' skips.
+            Err(e) => {
+                let _ = writeln!(std::io::stderr(), "SKIP header_compiles_as_c11_and_cxx: no `{cc}`: {e}");
+            }
             Ok(o) => assert!(
                 o.status.success(),
                 "{HEADER_PATH} does not compile with `{cc} {}`:\n{}",

@@ -19,7 +19,9 @@ use crate::runtime::{CopyKind, Runtime};
 
 /// What a call did. Every function that can fail returns one; on anything but
 /// `DMABUF_RT_OK`, `dmabuf_rt_last_error()` says why (and the reason was logged on stderr as
-/// `dmabuf-rt: <function>: <why>`). A failed call changes nothing and writes no out-pointer.
+/// `dmabuf-rt: <function>: <why>`). A call refused for bad input (a NULL, foreign or freed
+/// pointer, a dead handle, a device out of range, size 0, too much memory) changes nothing
+/// and writes no out-pointer.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum dmabuf_rt_status {
@@ -537,8 +539,16 @@ pub unsafe extern "C" fn dmabuf_rt_memcpy(
         let kind = copy_kind(kind)?;
         let rt = rt()?;
         let (dst_dev, src_dev) = match kind {
-            CopyKind::HostToDevice => (device_id(rt, dst_device)?, 0),
-            CopyKind::DeviceToHost => (0, device_id(rt, src_device)?),
+            // The host side takes the device side's id, so that a synchronous copy waits for
+            // that device's streams only.
+            CopyKind::HostToDevice => {
+                let d = device_id(rt, dst_device)?;
+                (d, d)
+            }
+            CopyKind::DeviceToHost => {
+                let d = device_id(rt, src_device)?;
+                (d, d)
+            }
             CopyKind::DeviceToDevice | CopyKind::PeerToPeer => (device_id(rt, dst_device)?, device_id(rt, src_device)?),
         };
         let stream = match stream {
