@@ -26,8 +26,8 @@ pub mod queue;
 pub mod runtime;
 pub mod segment;
 pub mod source;
-pub mod synced;
 mod sync;
+pub mod synced;
 mod sys;
 #[doc(hidden)]
 pub mod testing;

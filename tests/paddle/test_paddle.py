@@ -25,7 +25,7 @@ CAPACITY = 1 << 30
 
 
 class Stats(ctypes.Structure):
-    """`dmabuf_rt_device_stats` from include/dmabuf_rt.h."""
+    """`dmabuf_rt_stats` from include/dmabuf_rt.h (filled by `dmabuf_rt_device_stats`)."""
 
     _fields_ = [
         (name, ctypes.c_uint64)
