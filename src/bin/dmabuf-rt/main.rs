@@ -1,5 +1,7 @@
 //! `dmabuf-rt`: command-line front end.
 
+mod bench;
+
 use std::process::ExitCode;
 
 use dmabuf_rt::caching::Config;
@@ -8,6 +10,9 @@ use dmabuf_rt::caching::replay::{ReplaySource, parse_trace, replay_report};
 const USAGE: &str = "usage: dmabuf-rt <command>
 
 commands:
+  bench [--quick] [--no-pipeline]
+             the main job: the caching allocator, queue copies and the zero-copy pipeline on the
+             embedded default device (shmem), each against a peer measured in the same run
   devices    list DMA-BUF heaps, udmabuf and DRM nodes, and whether this process may open them
   replay FILE.jsonl [--source virtual|shmem] [--capacity BYTES] [--find-min-capacity] [--json]
              replay an allocation trace ({\"t\":ns,\"op\":\"alloc\"|\"free\",\"addr\":n,\"size\":n} per line)
@@ -21,6 +26,13 @@ fn main() -> ExitCode {
             print!("{}", dmabuf_rt::discovery::discover());
             ExitCode::SUCCESS
         }
+        Some("bench") => match bench::parse(&args[1..]).and_then(|o| bench::run(&o)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("dmabuf-rt bench: {e}");
+                ExitCode::from(1)
+            }
+        },
         Some("replay") => match run_replay(&args[1..]) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -84,4 +96,10 @@ fn run_replay(args: &[String]) -> Result<(), String> {
         print!("{}", report.to_text());
     }
     Ok(())
+}
+
+/// The pipeline rows of `bench`: zero-copy frames/s, the pipes baseline's frames/s, and the
+/// bytes the zero-copy run copied.
+fn pipeline_rows(_quick: bool) -> Result<(f64, f64, u64), String> {
+    Err("the pipeline is not built yet".into())
 }
