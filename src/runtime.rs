@@ -9,8 +9,9 @@
 //! a machine without devices). `DMABUF_RT_CAPACITY` caps each device (bytes, or with a `K`,
 //! `M` or `G` suffix; default: this machine's RAM). The allocators read `DMABUF_RT_ALLOC_CONF`.
 //!
-//! Handles given to C callers (streams, events) are numbers, not addresses: a destroyed
-//! handle is never reissued, so using one after destroying it is an error, not a use after free.
+//! Handles given to C callers (streams, events, SyncedMemory objects) are numbers, not
+//! addresses: a destroyed handle is never reissued, so using one after destroying it is an
+//! error, not a use after free.
 
 #![allow(unsafe_code)]
 
@@ -25,6 +26,7 @@ use crate::error::{Error, Result};
 use crate::queue::{Event, HostBuffer, Mem, Queue, QueueHandle, copy_now};
 use crate::segment::Segment;
 use crate::source::{GemSource, HeapSource, MemorySource, ShmemSource};
+use crate::synced::SyncedMemory;
 
 /// Replaces the discovered device list.
 pub const DEVICES_ENV: &str = "DMABUF_RT_DEVICES";
@@ -93,6 +95,12 @@ impl Device {
         first_err.map_or(Ok(()), Err)
     }
 
+    /// The device's default stream (created on first use): the queue synchronous work of the
+    /// runtime runs on, and the one the SyncedMemory objects of the C API copy on.
+    pub(crate) fn default_stream(&self) -> Result<Arc<Queue>> {
+        self.default_queue()
+    }
+
     fn default_queue(&self) -> Result<Arc<Queue>> {
         let mut q = self.queues();
         if let Some(d) = &q.default {
@@ -107,6 +115,13 @@ impl Device {
 struct StreamEntry {
     device: usize,
     queue: Arc<Queue>,
+}
+
+/// A SyncedMemory handed to C: its device, and the object, locked by each call on it (so the
+/// registry's lock is not held while a transition copies).
+struct SyncedEntry {
+    device: usize,
+    mem: Arc<Mutex<SyncedMemory>>,
 }
 
 /// What a copy goes between.
@@ -130,6 +145,7 @@ pub struct Runtime {
     unified: Mutex<HashMap<usize, Arc<Segment>>>,
     streams: Mutex<HashMap<usize, StreamEntry>>,
     events: Mutex<HashMap<usize, Event>>,
+    synced: Mutex<HashMap<usize, SyncedEntry>>,
     next_handle: AtomicUsize,
 }
 
@@ -240,6 +256,7 @@ impl Runtime {
             unified: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
             events: Mutex::new(HashMap::new()),
+            synced: Mutex::new(HashMap::new()),
             next_handle: AtomicUsize::new(1),
         })
     }
@@ -533,6 +550,91 @@ impl Runtime {
             ptr: h,
             expected: "a live event",
         })
+    }
+
+    // ---- SyncedMemory ----
+
+    /// The pinned-host caching allocator (`host_alloc`'s, and the host side of the
+    /// SyncedMemory objects that are not aliased).
+    pub(crate) fn host_allocator(&self) -> &HostCachingAllocator {
+        &self.host
+    }
+
+    /// The queue behind a live stream handle.
+    pub(crate) fn stream_queue(&self, h: usize) -> Result<Arc<Queue>> {
+        self.stream(h)
+    }
+
+    /// A new [`SyncedMemory`] of `size` bytes on `device`, nothing allocated yet: device blocks
+    /// from the device's caching allocator, host blocks (when not aliased) from the pinned-host
+    /// allocator, transitions copied and zero-filled on the device's default stream (and
+    /// waited for). Returns its handle.
+    pub fn create_synced(&self, device: usize, size: usize, alias: bool) -> Result<usize> {
+        let dev = self.device(device)?;
+        let mem = SyncedMemory::builder(size, &dev.alloc, &self.host).alias(alias).queue(dev.default_stream()?).build()?;
+        let h = self.new_handle();
+        lock(&self.synced).insert(h, SyncedEntry { device, mem: Arc::new(Mutex::new(mem)) });
+        Ok(h)
+    }
+
+    /// Runs `f` on the live SyncedMemory `h` (locked for the call), with its device.
+    pub fn with_synced<T>(&self, h: usize, f: impl FnOnce(usize, &mut SyncedMemory) -> Result<T>) -> Result<T> {
+        let (device, mem) = lock(&self.synced)
+            .get(&h)
+            .map(|e| (e.device, Arc::clone(&e.mem)))
+            .ok_or(Error::UnknownPointer { what: "synced", ptr: h, expected: "a live SyncedMemory" })?;
+        let mut m = lock(&mem);
+        f(device, &mut m)
+    }
+
+    /// Destroys a SyncedMemory: its own blocks return to their allocators (once the streams
+    /// recorded on them have passed their work), lent memory is left alone. A call on it
+    /// running in another thread finishes first.
+    pub fn destroy_synced(&self, h: usize) -> Result<()> {
+        let e = lock(&self.synced).remove(&h).ok_or(Error::UnknownPointer {
+            what: "synced",
+            ptr: h,
+            expected: "a live SyncedMemory",
+        })?;
+        drop(e);
+        Ok(())
+    }
+
+    /// `len` bytes at `ptr` as a range of the memory this runtime handed out, if `ptr` lies in
+    /// some: pinned host memory (`host_alloc`), unified memory (`unified_alloc`) or the memory
+    /// of any device. `Ok(None)` if it lies in none of them; an error if it starts in one but
+    /// the range runs past its end.
+    pub(crate) fn runtime_mem_at(&self, ptr: *const u8, len: usize) -> Result<Option<Mem>> {
+        let addr = ptr as usize;
+        let past = |expected: &'static str| Error::UnknownPointer { what: "data", ptr: addr, expected };
+        let inside = |base: usize, size: usize| addr >= base && addr - base < size;
+        {
+            let host = lock(&self.host_live);
+            if let Some((&base, a)) = host.iter().find(|&(&base, a)| inside(base, a.len())) {
+                let m = a.mem().range(addr - base, len).map_err(|_| {
+                    past("a range inside one block (it starts in pinned host memory but runs past its end)")
+                })?;
+                return Ok(Some(m));
+            }
+        }
+        {
+            let unified = lock(&self.unified);
+            if let Some((&base, seg)) = unified.iter().find(|&(&base, seg)| inside(base, seg.len())) {
+                let m = Mem::from(seg).range(addr - base, len).map_err(|_| {
+                    past("a range inside one block (it starts in unified memory but runs past its end)")
+                })?;
+                return Ok(Some(m));
+            }
+        }
+        for d in &self.devices {
+            if d.alloc.mem_at(ptr, 1).is_ok() {
+                let m = d.alloc.mem_at(ptr, len).map_err(|_| {
+                    past("a range inside one segment (it starts in device memory but runs past its end)")
+                })?;
+                return Ok(Some(m));
+            }
+        }
+        Ok(None)
     }
 
     /// Ends the runtime's own threads (the devices' default streams) after their work, and

@@ -15,20 +15,24 @@ use std::sync::Mutex;
 
 use super::{null, run};
 use crate::error::{Error, Result};
+use crate::queue::Mem;
 use crate::runtime::{CopyKind, Runtime};
+use crate::synced::Head;
 
 /// What a call did. Every function that can fail returns one; on anything but
 /// `DMABUF_RT_OK`, `dmabuf_rt_last_error()` says why (and the reason was logged on stderr as
 /// `dmabuf-rt: <function>: <why>`). A call refused for bad input (a NULL, foreign or freed
-/// pointer, a dead handle, a device out of range, size 0, too much memory) changes nothing
-/// and writes no out-pointer.
+/// pointer, a dead handle, a device out of range, size 0, too much memory, a call the
+/// object's state does not allow) changes nothing and writes no out-pointer.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum dmabuf_rt_status {
     /// Success.
     DMABUF_RT_OK = 0,
     /// A bad value: size 0, an unknown device id or copy kind, a buffer too small, a range
-    /// outside its block, an invalid setting in the environment.
+    /// outside its block, an invalid setting in the environment; or a call the object's state
+    /// does not allow (an asynchronous push of a SyncedMemory whose newest data is not on the
+    /// host).
     DMABUF_RT_INVALID_ARGUMENT = 1,
     /// The device (or the machine) cannot provide that much memory, even after emptying the
     /// cache; the message gives the capacity, what is allocated and what is cached.
@@ -36,8 +40,8 @@ pub enum dmabuf_rt_status {
     /// A NULL or misaligned pointer argument, or a pointer this library did not hand out (or
     /// already freed, or of another device, or a range not inside one of its blocks).
     DMABUF_RT_INVALID_POINTER = 3,
-    /// A stream or event handle that is not live (never created, or destroyed: handles are
-    /// never reused).
+    /// A stream, event or SyncedMemory handle that is not live (never created, or destroyed:
+    /// handles are never reused).
     DMABUF_RT_INVALID_HANDLE = 4,
     /// This device cannot do it.
     DMABUF_RT_NOT_SUPPORTED = 5,
@@ -71,6 +75,22 @@ pub const DMABUF_RT_MEMCPY_DEVICE_TO_HOST: dmabuf_rt_memcpy_kind = 1;
 pub const DMABUF_RT_MEMCPY_DEVICE_TO_DEVICE: dmabuf_rt_memcpy_kind = 2;
 /// Device memory of one device to device memory of another.
 pub const DMABUF_RT_MEMCPY_PEER_TO_PEER: dmabuf_rt_memcpy_kind = 3;
+
+/// A SyncedMemory: one buffer seen from the host and from a device, kept coherent lazily
+/// (Caffe's `SyncedMemory`; see `dmabuf_rt_synced_create`). 0 is never a valid one.
+pub type dmabuf_rt_synced = u64;
+
+/// Where the newest data of a SyncedMemory is (Caffe's `SyncedHead`): one of the
+/// `DMABUF_RT_HEAD_*` values.
+pub type dmabuf_rt_head = c_int;
+/// Nothing allocated or written yet (Caffe's `UNINITIALIZED`).
+pub const DMABUF_RT_HEAD_UNINITIALIZED: dmabuf_rt_head = 0;
+/// The host view holds the newest data (`HEAD_AT_CPU`).
+pub const DMABUF_RT_HEAD_AT_HOST: dmabuf_rt_head = 1;
+/// The device view holds the newest data (`HEAD_AT_GPU`).
+pub const DMABUF_RT_HEAD_AT_DEVICE: dmabuf_rt_head = 2;
+/// Both views hold the same data (`SYNCED`).
+pub const DMABUF_RT_HEAD_SYNCED: dmabuf_rt_head = 3;
 
 /// A host function a stream calls once the work submitted before it has run, on the
 /// stream's own thread, with the stream, `DMABUF_RT_OK` or the status of the stream's
@@ -131,9 +151,11 @@ fn status_of(e: &Error) -> dmabuf_rt_status {
         | Error::UdmabufLimit { .. } => S::DMABUF_RT_OUT_OF_MEMORY,
         // The runtime's errors for handles that are not live (an out-pointer named `stream`
         // that is NULL is an invalid pointer, not an invalid handle).
-        Error::UnknownPointer { what: "stream" | "event", expected: "a live stream" | "a live event", .. } => {
-            S::DMABUF_RT_INVALID_HANDLE
-        }
+        Error::UnknownPointer {
+            what: "stream" | "event" | "synced",
+            expected: "a live stream" | "a live event" | "a live SyncedMemory",
+            ..
+        } => S::DMABUF_RT_INVALID_HANDLE,
         Error::UnknownPointer { .. } | Error::InvalidFree { .. } => S::DMABUF_RT_INVALID_POINTER,
         Error::Unsupported { .. } => S::DMABUF_RT_NOT_SUPPORTED,
         Error::NoSuchHeap { .. }
