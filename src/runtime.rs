@@ -554,12 +554,6 @@ impl Runtime {
 
     // ---- SyncedMemory ----
 
-    /// The pinned-host caching allocator (`host_alloc`'s, and the host side of the
-    /// SyncedMemory objects that are not aliased).
-    pub(crate) fn host_allocator(&self) -> &HostCachingAllocator {
-        &self.host
-    }
-
     /// The queue behind a live stream handle.
     pub(crate) fn stream_queue(&self, h: usize) -> Result<Arc<Queue>> {
         self.stream(h)
@@ -571,7 +565,8 @@ impl Runtime {
     /// waited for). Returns its handle.
     pub fn create_synced(&self, device: usize, size: usize, alias: bool) -> Result<usize> {
         let dev = self.device(device)?;
-        let mem = SyncedMemory::builder(size, &dev.alloc, &self.host).alias(alias).queue(dev.default_stream()?).build()?;
+        let mem =
+            SyncedMemory::builder(size, &dev.alloc, &self.host).alias(alias).queue(dev.default_stream()?).build()?;
         let h = self.new_handle();
         lock(&self.synced).insert(h, SyncedEntry { device, mem: Arc::new(Mutex::new(mem)) });
         Ok(h)
