@@ -605,3 +605,505 @@ fn more_than_the_capacity_is_out_of_memory() {
     ok(dmabuf_rt_empty_cache(0));
     still_works(&base);
 }
+
+// ---- SyncedMemory ----
+
+const SN: usize = 256 << 10;
+
+fn synced_create(device: c_int, size: usize, alias: bool) -> dmabuf_rt_synced {
+    let mut s = 0;
+    // SAFETY: `s` is a valid out-pointer.
+    ok(unsafe { dmabuf_rt_synced_create(device, size, alias, &mut s) });
+    assert_ne!(s, 0);
+    s
+}
+
+fn synced_state(s: dmabuf_rt_synced) -> (dmabuf_rt_head, u64) {
+    let (mut head, mut copies) = (-1, u64::MAX);
+    // SAFETY: valid out-pointers.
+    ok(unsafe { dmabuf_rt_synced_head(s, &mut head) });
+    // SAFETY: as above.
+    ok(unsafe { dmabuf_rt_synced_copies(s, &mut copies) });
+    (head, copies)
+}
+
+fn synced_owns(s: dmabuf_rt_synced) -> (bool, bool) {
+    let (mut h, mut d) = (false, false);
+    // SAFETY: valid out-pointers.
+    ok(unsafe { dmabuf_rt_synced_owns(s, &mut h, &mut d) });
+    (h, d)
+}
+
+fn synced_aliased(s: dmabuf_rt_synced) -> bool {
+    let mut a = false;
+    // SAFETY: valid out-pointer.
+    ok(unsafe { dmabuf_rt_synced_aliased(s, &mut a) });
+    a
+}
+
+fn host_data(s: dmabuf_rt_synced) -> *const u8 {
+    let mut p = null();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { dmabuf_rt_synced_host_data(s, &mut p) });
+    assert!(!p.is_null());
+    p.cast()
+}
+
+fn mutable_host_data(s: dmabuf_rt_synced) -> *mut u8 {
+    let mut p = null_mut();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { dmabuf_rt_synced_mutable_host_data(s, &mut p) });
+    assert!(!p.is_null());
+    p.cast()
+}
+
+fn device_data(s: dmabuf_rt_synced) -> *const c_void {
+    let mut p = null();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { dmabuf_rt_synced_device_data(s, &mut p) });
+    assert!(!p.is_null());
+    p
+}
+
+fn mutable_device_data(s: dmabuf_rt_synced) -> *mut c_void {
+    let mut p = null_mut();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { dmabuf_rt_synced_mutable_device_data(s, &mut p) });
+    assert!(!p.is_null());
+    p
+}
+
+/// The `SN` bytes at a host pointer from the SyncedMemory, copied out (byte-wise volatile
+/// reads: the memory is shared with the device side).
+fn read_host(p: *const u8) -> Vec<u8> {
+    (0..SN)
+        .map(|i| {
+            // SAFETY: `p` is a host pointer of a SyncedMemory of `SN` bytes, valid until the next
+            // call on it, and nothing else accesses the memory meanwhile; `i < SN`.
+            let at = unsafe { p.add(i) };
+            // SAFETY: as above.
+            unsafe { at.read_volatile() }
+        })
+        .collect()
+}
+
+fn write_host(p: *mut u8, data: &[u8]) {
+    for (i, &b) in data.iter().enumerate() {
+        // SAFETY: as in `read_host`, for writing (a pointer from `_mutable_host_data`).
+        let at = unsafe { p.add(i) };
+        // SAFETY: as above.
+        unsafe { at.write_volatile(b) };
+    }
+}
+
+fn read_device(dev: c_int, p: *const c_void) -> Vec<u8> {
+    let mut out = vec![0u8; SN];
+    ok(memcpy((0, out.as_mut_ptr().cast()), (dev, p), SN, DMABUF_RT_MEMCPY_DEVICE_TO_HOST, 0));
+    out
+}
+
+fn pattern(seed: u8) -> Vec<u8> {
+    (0..SN).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add((i >> 9) as u8)).collect()
+}
+
+/// Waits (briefly) until the device's live allocations are back to `want`: frees of blocks
+/// used on a stream complete once the stream has passed them.
+#[track_caller]
+fn settle_allocations(dev: c_int, want: u64) {
+    for _ in 0..200 {
+        if stats(dev).allocations == want {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(stats(dev).allocations, want, "device {dev}: live allocations");
+}
+
+#[test]
+fn synced_transitions_aliased_and_split() {
+    let _g = setup();
+    let base = before();
+    for alias in [true, false] {
+        let copies = |n: u64| if alias { 0 } else { n };
+        // On device 1, through DMABUF_RT_CURRENT_DEVICE.
+        ok(dmabuf_rt_set_device(1));
+        let s = synced_create(DMABUF_RT_CURRENT_DEVICE, SN, alias);
+        ok(dmabuf_rt_set_device(0));
+        assert_eq!(synced_aliased(s), alias, "shmem memory is CPU-mappable");
+        let mut size = 0;
+        // SAFETY: valid out-pointer.
+        ok(unsafe { dmabuf_rt_synced_size(s, &mut size) });
+        assert_eq!(size, SN);
+        assert_eq!(synced_state(s), (DMABUF_RT_HEAD_UNINITIALIZED, 0));
+        assert_eq!(synced_owns(s), (false, false));
+        assert_eq!(stats(1).allocations, base[1].allocations, "nothing allocated before the first access");
+
+        // First host access: allocated and zeroed (blocks come back from the cache dirty).
+        let h = mutable_host_data(s);
+        assert!(read_host(h).iter().all(|&b| b == 0), "alias {alias}: zero-filled");
+        write_host(h, &pattern(1));
+        assert_eq!(synced_state(s), (DMABUF_RT_HEAD_AT_HOST, 0));
+        assert_eq!(synced_owns(s), (true, alias));
+        assert_eq!(stats(1).allocations, base[1].allocations + u64::from(alias));
+
+        let d = device_data(s);
+        assert_eq!(synced_state(s), (DMABUF_RT_HEAD_SYNCED, copies(1)));
+        assert_eq!(synced_owns(s), (true, true));
+        assert_eq!(d == h.cast_const().cast(), alias, "one address when aliased");
+        assert_eq!(stats(1).allocations, base[1].allocations + 1);
+        assert!(read_device(1, d) == pattern(1), "alias {alias}: the device view has the host's bytes");
+        // The device pointer belongs to device 1 only.
+        let mut out = vec![0u8; SN];
+        let st = memcpy((0, out.as_mut_ptr().cast()), (0, d), SN, DMABUF_RT_MEMCPY_DEVICE_TO_HOST, 0);
+        refused(st, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_memcpy");
+
+        let dm = mutable_device_data(s);
+        assert_eq!(dm.cast_const(), d, "the device address is stable");
+        assert_eq!(synced_state(s), (DMABUF_RT_HEAD_AT_DEVICE, copies(1)));
+        ok(dmabuf_rt_memset(1, dm, 0xa5, SN));
+        let hr = host_data(s);
+        assert_eq!(hr, h.cast_const(), "the host address is stable");
+        assert_eq!(synced_state(s), (DMABUF_RT_HEAD_SYNCED, copies(2)));
+        assert!(read_host(hr).iter().all(|&b| b == 0xa5), "alias {alias}: the host view has the memset");
+
+        // Nothing moves when the head already allows it.
+        host_data(s);
+        device_data(s);
+        assert_eq!(synced_state(s), (DMABUF_RT_HEAD_SYNCED, copies(2)));
+        // A write through a host pointer copied to a device-to-host copy's source.
+        let h = mutable_host_data(s);
+        write_host(h, &pattern(2));
+        assert_eq!(synced_state(s), (DMABUF_RT_HEAD_AT_HOST, copies(2)));
+        let d = device_data(s);
+        assert_eq!(synced_state(s), (DMABUF_RT_HEAD_SYNCED, copies(3)));
+        assert!(read_device(1, d) == pattern(2));
+        // Device first, from UNINITIALIZED: zero on the device, then a copy to the host.
+        let s2 = synced_create(0, SN, alias);
+        let d2 = device_data(s2);
+        assert_eq!(synced_state(s2), (DMABUF_RT_HEAD_AT_DEVICE, 0));
+        assert!(read_device(0, d2).iter().all(|&b| b == 0));
+        assert!(read_host(host_data(s2)).iter().all(|&b| b == 0));
+        assert_eq!(synced_state(s2), (DMABUF_RT_HEAD_SYNCED, copies(1)));
+
+        ok(dmabuf_rt_synced_destroy(s));
+        ok(dmabuf_rt_synced_destroy(s2));
+        assert_eq!(stats(1).allocations, base[1].allocations, "destroy frees the SyncedMemory's own blocks");
+        assert_eq!(stats(0).allocations, base[0].allocations);
+    }
+    still_works(&base);
+}
+
+#[test]
+fn synced_lent_memory_is_never_freed() {
+    let _g = setup();
+    let base = before();
+    for alias in [true, false] {
+        // Pinned host memory, unified memory and plain process memory as the host view.
+        let (mut pinned, mut unified) = (null_mut(), null_mut());
+        // SAFETY: valid out-pointers.
+        ok(unsafe { dmabuf_rt_host_alloc(SN, &mut pinned) });
+        // SAFETY: as above.
+        ok(unsafe { dmabuf_rt_unified_alloc(SN, &mut unified) });
+        let mut plain = vec![0u8; SN];
+        for (i, lent) in [pinned, unified, plain.as_mut_ptr().cast()].into_iter().enumerate() {
+            write_host(lent.cast(), &pattern(10 + i as u8));
+            let s = synced_create(0, SN, alias);
+            // Owned memory first: replaced (and freed) by the lent memory.
+            mutable_host_data(s);
+            // SAFETY: `lent` is valid for `SN` bytes until after the destroy below.
+            ok(unsafe { dmabuf_rt_synced_set_host_data(s, lent) });
+            assert_eq!(synced_state(s), (DMABUF_RT_HEAD_AT_HOST, 0));
+            assert_eq!(synced_owns(s), (false, false), "alias {alias}, lent #{i}");
+            assert_eq!(host_data(s), lent.cast_const().cast(), "the host view is the lent memory");
+            assert_eq!(stats(0).allocations, base[0].allocations, "alias {alias}: the owned block was freed");
+            let d = device_data(s);
+            if alias {
+                // The lent memory is both views.
+                assert_eq!(d, lent.cast_const());
+                assert_eq!(synced_state(s), (DMABUF_RT_HEAD_SYNCED, 0));
+            } else {
+                assert!(read_device(0, d) == pattern(10 + i as u8));
+                assert_eq!(synced_state(s), (DMABUF_RT_HEAD_SYNCED, 1));
+                assert_eq!(synced_owns(s), (false, true));
+                // A device write comes back into the lent memory itself.
+                ok(dmabuf_rt_memset(0, mutable_device_data(s), 0x3c, SN));
+                assert_eq!(host_data(s), lent.cast_const().cast());
+                assert_eq!(synced_state(s), (DMABUF_RT_HEAD_SYNCED, 2));
+            }
+            ok(dmabuf_rt_synced_destroy(s));
+            let want = if alias { pattern(10 + i as u8) } else { vec![0x3c; SN] };
+            assert!(read_host(lent.cast()) == want, "alias {alias}, lent #{i}: intact after the destroy");
+        }
+        ok(dmabuf_rt_host_free(pinned));
+        ok(dmabuf_rt_unified_free(unified));
+        drop(plain);
+        assert_eq!(stats(0).allocations, base[0].allocations);
+
+        // Device memory lent as the device view: never freed by the SyncedMemory.
+        let block = device_alloc(0, SN);
+        ok(dmabuf_rt_memset(0, block, 0x77, SN));
+        let s = synced_create(0, SN, alias);
+        mutable_host_data(s);
+        ok(dmabuf_rt_synced_set_device_data(s, block));
+        assert_eq!(synced_state(s), (DMABUF_RT_HEAD_AT_DEVICE, 0));
+        assert_eq!(synced_owns(s), (!alias, false));
+        assert_eq!(device_data(s), block.cast_const());
+        assert!(read_host(host_data(s)).iter().all(|&b| b == 0x77));
+        assert_eq!(synced_state(s), (DMABUF_RT_HEAD_SYNCED, u64::from(!alias)));
+        // Device memory lent as the host view is reached through its segment.
+        let other = device_alloc(0, SN);
+        // SAFETY: `other` stays allocated until after the destroy below.
+        ok(unsafe { dmabuf_rt_synced_set_host_data(s, other) });
+        assert_eq!(host_data(s), other.cast_const().cast());
+        ok(dmabuf_rt_synced_destroy(s));
+        let live = stats(0);
+        assert_eq!(live.allocations, base[0].allocations + 2, "alias {alias}: both lent blocks still allocated");
+        ok(dmabuf_rt_device_free(0, block));
+        ok(dmabuf_rt_device_free(0, other));
+        refused(dmabuf_rt_device_free(0, block), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_device_free");
+    }
+    still_works(&base);
+}
+
+#[test]
+fn synced_async_push_is_ordered_on_its_stream() {
+    let _g = setup();
+    let base = before();
+    for alias in [true, false] {
+        let copies = |n: u64| if alias { 0 } else { n };
+        // The stream may be of another device: it only orders the copy.
+        for stream_dev in [0, 1] {
+            let st = new_stream(stream_dev);
+            let s = synced_create(0, SN, alias);
+            let d = mutable_device_data(s);
+            write_host(mutable_host_data(s), &pattern(4));
+            assert_eq!(synced_state(s), (DMABUF_RT_HEAD_AT_HOST, copies(1)));
+            ok(dmabuf_rt_synced_async_device_push(s, st));
+            assert_eq!(synced_state(s), (DMABUF_RT_HEAD_SYNCED, copies(2)), "the head moves at once");
+            let mut out = vec![0u8; SN];
+            ok(memcpy((0, out.as_mut_ptr().cast()), (0, d), SN, DMABUF_RT_MEMCPY_DEVICE_TO_HOST, st));
+            ok(dmabuf_rt_stream_synchronize(st));
+            assert!(out == pattern(4), "alias {alias}: a copy after the push on its stream sees the bytes");
+            // Already SYNCED: a second push does nothing.
+            ok(dmabuf_rt_synced_async_device_push(s, st));
+            assert_eq!(synced_state(s), (DMABUF_RT_HEAD_SYNCED, copies(2)));
+            // A push, then an accessor: it waits for the push.
+            write_host(mutable_host_data(s), &pattern(5));
+            ok(dmabuf_rt_synced_async_device_push(s, st));
+            assert_eq!(device_data(s), d.cast_const());
+            assert!(read_device(0, d) == pattern(5));
+            // Destroyed with a push in flight: safe, the blocks are freed after it.
+            write_host(mutable_host_data(s), &pattern(6));
+            ok(dmabuf_rt_synced_async_device_push(s, st));
+            ok(dmabuf_rt_synced_destroy(s));
+            ok(dmabuf_rt_stream_destroy(st));
+            settle_allocations(0, base[0].allocations);
+        }
+    }
+    still_works(&base);
+}
+
+#[test]
+fn synced_bad_input_is_refused() {
+    let _g = setup();
+    let base = before();
+
+    // create: NULL and misaligned out-pointers, size 0, devices out of range.
+    // SAFETY: NULL or misaligned out-pointers are refused before any write, which is what is
+    // tested here and below; the other pointers are valid.
+    let st = unsafe { dmabuf_rt_synced_create(0, SN, true, null_mut()) };
+    refused(st, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_synced_create");
+    let mut raw = [0u64; 4];
+    let odd = raw.as_mut_ptr().cast::<u8>().wrapping_add(2).cast::<dmabuf_rt_synced>();
+    // SAFETY: as above.
+    let st = unsafe { dmabuf_rt_synced_create(0, SN, true, odd) };
+    refused(st, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_synced_create");
+    assert!(raw.iter().all(|&x| x == 0));
+    let mut h: dmabuf_rt_synced = 77;
+    // SAFETY: as above.
+    let st = unsafe { dmabuf_rt_synced_create(0, 0, true, &mut h) };
+    refused(st, DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_synced_create");
+    for dev in [2, -2, c_int::MAX] {
+        // SAFETY: as above.
+        let st = unsafe { dmabuf_rt_synced_create(dev, SN, false, &mut h) };
+        refused(st, DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_synced_create");
+    }
+    assert_eq!(h, 77, "a refused create wrote its out-pointer");
+
+    // Every out-pointer of a live SyncedMemory.
+    let s = synced_create(0, SN, false);
+    let probe = |name: &str, st: dmabuf_rt_status| refused(st, DMABUF_RT_INVALID_POINTER, name);
+    // SAFETY: as above.
+    probe("dmabuf_rt_synced_head", unsafe { dmabuf_rt_synced_head(s, null_mut()) });
+    // SAFETY: as above.
+    probe("dmabuf_rt_synced_size", unsafe { dmabuf_rt_synced_size(s, null_mut()) });
+    // SAFETY: as above.
+    probe("dmabuf_rt_synced_copies", unsafe { dmabuf_rt_synced_copies(s, null_mut()) });
+    // SAFETY: as above.
+    probe("dmabuf_rt_synced_aliased", unsafe { dmabuf_rt_synced_aliased(s, null_mut()) });
+    let mut b = true;
+    // SAFETY: as above.
+    probe("dmabuf_rt_synced_owns", unsafe { dmabuf_rt_synced_owns(s, null_mut(), &mut b) });
+    // SAFETY: as above.
+    probe("dmabuf_rt_synced_owns", unsafe { dmabuf_rt_synced_owns(s, &mut b, null_mut()) });
+    assert!(b, "a refused owns wrote its other out-pointer");
+    // SAFETY: as above.
+    probe("dmabuf_rt_synced_host_data", unsafe { dmabuf_rt_synced_host_data(s, null_mut()) });
+    // SAFETY: as above.
+    probe("dmabuf_rt_synced_mutable_host_data", unsafe { dmabuf_rt_synced_mutable_host_data(s, null_mut()) });
+    // SAFETY: as above.
+    probe("dmabuf_rt_synced_device_data", unsafe { dmabuf_rt_synced_device_data(s, null_mut()) });
+    // SAFETY: as above.
+    probe("dmabuf_rt_synced_mutable_device_data", unsafe { dmabuf_rt_synced_mutable_device_data(s, null_mut()) });
+    let odd = raw.as_mut_ptr().cast::<u8>().wrapping_add(4).cast::<*const c_void>();
+    // SAFETY: as above.
+    probe("dmabuf_rt_synced_host_data", unsafe { dmabuf_rt_synced_host_data(s, odd) });
+    assert!(raw.iter().all(|&x| x == 0));
+    // SAFETY: as above.
+    probe("dmabuf_rt_synced_set_host_data", unsafe { dmabuf_rt_synced_set_host_data(s, null_mut()) });
+    probe("dmabuf_rt_synced_set_device_data", dmabuf_rt_synced_set_device_data(s, null_mut()));
+    assert_eq!(synced_state(s), (DMABUF_RT_HEAD_UNINITIALIZED, 0), "refused calls changed nothing");
+    assert_eq!(stats(0).num_allocs, base[0].num_allocs, "refused calls allocated nothing");
+
+    // Pushes from the wrong head, and with a stream that is not live.
+    let stream = new_stream(0);
+    let why = refused(
+        dmabuf_rt_synced_async_device_push(s, stream),
+        DMABUF_RT_INVALID_ARGUMENT,
+        "dmabuf_rt_synced_async_device_push",
+    );
+    assert!(why.contains("DMABUF_RT_HEAD_UNINITIALIZED"), "{why}");
+    assert_eq!(synced_state(s), (DMABUF_RT_HEAD_UNINITIALIZED, 0));
+    let d = mutable_device_data(s);
+    let why = refused(
+        dmabuf_rt_synced_async_device_push(s, stream),
+        DMABUF_RT_INVALID_ARGUMENT,
+        "dmabuf_rt_synced_async_device_push",
+    );
+    assert!(why.contains("DMABUF_RT_HEAD_AT_DEVICE"), "{why}");
+    assert_eq!(synced_state(s), (DMABUF_RT_HEAD_AT_DEVICE, 0), "a refused push moved the head");
+    mutable_host_data(s);
+    let dead_stream = new_stream(0);
+    ok(dmabuf_rt_stream_destroy(dead_stream));
+    for bad in [0, dead_stream, s, u64::MAX] {
+        let st = dmabuf_rt_synced_async_device_push(s, bad);
+        refused(st, DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_synced_async_device_push");
+    }
+    assert_eq!(synced_state(s), (DMABUF_RT_HEAD_AT_HOST, 1));
+
+    // set_device_data: memory that is not this device's.
+    let other_dev = device_alloc(1, SN);
+    let mut host = vec![0u8; SN];
+    let mut pinned = null_mut();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { dmabuf_rt_host_alloc(SN, &mut pinned) });
+    for bad in [other_dev, host.as_mut_ptr().cast(), pinned, 0x1000 as *mut c_void] {
+        let st = dmabuf_rt_synced_set_device_data(s, bad);
+        refused(st, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_synced_set_device_data");
+    }
+    // set_host_data: a range that starts in pinned host memory and runs past its block.
+    let mut small = null_mut();
+    // SAFETY: valid out-pointer.
+    ok(unsafe { dmabuf_rt_host_alloc(SN / 2, &mut small) });
+    // SAFETY: refused before the SyncedMemory keeps the pointer.
+    let st = unsafe { dmabuf_rt_synced_set_host_data(s, small) };
+    let why = refused(st, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_synced_set_host_data");
+    assert!(why.contains("runs past"), "{why}");
+    // SAFETY: refused as above: `pinned + 1` starts inside the block and runs past it by a byte.
+    let st = unsafe { dmabuf_rt_synced_set_host_data(s, pinned.wrapping_byte_add(1)) };
+    refused(st, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_synced_set_host_data");
+    assert_eq!(synced_state(s), (DMABUF_RT_HEAD_AT_HOST, 1), "refused calls changed nothing");
+    assert_eq!(synced_owns(s), (true, true));
+    assert_eq!(device_data(s), d.cast_const(), "the device view was not replaced");
+
+    // Destroyed, unknown and foreign handles, for every function.
+    ok(dmabuf_rt_synced_destroy(s));
+    for bad in [s, 0, 0x1234_5678, u64::MAX, stream] {
+        let h = |name: &str, st: dmabuf_rt_status| refused(st, DMABUF_RT_INVALID_HANDLE, name);
+        h("dmabuf_rt_synced_destroy", dmabuf_rt_synced_destroy(bad));
+        let (mut head, mut size, mut copies, mut flag, mut flag2) = (9, 9, 9, true, true);
+        let (mut cp, mut mp) = (null(), null_mut());
+        // SAFETY: valid out-pointers.
+        h("dmabuf_rt_synced_head", unsafe { dmabuf_rt_synced_head(bad, &mut head) });
+        // SAFETY: as above.
+        h("dmabuf_rt_synced_size", unsafe { dmabuf_rt_synced_size(bad, &mut size) });
+        // SAFETY: as above.
+        h("dmabuf_rt_synced_copies", unsafe { dmabuf_rt_synced_copies(bad, &mut copies) });
+        // SAFETY: as above.
+        h("dmabuf_rt_synced_aliased", unsafe { dmabuf_rt_synced_aliased(bad, &mut flag) });
+        // SAFETY: as above.
+        h("dmabuf_rt_synced_owns", unsafe { dmabuf_rt_synced_owns(bad, &mut flag, &mut flag2) });
+        // SAFETY: as above.
+        h("dmabuf_rt_synced_host_data", unsafe { dmabuf_rt_synced_host_data(bad, &mut cp) });
+        // SAFETY: as above.
+        h("dmabuf_rt_synced_mutable_host_data", unsafe { dmabuf_rt_synced_mutable_host_data(bad, &mut mp) });
+        // SAFETY: as above.
+        h("dmabuf_rt_synced_device_data", unsafe { dmabuf_rt_synced_device_data(bad, &mut cp) });
+        // SAFETY: as above.
+        h("dmabuf_rt_synced_mutable_device_data", unsafe { dmabuf_rt_synced_mutable_device_data(bad, &mut mp) });
+        // SAFETY: refused before the pointer is looked at.
+        h("dmabuf_rt_synced_set_host_data", unsafe { dmabuf_rt_synced_set_host_data(bad, pinned) });
+        h("dmabuf_rt_synced_set_device_data", dmabuf_rt_synced_set_device_data(bad, other_dev));
+        h("dmabuf_rt_synced_async_device_push", dmabuf_rt_synced_async_device_push(bad, stream));
+        assert_eq!((head, size, copies, flag, flag2), (9, 9, 9, true, true), "refused calls wrote out-pointers");
+        assert!(cp.is_null() && mp.is_null());
+    }
+    // A SyncedMemory handle is not a stream handle either, and handles are never reissued.
+    let s2 = synced_create(0, SN, true);
+    refused(dmabuf_rt_stream_synchronize(s2), DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_stream_synchronize");
+    assert!(s2 != s && s2 != stream);
+    ok(dmabuf_rt_synced_destroy(s2));
+
+    let name = |h| {
+        let p = dmabuf_rt_head_name(h);
+        // SAFETY: a static NUL-terminated string.
+        unsafe { CStr::from_ptr(p) }.to_str().unwrap().to_owned()
+    };
+    assert_eq!(name(DMABUF_RT_HEAD_AT_DEVICE), "DMABUF_RT_HEAD_AT_DEVICE");
+    assert_eq!(name(17), "unknown head");
+
+    ok(dmabuf_rt_stream_destroy(stream));
+    ok(dmabuf_rt_host_free(pinned));
+    ok(dmabuf_rt_host_free(small));
+    ok(dmabuf_rt_device_free(1, other_dev));
+    drop(host);
+    settle_allocations(0, base[0].allocations);
+    still_works(&base);
+}
+
+#[test]
+fn synced_calls_from_many_threads() {
+    let _g = setup();
+    let base = before();
+    // One SyncedMemory per thread, and one shared: calls on it are serialized.
+    let shared = synced_create(0, SN, false);
+    let threads: Vec<_> = (0..4u8)
+        .map(|t| {
+            std::thread::spawn(move || {
+                for round in 0..20u8 {
+                    let s = synced_create(c_int::from(t % 2), SN, t % 2 == 0);
+                    let seed = t.wrapping_mul(50).wrapping_add(round);
+                    write_host(mutable_host_data(s), &pattern(seed));
+                    let d = device_data(s);
+                    assert!(read_device(c_int::from(t % 2), d) == pattern(seed));
+                    ok(dmabuf_rt_synced_destroy(s));
+                    let mut head = -1;
+                    // SAFETY: valid out-pointer.
+                    ok(unsafe { dmabuf_rt_synced_head(shared, &mut head) });
+                    // A host pointer from the shared one is valid only until the next call on
+                    // it, which another thread may make at any time: only device views here.
+                    ok(dmabuf_rt_memset(0, mutable_device_data(shared), c_int::from(seed), SN));
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let (head, copies) = synced_state(shared);
+    assert_eq!((head, copies), (DMABUF_RT_HEAD_AT_DEVICE, 0));
+    ok(dmabuf_rt_synced_destroy(shared));
+    assert_eq!(stats(0).allocations, base[0].allocations);
+    assert_eq!(stats(1).allocations, base[1].allocations);
+    still_works(&base);
+}
