@@ -195,7 +195,9 @@ pub fn run(o: &Options) -> Result<(), String> {
     }
 
     let q = Queue::new().map_err(|e| e.to_string())?;
-    for (label, size, n) in [("copy 1 MiB h2d", 1usize << 20, 2000 / scale), ("copy 64 MiB h2d", 64 << 20, 40 / scale.min(8))] {
+    for (label, size, n) in
+        [("copy 1 MiB h2d", 1usize << 20, 2000 / scale), ("copy 64 MiB h2d", 64 << 20, 40 / scale.min(8))]
+    {
         p.say(&format!("queue: {label} against memcpy"));
         let mut ours = 0.0f64;
         for _ in 0..rounds {
@@ -240,23 +242,38 @@ pub fn run(o: &Options) -> Result<(), String> {
 
     println!();
     println!("dmabuf-rt bench on the embedded default device (shmem), peers measured in the same run");
-    println!("{:<24}{:>12} {:<9}{:>12} {:<9}{:<8}{:>10}", "figure", "dmabuf-rt", "", "peer", "", "peer is", "ours/peer");
+    println!(
+        "{:<24}{:>12} {:<9}{:>12} {:<9}{:<8}{:>10}",
+        "figure", "dmabuf-rt", "", "peer", "", "peer is", "ours/peer"
+    );
     for r in &rows {
         let prec = if r.unit == "GB/s" { 2 } else { 1 };
         println!(
             "{:<24}{:>12.*} {:<9}{:>12.*} {:<9}{:<8}{:>9.2}x",
-            r.what, prec, r.ours, r.unit, prec, r.peer, r.unit, r.peer_name, r.ours / r.peer,
+            r.what,
+            prec,
+            r.ours,
+            r.unit,
+            prec,
+            r.peer,
+            r.unit,
+            r.peer_name,
+            r.ours / r.peer,
         );
     }
     println!();
     for r in &rows {
         let adv = r.advantage();
         let verdict = if adv >= 1.0 { format!("{adv:.2}x better") } else { format!("{:.2}x worse", 1.0 / adv) };
-        println!("  {:<24} {verdict} than {} ({})", r.what, r.peer_name, if r.higher_is_better { "higher is better" } else { "lower is better" });
+        println!(
+            "  {:<24} {verdict} than {} ({})",
+            r.what,
+            r.peer_name,
+            if r.higher_is_better { "higher is better" } else { "lower is better" }
+        );
     }
     if let Some(copied) = pipeline_note {
         println!("  pipeline bytes copied: {copied} with dma-buf fds, every frame byte through pipes in the baseline");
     }
     Ok(())
 }
-
