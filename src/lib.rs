@@ -22,6 +22,7 @@ pub mod discovery;
 pub mod error;
 pub mod ffi;
 pub mod mapping;
+pub mod pipeline;
 pub mod queue;
 pub mod runtime;
 pub mod segment;
