@@ -47,6 +47,9 @@ pub struct Device {
 struct DeviceQueues {
     live: HashMap<u64, QueueHandle>,
     default: Option<Arc<Queue>>,
+    /// Events recorded after copies that streams of other devices queued on this device's
+    /// memory (peer copies): synchronizing the device waits for them too.
+    foreign: Vec<Event>,
 }
 
 impl std::fmt::Debug for Device {
@@ -89,6 +92,12 @@ impl Device {
         }
         if let Some(q) = default {
             if let Err(e) = q.synchronize() {
+                first_err.get_or_insert(e);
+            }
+        }
+        let foreign = std::mem::take(&mut self.queues().foreign);
+        for ev in foreign {
+            if let Err(e) = ev.synchronize(None) {
                 first_err.get_or_insert(e);
             }
         }
@@ -378,9 +387,9 @@ impl Runtime {
         if dst.is_null() || src.is_null() {
             return Err(Error::UnknownPointer { what: "copy pointer", ptr: 0, expected: "non-null" });
         }
-        let queue = match stream {
-            Some(h) => Some(self.stream(h)?),
-            None => None,
+        let (queue, stream_dev) = match stream {
+            Some(h) => (Some(self.stream(h)?), Some(self.stream_device(h)?)),
+            None => (None, None),
         };
         let (d, s) = match kind {
             CopyKind::HostToDevice => {
@@ -410,7 +419,23 @@ impl Runtime {
                 copy_now(&staged, s)?;
                 q.copy(d, &staged)
             }
-            Some(q) => q.copy(d, s),
+            Some(q) => {
+                q.copy(d, s)?;
+                // A stream of another device touching this memory (a peer copy): let the
+                // memory's devices wait for it too when they are synchronized, as work on
+                // their own streams would be.
+                let touched = match kind {
+                    CopyKind::DeviceToHost => [Some(src_dev), None],
+                    _ => [Some(dst_dev), (kind == CopyKind::PeerToPeer).then_some(src_dev)],
+                };
+                for dev in touched.into_iter().flatten().filter(|&d| Some(d) != stream_dev) {
+                    let ev = q.record()?;
+                    let mut queues = self.device(dev)?.queues();
+                    queues.foreign.retain(|e| !e.is_complete());
+                    queues.foreign.push(ev);
+                }
+                Ok(())
+            }
         }
     }
 

@@ -33,6 +33,12 @@ fn setup() {
     });
 }
 
+/// The tests share one process-wide runtime and check its stats: one at a time.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Paddle's side: a zeroed interface and params, filled by `InitPlugin`.
 fn plugin() -> Box<CDeviceInterface> {
     setup();
@@ -59,6 +65,7 @@ fn plugin() -> Box<CDeviceInterface> {
 
 #[test]
 fn init_plugin_fills_what_paddle_requires_and_refuses_bad_params() {
+    let _serial = serial();
     let i = plugin();
     for (name, set) in [
         ("set_device", i.set_device.is_some()),
@@ -99,6 +106,7 @@ fn init_plugin_fills_what_paddle_requires_and_refuses_bad_params() {
 
 #[test]
 fn memory_copies_streams_and_events_work_like_paddle_uses_them() {
+    let _serial = serial();
     let i = plugin();
     let mut dev0 = CDeviceSt { id: 0 };
     let mut dev1 = CDeviceSt { id: 1 };
@@ -186,6 +194,7 @@ fn memory_copies_streams_and_events_work_like_paddle_uses_them() {
 
 #[test]
 fn bad_input_gets_an_error_status_and_the_allocator_keeps_working() {
+    let _serial = serial();
     let i = plugin();
     let mut dev0 = CDeviceSt { id: 0 };
     let mut bad_dev = CDeviceSt { id: 7 };
@@ -251,4 +260,43 @@ fn bad_input_gets_an_error_status_and_the_allocator_keeps_working() {
         assert!(st.num_ooms >= 1);
     }
     let _ = C_FAILED;
+}
+
+#[test]
+fn a_synchronous_copy_waits_for_a_peer_copy_another_devices_stream_queued_into_its_memory() {
+    let _serial = serial();
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static GATE: AtomicBool = AtomicBool::new(false);
+    unsafe extern "C" fn hold(_: *mut CDeviceSt, _: *mut c_void, _: *mut c_void, _: *mut i32) {
+        while !GATE.load(Ordering::SeqCst) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+    let i = plugin();
+    let (mut dev0, mut dev1) = (CDeviceSt { id: 0 }, CDeviceSt { id: 1 });
+    let len = 1 << 20;
+    // SAFETY: (the whole block) the plugin's function pointers with valid arguments.
+    unsafe {
+        let (mut on0, mut on1, mut s1) = (null_mut(), null_mut(), null_mut());
+        assert_eq!(i.device_memory_allocate.unwrap()(&mut dev0, &mut on0, len), C_SUCCESS);
+        assert_eq!(i.device_memory_allocate.unwrap()(&mut dev1, &mut on1, len), C_SUCCESS);
+        assert_eq!(i.device_memory_set.unwrap()(&mut dev0, on0, 0x11, len), C_SUCCESS);
+        assert_eq!(i.device_memory_set.unwrap()(&mut dev1, on1, 0x77, len), C_SUCCESS);
+        // A stream of device 1, held back, then a peer copy into device 0's memory on it.
+        assert_eq!(i.create_stream.unwrap()(&mut dev1, &mut s1), C_SUCCESS);
+        assert_eq!(i.stream_add_callback.unwrap()(&mut dev1, s1, Some(hold), null_mut()), C_SUCCESS);
+        assert_eq!(i.async_memory_copy_p2p.unwrap()(&mut dev0, &mut dev1, s1, on0, on1, len), C_SUCCESS);
+        let opener = std::thread::spawn(|| {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            GATE.store(true, Ordering::SeqCst);
+        });
+        // A synchronous read of device 0 must see the peer copy, not the old bytes.
+        let mut out = vec![0u8; len];
+        assert_eq!(i.memory_copy_d2h.unwrap()(&mut dev0, out.as_mut_ptr().cast(), on0, len), C_SUCCESS);
+        assert!(out.iter().all(|&b| b == 0x77), "read device 0 before the peer copy into it ran");
+        opener.join().unwrap();
+        assert_eq!(i.destroy_stream.unwrap()(&mut dev1, s1), C_SUCCESS);
+        assert_eq!(i.device_memory_deallocate.unwrap()(&mut dev0, on0, len), C_SUCCESS);
+        assert_eq!(i.device_memory_deallocate.unwrap()(&mut dev1, on1, len), C_SUCCESS);
+    }
 }
