@@ -21,6 +21,9 @@ commands:
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some(PIPELINE_STAGE) {
+        dmabuf_rt::pipeline::stage_process(&args[1..]);
+    }
     match args.first().map(String::as_str) {
         Some("devices") => {
             print!("{}", dmabuf_rt::discovery::discover());
@@ -98,8 +101,22 @@ fn run_replay(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// The hidden subcommand the pipeline's stage processes run as (`bench` re-executes this
+/// program with it).
+const PIPELINE_STAGE: &str = "pipeline-stage";
+
 /// The pipeline rows of `bench`: zero-copy frames/s, the pipes baseline's frames/s, and the
-/// bytes the zero-copy run copied.
-fn pipeline_rows(_quick: bool) -> Result<(f64, f64, u64), String> {
-    Err("the pipeline is not built yet".into())
+/// bytes the zero-copy run copied. The source is the best this machine offers (udmabuf-exported
+/// shmem or the system heap where they exist, else sealed memfds).
+fn pipeline_rows(quick: bool) -> Result<(f64, f64, u64), String> {
+    use dmabuf_rt::pipeline::{self, Options, PipelineSource};
+    let opts = Options {
+        frames: if quick { 100 } else { 600 },
+        source: PipelineSource::best_available(),
+        ..Options::default()
+    };
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program to re-execute: {e}"))?;
+    let cmp = pipeline::compare(&opts, &exe, &[PIPELINE_STAGE]).map_err(|e| e.to_string())?;
+    eprintln!("{cmp}");
+    Ok((cmp.zero_copy.frames_per_sec, cmp.pipes.frames_per_sec, cmp.zero_copy.bytes_copied))
 }
