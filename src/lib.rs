@@ -1,7 +1,9 @@
 //! dmabuf-rt: the device-memory layer for accelerator runtimes on Linux, built on DMA-BUF.
 //!
-//! Every buffer is an fd any DMA-BUF importer can take. This release provides the memory
-//! sources and segments; see `DESIGN.md` in `../shared` for the layers above them.
+//! Every buffer is an fd any DMA-BUF importer can take. The layers: memory [`source`]s and
+//! [`Segment`]s; [`queue`]s and events on io_uring; the [`caching`] allocator; [`synced`]
+//! memory (Caffe's SyncedMemory); zero-copy [`pipeline`]s between processes; and the C ABI
+//! ([`ffi`]: the C API and the PaddlePaddle plugin) over the process-wide [`runtime`].
 //!
 //! ```no_run
 //! use dmabuf_rt::source::{MemorySource, ShmemSource};
