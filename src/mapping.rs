@@ -5,7 +5,7 @@
 //! `&mut [u8]` into it (the compiler would be entitled to assume nobody else changes them).
 //!
 //! The access rule: every access is a bounds-checked bulk copy between the mapping and other
-//! memory, done by [`crate::copy`], whose loads and stores on shared memory are byte-wise
+//! memory, done by `crate::copy`, whose loads and stores on shared memory are byte-wise
 //! atomic (relaxed atomics, or on x86-64 SSE loads/stores issued from inline assembly, which
 //! the hardware performs byte-wise atomically). Several threads of this process may therefore
 //! read and write one mapping through `&Mapping` at once without a data race in Rust's sense;

@@ -9,7 +9,7 @@
 //! wake-up.
 //!
 //! The copy engine was chosen by measurement (`cargo bench --bench queue`): CPU copies with
-//! the crate's byte-wise-atomic copy kernel ([`crate::copy`]) run at memcpy speed, while
+//! the crate's byte-wise-atomic copy kernel (`crate::copy`) run at memcpy speed, while
 //! io_uring READ/WRITE against a memfd reaches about half of it, so [`CopyEngine::Cpu`] is the
 //! default and [`CopyEngine::Kernel`] is available where one side is a memfd.
 //!
