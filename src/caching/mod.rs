@@ -204,7 +204,7 @@ impl CachingAllocator {
             Some(h) => h,
             None => {
                 drop(pool);
-                return self.allocate_slow(size, queue);
+                return self.allocate_slow(size, queue, |pool, b| self.wrap(pool, b, size, stream));
             }
         };
         Ok(self.wrap(pool, got, size, stream))
@@ -226,8 +226,15 @@ impl CachingAllocator {
         }
     }
 
+    /// Seed 003's malloc with the waits it may need, for both APIs: `take` turns the block
+    /// handed out (with the lock still held) into what the caller returns.
     #[inline(never)]
-    fn allocate_slow(&self, size: usize, queue: Option<&Queue>) -> Result<Allocation> {
+    fn allocate_slow<T>(
+        &self,
+        size: usize,
+        queue: Option<&Queue>,
+        mut take: impl FnMut(MutexGuard<'_, Pool>, pool::Handed) -> T,
+    ) -> Result<T> {
         let stream = queue.map_or(0, Queue::id);
         let mut waited = false;
         loop {
@@ -237,7 +244,7 @@ impl CachingAllocator {
             }
             let pending = !self.inner.pending.is_zero();
             match pool.allocate(size, stream, pending, waited)? {
-                Outcome::Got(b) => return Ok(self.wrap(pool, b, size, stream)),
+                Outcome::Got(b) => return Ok(take(pool, b)),
                 Outcome::WaitForPending => {
                     drop(pool);
                     self.wait_for_pending();
@@ -326,22 +333,7 @@ impl CachingAllocator {
         if let Some(addr) = self.lock().try_quick_raw(size, stream) {
             return Ok(addr as *mut u8);
         }
-        let mut waited = false;
-        loop {
-            let mut pool = self.lock();
-            if let Some(q) = queue {
-                pool.register_queue(q);
-            }
-            let pending = !self.inner.pending.is_zero();
-            match pool.allocate_raw(size, stream, pending, waited)? {
-                Some(addr) => return Ok(addr as *mut u8),
-                None => {
-                    drop(pool);
-                    self.wait_for_pending();
-                    waited = true;
-                }
-            }
-        }
+        self.allocate_slow(size, queue, |mut pool, b| pool.hand_out_raw(b) as *mut u8)
     }
 
     /// Frees a pointer from [`CachingAllocator::allocate_raw`]. It never waits for the

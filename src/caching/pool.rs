@@ -589,7 +589,32 @@ impl Pool {
         self.account_inactive(id, false);
     }
 
-    fn new_block(&mut self, b: Block) -> BlockId {
+    /// Files a new free block (not yet in a pool): `[offset, offset + size)` of segment `seg`,
+    /// bound to `stream`, between `prev` and `next`.
+    fn new_block(
+        &mut self,
+        seg: u32,
+        (offset, size): (usize, usize),
+        stream: u64,
+        pool: usize,
+        prev: Option<BlockId>,
+        next: Option<BlockId>,
+    ) -> BlockId {
+        let b = Block {
+            seg,
+            offset,
+            size,
+            requested: 0,
+            stream,
+            allocated: false,
+            prev,
+            next,
+            pool,
+            cached_at: self.misses,
+            in_quick: false,
+            raw: false,
+            raw_used: false,
+        };
         let id = match self.free_ids.pop() {
             Some(id) => {
                 self.blocks[id as usize] = b;
@@ -607,16 +632,10 @@ impl Pool {
 
     // ---- the free path, drained under the lock ----
 
-    /// Applies every free pushed since the last drain.
+    /// Applies every free pushed since the last drain, oldest first (the caller checks the
+    /// list is not empty first, on its fast path).
     #[inline]
     pub(crate) fn drain(&mut self, frees: &FreeList<FreeMsg>) {
-        if !frees.is_empty() {
-            self.drain_some(frees);
-        }
-    }
-
-    #[inline]
-    fn drain_some(&mut self, frees: &FreeList<FreeMsg>) {
         let mut scratch = std::mem::take(&mut self.scratch);
         frees.drain_oldest_first(&mut scratch, |n| {
             let m = n.value;
@@ -934,21 +953,7 @@ impl Pool {
                 Some(t)
             }
             None => {
-                let id = self.new_block(Block {
-                    seg: idx,
-                    offset: mapped,
-                    size: grow,
-                    requested: 0,
-                    stream,
-                    allocated: false,
-                    prev: tail,
-                    next: None,
-                    pool,
-                    cached_at: self.misses,
-                    in_quick: false,
-                    raw: false,
-                    raw_used: false,
-                });
+                let id = self.new_block(idx, (mapped, grow), stream, pool, tail, None);
                 if let Some(t) = tail {
                     self.blocks[t as usize].next = Some(id);
                 }
@@ -1255,21 +1260,8 @@ impl Pool {
         self.pool_remove(id);
         if self.should_split(id, rounded) {
             let b = self.blocks[id as usize].clone();
-            let rest = self.new_block(Block {
-                seg: b.seg,
-                offset: b.offset + rounded,
-                size: b.size - rounded,
-                requested: 0,
-                stream: b.stream,
-                allocated: false,
-                prev: Some(id),
-                next: b.next,
-                pool: b.pool,
-                cached_at: self.misses,
-                in_quick: false,
-                raw: false,
-                raw_used: false,
-            });
+            let rest =
+                self.new_block(b.seg, (b.offset + rounded, b.size - rounded), b.stream, b.pool, Some(id), b.next);
             if let Some(n) = b.next {
                 self.blocks[n as usize].prev = Some(rest);
             }
@@ -1389,21 +1381,7 @@ impl Pool {
         let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
         let seg_size = seg.len();
         let seg_idx = self.add_segment(SegEntry { seg: Arc::new(seg), base, size: seg_size, pool, stream, exp: None });
-        let id = self.new_block(Block {
-            seg: seg_idx,
-            offset: 0,
-            size: seg_size,
-            requested: 0,
-            stream,
-            allocated: false,
-            prev: None,
-            next: None,
-            pool,
-            cached_at: self.misses,
-            in_quick: false,
-            raw: false,
-            raw_used: false,
-        });
+        let id = self.new_block(seg_idx, (0, seg_size), stream, pool, None, None);
         self.pool_insert(id);
         Some(id)
     }
@@ -1546,30 +1524,17 @@ impl Pool {
 
     // ---- raw allocations (C callers) ----
 
-    /// [`Pool::allocate`] for a raw caller: the block's address, or `None` when the caller
-    /// should wait for pending frees and call again.
-    pub(crate) fn allocate_raw(
-        &mut self,
-        size: usize,
-        stream: u64,
-        pending: bool,
-        waited: bool,
-    ) -> Result<Option<usize>> {
-        match self.allocate(size, stream, pending, waited)? {
-            Outcome::Got(h) => {
-                self.blocks[h.id as usize].raw = true;
-                Ok(Some(self.addr(h.id)))
-            }
-            Outcome::WaitForPending => Ok(None),
-        }
+    /// Marks a block just handed out as a raw allocation; returns its address.
+    pub(crate) fn hand_out_raw(&mut self, h: Handed) -> usize {
+        self.blocks[h.id as usize].raw = true;
+        self.addr(h.id)
     }
 
     /// [`Pool::try_quick`] for a raw caller.
     #[inline]
     pub(crate) fn try_quick_raw(&mut self, size: usize, stream: u64) -> Option<usize> {
         let h = self.try_quick(size, stream)?;
-        self.blocks[h.id as usize].raw = true;
-        Some(self.addr(h.id))
+        Some(self.hand_out_raw(h))
     }
 
     /// The live raw block at `addr`, or why there is none.
