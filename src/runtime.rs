@@ -107,10 +107,6 @@ impl Device {
     /// The device's default stream (created on first use): the queue synchronous work of the
     /// runtime runs on, and the one the SyncedMemory objects of the C API copy on.
     pub(crate) fn default_stream(&self) -> Result<Arc<Queue>> {
-        self.default_queue()
-    }
-
-    fn default_queue(&self) -> Result<Arc<Queue>> {
         let mut q = self.queues();
         if let Some(d) = &q.default {
             return Ok(Arc::clone(d));
@@ -448,7 +444,7 @@ impl Runtime {
         let m = self.device_mem(device, ptr, len)?;
         let dev = self.device(device)?;
         dev.synchronize()?;
-        let q = dev.default_queue()?;
+        let q = dev.default_stream()?;
         q.fill(m, byte)?;
         q.synchronize()
     }
@@ -553,7 +549,7 @@ impl Runtime {
         let ev = self.event(event)?;
         let q = match stream {
             Some(s) => self.stream(s)?,
-            None => self.device(device)?.default_queue()?,
+            None => self.device(device)?.default_stream()?,
         };
         q.record_event(&ev)
     }

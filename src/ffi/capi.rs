@@ -13,7 +13,7 @@ use std::ffi::{CString, c_char, c_int, c_void};
 use std::fmt::Write as _;
 use std::sync::Mutex;
 
-use super::{null, run};
+use super::{null, out, run, store};
 use crate::error::{Error, Result};
 use crate::queue::Mem;
 use crate::runtime::{CopyKind, Runtime};
@@ -204,27 +204,6 @@ fn handle(h: dmabuf_rt_stream) -> usize {
     // Handles fit in usize on every target this library builds for; a value that does not
     // becomes one no stream has.
     usize::try_from(h).unwrap_or(usize::MAX)
-}
-
-/// Checks an out-pointer: not NULL and aligned for `T`.
-fn out<T>(p: *mut T, what: &'static str) -> Result<*mut T> {
-    if p.is_null() {
-        return Err(null(what));
-    }
-    if !p.is_aligned() {
-        return Err(Error::UnknownPointer { what, ptr: p as usize, expected: "aligned for its type" });
-    }
-    Ok(p)
-}
-
-/// Stores `v` through an out-pointer checked by [`out`].
-///
-/// # Safety
-/// `p` must be valid for a write of `T` (the C caller's contract for out-pointers).
-unsafe fn store<T>(p: *mut T, v: T) {
-    // SAFETY: `p` is non-null and aligned (checked by `out`), and valid for writes by the
-    // caller's contract.
-    unsafe { p.write(v) }
 }
 
 fn copy_kind(kind: dmabuf_rt_memcpy_kind) -> Result<CopyKind> {

@@ -59,3 +59,24 @@ pub(crate) fn run<T>(func: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
 pub(crate) fn null(what: &'static str) -> Error {
     Error::UnknownPointer { what, ptr: 0, expected: "a non-null pointer" }
 }
+
+/// Checks an out-pointer: not NULL and aligned for `T`.
+pub(crate) fn out<T>(p: *mut T, what: &'static str) -> Result<*mut T> {
+    if p.is_null() {
+        return Err(null(what));
+    }
+    if !p.is_aligned() {
+        return Err(Error::UnknownPointer { what, ptr: p as usize, expected: "aligned for its type" });
+    }
+    Ok(p)
+}
+
+/// Stores `v` through an out-pointer checked by [`out`].
+///
+/// # Safety
+/// `p` must be valid for a write of `T` (the C caller's contract for out-pointers).
+pub(crate) unsafe fn store<T>(p: *mut T, v: T) {
+    // SAFETY: `p` is non-null and aligned (checked by `out`), and valid for writes by the
+    // caller's contract.
+    unsafe { p.write(v) }
+}

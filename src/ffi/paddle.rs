@@ -17,7 +17,7 @@
 
 use std::ffi::{c_char, c_int, c_uchar, c_void};
 
-use super::{null, run};
+use super::{null, out, run, store};
 use crate::error::{Error, Result};
 use crate::runtime::{CopyKind, Runtime};
 
@@ -202,19 +202,6 @@ fn handle(p: *mut c_void, what: &'static str) -> Result<usize> {
     if p.is_null() { Err(null(what)) } else { Ok(p as usize) }
 }
 
-/// Writes `v` through an out-pointer.
-///
-/// # Safety
-/// `out` is NULL or valid for a write of `T`.
-unsafe fn put<T>(out: *mut T, v: T, what: &'static str) -> Result<()> {
-    if out.is_null() {
-        return Err(null(what));
-    }
-    // SAFETY: non-null and, by the caller's contract, valid for writes.
-    unsafe { out.write(v) };
-    Ok(())
-}
-
 /// Paddle's plugin entry point: fills `params` for device type `dmabuf`. Leaves `params`
 /// untouched (and logs why) if it is NULL or smaller than interface 0.1.1's.
 ///
@@ -345,7 +332,8 @@ unsafe extern "C" fn get_device_count(count: *mut usize) -> CStatus {
     status(run("get_device_count", || {
         let n = rt().map_or(0, |r| r.devices().len());
         // SAFETY: Paddle passes a writable size_t.
-        unsafe { put(count, n, "count") }
+        unsafe { store(out(count, "count")?, n) };
+        Ok(())
     }))
 }
 
@@ -368,17 +356,19 @@ unsafe extern "C" fn device_memory_stats(dev: CDevice, total: *mut usize, free: 
     status(run("device_memory_stats", || {
         // SAFETY: Paddle passes its C_Device.
         let (t, f) = rt()?.memory_stats(unsafe { dev_id(dev)? })?;
-        // SAFETY: Paddle passes writable size_ts.
-        unsafe { put(total, t as usize, "total")? };
+        let (total, free) = (out(total, "total")?, out(free, "free")?);
+        // SAFETY: Paddle passes writable size_ts (checked non-null and aligned).
+        unsafe { store(total, t as usize) };
         // SAFETY: as above.
-        unsafe { put(free, f as usize, "free") }
+        unsafe { store(free, f as usize) };
+        Ok(())
     }))
 }
 
 fn size_cb(
     name: &'static str,
     dev: CDevice,
-    out: *mut usize,
+    size_out: *mut usize,
     v: impl FnOnce(&Runtime, usize) -> Result<usize>,
 ) -> CStatus {
     status(run(name, || {
@@ -386,7 +376,8 @@ fn size_cb(
         let id = unsafe { dev_id(dev)? };
         let v = v(rt()?, id)?;
         // SAFETY: Paddle passes a writable size_t.
-        unsafe { put(out, v, "size") }
+        unsafe { store(out(size_out, "size")?, v) };
+        Ok(())
     }))
 }
 
@@ -575,7 +566,8 @@ unsafe extern "C" fn create_stream(dev: CDevice, stream: *mut CStream) -> CStatu
         // SAFETY: Paddle passes its C_Device.
         let h = rt()?.create_stream(unsafe { dev_id(dev)? })?;
         // SAFETY: Paddle passes a writable C_Stream.
-        unsafe { put(stream, h as CStream, "stream") }
+        unsafe { store(out(stream, "stream")?, h as CStream) };
+        Ok(())
     }))
 }
 
@@ -636,7 +628,8 @@ unsafe extern "C" fn create_event(_dev: CDevice, event: *mut CEvent) -> CStatus 
     status(run("create_event", || {
         let h = rt()?.create_event();
         // SAFETY: Paddle passes a writable C_Event.
-        unsafe { put(event, h as CEvent, "event") }
+        unsafe { store(out(event, "event")?, h as CEvent) };
+        Ok(())
     }))
 }
 
