@@ -7,37 +7,13 @@
  */
 #define _POSIX_C_SOURCE 200809L
 
-#include <dmabuf_rt.h>
+#include "check.h"
 
 #include <inttypes.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static const char *why(void) {
-    const char *e = dmabuf_rt_last_error();
-    return e ? e : "(no reason recorded)";
-}
-
-/* Every call must succeed. */
-#define CHECK(call)                                                                             \
-    do {                                                                                        \
-        dmabuf_rt_status s_ = (call);                                                           \
-        if (s_ != DMABUF_RT_OK) {                                                               \
-            fprintf(stderr, "%s:%d: %s: %s: %s\n", __FILE__, __LINE__, #call,                 \
-                    dmabuf_rt_status_name((int)s_), why());                                     \
-            exit(1);                                                                            \
-        }                                                                                       \
-    } while (0)
-
-#define EXPECT(cond)                                                                            \
-    do {                                                                                        \
-        if (!(cond)) {                                                                          \
-            fprintf(stderr, "%s:%d: expected %s\n", __FILE__, __LINE__, #cond);                 \
-            exit(1);                                                                            \
-        }                                                                                       \
-    } while (0)
 
 static void fill(unsigned char *p, size_t n, unsigned seed) {
     for (size_t i = 0; i < n; i++) p[i] = (unsigned char)(i * 31u + seed + (i >> 12));
