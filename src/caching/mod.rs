@@ -46,7 +46,7 @@ mod quick;
 pub mod replay;
 pub mod stats;
 
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use allocation::Allocation;
 pub use config::Config;
@@ -72,8 +72,6 @@ pub(crate) enum FreeMsg {
     Requested(BlockId),
     /// Those events completed.
     Completed(BlockId),
-    /// A raw free that found the allocator's lock taken: checked and applied by the drain.
-    Raw(usize),
 }
 
 pub(crate) struct Inner {
@@ -171,7 +169,7 @@ impl CachingAllocator {
         pool
     }
 
-    /// Applies the frees pushed so far, and starts the deferred ones raw frees asked for.
+    /// Applies the frees pushed so far.
     #[inline(always)]
     fn drain(&self, pool: &mut Pool) {
         if !self.inner.frees.is_empty() {
@@ -182,17 +180,6 @@ impl CachingAllocator {
     #[inline(never)]
     fn drain_some(&self, pool: &mut Pool) {
         pool.drain(&self.inner.frees);
-        if let Some(deferred) = pool.take_raw_deferred() {
-            self.start_deferred(deferred);
-        }
-    }
-
-    #[cold]
-    fn start_deferred(&self, deferred: Vec<pool::RawDeferred>) {
-        for (id, uses) in deferred {
-            self.inner.pending.begin();
-            complete_after(&self.inner, id, uses);
-        }
     }
 
     /// `size` bytes for use on `queue` (`None`: host-side use, no queue). The block is bound to
@@ -238,11 +225,14 @@ impl CachingAllocator {
         let stream = queue.map_or(0, Queue::id);
         let mut waited = false;
         loop {
+            // The free list's protocol (see `free_list`): read the pending count first, then
+            // drain. Read after the drain, a completion pushed between the two would be seen
+            // as no longer pending and yet not applied: a false out-of-memory error.
+            let pending = !self.inner.pending.is_zero();
             let mut pool = self.lock();
             if let Some(q) = queue {
                 pool.register_queue(q);
             }
-            let pending = !self.inner.pending.is_zero();
             match pool.allocate(size, stream, pending, waited)? {
                 Outcome::Got(b) => return Ok(take(pool, b)),
                 Outcome::WaitForPending => {
@@ -336,26 +326,18 @@ impl CachingAllocator {
         self.allocate_slow(size, queue, |mut pool, b| pool.hand_out_raw(b) as *mut u8)
     }
 
-    /// Frees a pointer from [`CachingAllocator::allocate_raw`]. It never waits for the
-    /// allocator's lock: when the lock is free (the usual case) the free is checked and applied
-    /// at once, and a pointer this allocator never returned, one already freed, or one into the
-    /// middle of a block is refused with [`Error::InvalidFree`] and changes nothing. When another
-    /// thread holds the lock, the free is queued on the lock-free list and checked when the
-    /// holder drains it: a bad pointer is then refused there (reported on stderr and in the
-    /// history as [`HistoryKind::InvalidFree`]), still changing nothing.
+    /// Frees a pointer from [`CachingAllocator::allocate_raw`]. The free is checked against
+    /// the live allocation the pointer names at the moment of the call, under the allocator's
+    /// lock: a pointer this allocator never returned, one already freed, or one into the middle
+    /// of a block is refused with [`Error::InvalidFree`] and changes nothing. (An earlier design
+    /// queued raw frees that found the lock taken and checked them later; by then another
+    /// thread could have been handed the same address, and the stale free released its live
+    /// block. A raw pointer carries no identity beyond its address, so it is checked now.)
     pub fn free_raw(&self, ptr: *mut u8) -> Result<()> {
         if ptr.is_null() {
             return Err(Error::InvalidFree { ptr: 0, why: "null pointer" });
         }
-        let mut pool = match self.inner.pool.try_lock() {
-            Ok(pool) => pool,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(TryLockError::WouldBlock) => {
-                self.inner.frees.push(Node::new(FreeMsg::Raw(ptr as usize)));
-                return Ok(());
-            }
-        };
-        self.drain(&mut pool);
+        let mut pool = self.lock();
         match pool.free_raw(ptr as usize) {
             Ok(None) => Ok(()),
             Ok(Some((id, uses))) => {
@@ -392,6 +374,14 @@ impl CachingAllocator {
         let (_, _, size) =
             self.lock().raw_block(ptr as usize).map_err(|why| Error::InvalidFree { ptr: ptr as usize, why })?;
         Ok(size)
+    }
+
+    /// Checks the pool's structural invariants and its stats against its blocks (after
+    /// applying the frees pushed so far); the first broken one is the error. For tests,
+    /// fuzzers and model checks: it walks every block.
+    #[doc(hidden)]
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.lock().check_invariants()
     }
 
     /// The capacity the allocator was built with.

@@ -381,8 +381,6 @@ pub(crate) struct Pool {
     by_addr: HashMap<usize, BlockId, FxBuild>,
     /// The other queues that used a raw block (`Block::raw_used`).
     raw_uses: HashMap<BlockId, Vec<QueueHandle>, FxBuild>,
-    /// Raw frees applied by a drain that must wait for other queues: the caller starts them.
-    raw_deferred: Vec<RawDeferred>,
     /// Freed blocks kept unmerged for exact reuse, by (stream, size): the fast path for
     /// periodic workloads. Flushed into the pools (with merging) on a miss.
     quick: Quick,
@@ -428,7 +426,6 @@ impl Pool {
             queues: HashMap::default(),
             by_addr: HashMap::default(),
             raw_uses: HashMap::default(),
-            raw_deferred: Vec::new(),
             quick: Quick::default(),
             expandable: HashMap::new(),
             expandable_unsupported: false,
@@ -664,15 +661,6 @@ impl Pool {
                     (self.addr(id), self.blocks[id as usize].size, self.blocks[id as usize].stream);
                 self.log(HistoryKind::FreeRequested, addr, size, stream);
             }
-            FreeMsg::Raw(addr) => match self.free_raw(addr) {
-                Ok(None) => {}
-                Ok(Some(deferred)) => self.raw_deferred.push(deferred),
-                Err(why) => {
-                    self.log_always(HistoryKind::InvalidFree, addr, 0, 0);
-                    let msg = format!("dmabuf-rt: refused a raw free of {addr:#x}: {why}\n");
-                    let _ = std::io::Write::write_all(&mut std::io::stderr(), msg.as_bytes());
-                }
-            },
             FreeMsg::Completed(id) => {
                 let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
                 stats::dec_array(&mut self.pending, pool, 1);
@@ -794,8 +782,8 @@ impl Pool {
             self.merge(id, n);
         }
         self.pool_insert(id);
-        if self.config.no_caching && !self.blocks[id as usize].is_split() {
-            self.release_block(id);
+        if self.config.no_caching && !self.blocks[id as usize].is_split() && !self.is_expandable(id) {
+            let _ = self.release_block(id);
         }
     }
 
@@ -979,18 +967,22 @@ impl Pool {
     /// for a growth, and then they must fit in the allowed memory. On the slow path of
     /// [`Pool::allocate`] only, and cheap unless the block's segment has punched pages.
     fn reback_fits(&mut self, id: BlockId, rounded: usize) -> bool {
-        let need = self.punched_bytes(id, rounded) as u64;
+        let mut need = self.punched_bytes(id, rounded) as u64;
         if need == 0 {
             return true;
         }
         if self.quick.len() > 0 && self.trim_excess(need, rounded as u64) > 0 {
             // Memory in the quick cache cannot be punched: merge it first, with `id` out of
-            // its pool and marked allocated meanwhile so that no merge absorbs it.
+            // its pool and marked allocated meanwhile so that no merge absorbs it; then `id`
+            // goes back through `pool_free`, which absorbs its free neighbours (leaving them
+            // unmerged would strand them: nothing merges two pooled blocks later). `id` keeps
+            // its id, so the caller's choice stands; it may start earlier now.
             self.pool_remove(id);
             self.blocks[id as usize].allocated = true;
             self.flush_quick();
             self.blocks[id as usize].allocated = false;
-            self.pool_insert(id);
+            self.pool_free(id);
+            need = self.punched_bytes(id, rounded) as u64;
         }
         self.trim(need, rounded as u64, Some(id));
         self.stats.reserved_bytes[stats::AGGREGATE].current as u64 + need <= self.allowed
@@ -1410,14 +1402,22 @@ impl Pool {
         idx
     }
 
-    /// Returns a free, unsplit block's segment to the source.
-    fn release_block(&mut self, id: BlockId) {
-        debug_assert!(!self.is_expandable(id), "expandable segments are punched, not released");
+    /// Returns a free, unsplit, pooled block's segment to the source.
+    ///
+    /// [`Allocation`](super::Allocation)'s reference-count-free segment pointer is sound only
+    /// because a segment never goes back while one of its blocks is handed out: so this is
+    /// checked here in every build, and a block that does not qualify is left alone (a bug
+    /// elsewhere then leaks a segment instead of freeing memory in use).
+    fn release_block(&mut self, id: BlockId) -> bool {
+        let b = &self.blocks[id as usize];
+        if b.allocated || b.in_quick || b.is_split() || self.is_expandable(id) {
+            debug_assert!(false, "release_block({id}): not a free, unsplit, pooled classic block");
+            return false;
+        }
         self.pool_remove(id);
         let addr = self.addr(id);
         self.by_addr.remove(&addr);
         let b = self.blocks[id as usize].clone();
-        debug_assert!(!b.is_split() && !b.allocated);
         if let Some(entry) = self.segments[b.seg as usize].take() {
             self.stats.num_device_free += 1;
             stats::dec_array(&mut self.stats.segment, entry.pool, 1);
@@ -1430,6 +1430,7 @@ impl Pool {
             drop(entry); // unmaps and closes once no queue operation holds the segment
         }
         self.free_ids.push(id);
+        true
     }
 
     /// Seed 003's `release_available_cached_blocks`: free cached oversize blocks, the
@@ -1446,16 +1447,16 @@ impl Pool {
             .filter(|k| !self.blocks[k.3 as usize].is_split() && !self.is_expandable(k.3))
             .collect();
         if let Some(k) = candidates.iter().find(|k| k.1 >= want) {
-            self.release_block(k.3);
-            return true;
+            return self.release_block(k.3);
         }
         let mut freed = 0;
         for k in candidates.iter().rev() {
             if freed >= size {
                 break;
             }
-            freed += k.1;
-            self.release_block(k.3);
+            if self.release_block(k.3) {
+                freed += k.1;
+            }
         }
         freed >= size
     }
@@ -1472,7 +1473,7 @@ impl Pool {
                     // Expandable segments keep their address space and give the pages back.
                     self.punch_free(id);
                 } else if !self.blocks[id as usize].is_split() {
-                    self.release_block(id);
+                    let _ = self.release_block(id);
                 }
             }
         }
@@ -1513,7 +1514,7 @@ impl Pool {
                 if self.is_expandable(id) {
                     self.punch_free(id);
                 } else {
-                    self.release_block(id);
+                    let _ = self.release_block(id);
                 }
             }
             if self.stats.reserved_bytes[stats::AGGREGATE].current >= before {
@@ -1567,12 +1568,6 @@ impl Pool {
         let uses = self.raw_uses.remove(&id).unwrap_or_default();
         self.apply(FreeMsg::Requested(id));
         Ok(Some((id, uses)))
-    }
-
-    /// Deferred raw frees a drain applied; the caller waits on their queues.
-    #[inline]
-    pub(crate) fn take_raw_deferred(&mut self) -> Option<Vec<RawDeferred>> {
-        if self.raw_deferred.is_empty() { None } else { Some(std::mem::take(&mut self.raw_deferred)) }
     }
 
     /// Records that `queue` uses the raw allocation at `addr`.
@@ -1653,5 +1648,210 @@ impl Pool {
         }
         segments.sort_by_key(|s| s.address);
         Snapshot { segments }
+    }
+}
+
+impl Pool {
+    /// Checks every structural invariant of the pool and its stats; the first one broken is
+    /// the error. For tests, fuzzers and model checks (it walks everything: O(blocks)).
+    pub(crate) fn check_invariants(&self) -> std::result::Result<(), String> {
+        let dead: std::collections::HashSet<BlockId> = self.free_ids.iter().copied().collect();
+        if dead.len() != self.free_ids.len() {
+            return Err("a block id is on the free-id list twice".into());
+        }
+        let live_seg = |i: u32| self.segments.get(i as usize).is_some_and(Option::is_some);
+        let mut per_seg: Vec<Vec<BlockId>> = vec![Vec::new(); self.segments.len()];
+        for (id, b) in self.blocks.iter().enumerate() {
+            let id = id as BlockId;
+            if dead.contains(&id) {
+                continue;
+            }
+            if !live_seg(b.seg) {
+                return Err(format!("live block {id} is in released segment {}", b.seg));
+            }
+            if b.size == 0 {
+                return Err(format!("block {id} is empty"));
+            }
+            per_seg[b.seg as usize].push(id);
+        }
+        // Blocks tile each segment (an expandable one up to its mapped end), in link order.
+        let mut by_addr = 0usize;
+        let mut reserved = [0i64; 3];
+        let mut segments = [0i64; 3];
+        for (si, entry) in self.segments.iter().enumerate() {
+            let Some(e) = entry else {
+                if !per_seg[si].is_empty() {
+                    return Err(format!("released segment {si} still has blocks"));
+                }
+                continue;
+            };
+            let mut ids = std::mem::take(&mut per_seg[si]);
+            ids.sort_by_key(|&id| self.blocks[id as usize].offset);
+            let mut at = 0;
+            for (k, &id) in ids.iter().enumerate() {
+                let b = &self.blocks[id as usize];
+                if b.offset != at {
+                    return Err(format!("segment {si}: block {id} starts at {} where {at} was expected", b.offset));
+                }
+                at += b.size;
+                let (want_prev, want_next) = (k.checked_sub(1).map(|p| ids[p]), ids.get(k + 1).copied());
+                if b.prev != want_prev || b.next != want_next {
+                    return Err(format!(
+                        "segment {si}: block {id} links prev {:?} next {:?}, address order says {want_prev:?} {want_next:?}",
+                        b.prev, b.next
+                    ));
+                }
+                if b.pool != e.pool || b.stream != e.stream {
+                    return Err(format!(
+                        "block {id} has pool/queue {}/{}, its segment {}/{}",
+                        b.pool, b.stream, e.pool, e.stream
+                    ));
+                }
+                if self.by_addr.get(&(e.base + b.offset)) != Some(&id) {
+                    return Err(format!("block {id} is not in the address table"));
+                }
+                by_addr += 1;
+            }
+            if at != e.size {
+                return Err(format!("segment {si}: blocks cover {at} of its {} bytes", e.size));
+            }
+            let mut bytes = e.size as i64;
+            if let Some(exp) = &e.exp {
+                let (from, to) = (0, e.size / exp.page);
+                let holes = exp.holes_in(from, to);
+                if holes != exp.punched {
+                    return Err(format!("segment {si}: {} punched pages counted, {holes} marked", exp.punched));
+                }
+                bytes -= (holes * exp.page) as i64;
+                let tail = ids.last().copied();
+                if exp.tail != tail {
+                    return Err(format!("segment {si}: tail {:?}, the last block is {tail:?}", exp.tail));
+                }
+                // Punched pages lie wholly inside free pooled blocks: no page a block in use or
+                // in the quick cache touches is punched.
+                for &id in &ids {
+                    let b = &self.blocks[id as usize];
+                    let (f, t) = exp.outer_pages(b.offset, b.size);
+                    if (b.allocated || b.in_quick) && exp.holes_in(f, t) > 0 {
+                        return Err(format!("segment {si}: block {id} (in use or cached) touches punched pages"));
+                    }
+                }
+            }
+            reserved[0] += bytes;
+            reserved[e.pool] += bytes;
+            segments[0] += 1;
+            segments[e.pool] += 1;
+        }
+        if by_addr != self.by_addr.len() {
+            return Err(format!("the address table has {} entries for {by_addr} blocks", self.by_addr.len()));
+        }
+        for p in 0..3 {
+            if self.stats.reserved_bytes[p].current != reserved[p] {
+                return Err(format!(
+                    "reserved bytes[{p}] {} but segments hold {}",
+                    self.stats.reserved_bytes[p].current, reserved[p]
+                ));
+            }
+            if self.stats.segment[p].current != segments[p] {
+                return Err(format!(
+                    "segment count[{p}] {} but {} are live",
+                    self.stats.segment[p].current, segments[p]
+                ));
+            }
+        }
+        // Pool membership, quick cache, merging, and the hot stats.
+        let quick: std::collections::HashSet<BlockId> = self.quick.ids().into_iter().collect();
+        if quick.len() != self.quick.len() {
+            return Err(format!("the quick cache counts {} blocks, lists {}", self.quick.len(), quick.len()));
+        }
+        let mut pooled = 0;
+        for (p, set) in self.pools.iter().enumerate() {
+            for &k in set {
+                let id = k.3;
+                if dead.contains(&id) || self.key(id) != k || self.blocks[id as usize].pool != p {
+                    return Err(format!("pool {p} holds a stale key {k:?}"));
+                }
+                pooled += 1;
+            }
+        }
+        let (mut alloc, mut alloc_bytes, mut req_bytes, mut inactive, mut inactive_bytes, mut pend) =
+            ([0i64; 3], [0i64; 3], [0i64; 3], [0i64; 3], [0i64; 3], [0i64; 3]);
+        let mut free_pooled = 0;
+        for (id, b) in self.blocks.iter().enumerate() {
+            let id = id as BlockId;
+            if dead.contains(&id) {
+                continue;
+            }
+            let in_pool = self.pools[b.pool].contains(&self.key(id));
+            if b.in_quick != quick.contains(&id) {
+                return Err(format!("block {id}: in_quick {} but the quick cache says {}", b.in_quick, !b.in_quick));
+            }
+            let add = |a: &mut [i64; 3], v: i64| {
+                a[0] += v;
+                a[b.pool] += v;
+            };
+            if b.allocated {
+                if in_pool || b.in_quick {
+                    return Err(format!("allocated block {id} is also cached"));
+                }
+                if b.requested > 0 {
+                    add(&mut alloc, 1);
+                    add(&mut alloc_bytes, b.size as i64);
+                    add(&mut req_bytes, b.requested as i64);
+                } else {
+                    add(&mut pend, 1);
+                }
+                if b.raw && b.requested == 0 {
+                    return Err(format!("raw block {id} has no request"));
+                }
+            } else {
+                if b.raw || b.raw_used {
+                    return Err(format!("free block {id} is still marked raw"));
+                }
+                if in_pool == b.in_quick {
+                    return Err(format!("free block {id}: in its pool {in_pool}, in the quick cache {}", b.in_quick));
+                }
+                if in_pool {
+                    free_pooled += 1;
+                    for n in [b.prev, b.next].into_iter().flatten() {
+                        let nb = &self.blocks[n as usize];
+                        if !nb.allocated && !nb.in_quick {
+                            return Err(format!("free pooled neighbours {id} and {n} were not merged"));
+                        }
+                    }
+                }
+                if b.is_split() {
+                    add(&mut inactive, 1);
+                    add(&mut inactive_bytes, b.size as i64);
+                }
+            }
+        }
+        if free_pooled != pooled {
+            return Err(format!("the pools hold {pooled} keys for {free_pooled} free pooled blocks"));
+        }
+        let checks = [
+            ("allocation", stats::ALLOCATION, alloc),
+            ("allocated bytes", stats::ALLOCATED_BYTES, alloc_bytes),
+            ("requested bytes", stats::REQUESTED_BYTES, req_bytes),
+            ("inactive split", stats::INACTIVE_SPLIT, inactive),
+            ("inactive split bytes", stats::INACTIVE_SPLIT_BYTES, inactive_bytes),
+        ];
+        for (name, field, want) in checks {
+            let have = self.hot.current(field);
+            if have != want {
+                return Err(format!("{name}: stats say {have:?}, the blocks {want:?}"));
+            }
+        }
+        let have_pend = [self.pending[0].current, self.pending[1].current, self.pending[2].current];
+        if have_pend != pend {
+            return Err(format!("pending frees: stats say {have_pend:?}, the blocks {pend:?}"));
+        }
+        for (&id, uses) in &self.raw_uses {
+            let b = &self.blocks[id as usize];
+            if !b.raw_used || !b.allocated || uses.is_empty() {
+                return Err(format!("raw-uses entry for block {id} that is not a raw block used elsewhere"));
+            }
+        }
+        Ok(())
     }
 }
