@@ -43,6 +43,13 @@ typedef enum dmabuf_rt_status {
   DMABUF_RT_NOT_SUPPORTED = 5,
   // Anything else: a failed system call, a stream whose earlier work failed.
   DMABUF_RT_FAILED = 6,
+  // A process or system limit ran out, not device memory: open files (`ulimit -n`),
+  // locked memory (`ulimit -l`, which io_uring needs on older kernels), address space
+  // (`ulimit -v`), threads. The message names the limit; raising it cures the failure.
+  DMABUF_RT_RESOURCE_LIMIT = 7,
+  // Refused because the wait could never end: a stream callback that synchronizes its own
+  // stream, or waits for an event recorded on it after the callback.
+  DMABUF_RT_WOULD_DEADLOCK = 8,
 } dmabuf_rt_status;
 
 // What a copy goes between: one of the `DMABUF_RT_MEMCPY_*` values (any other value is

@@ -143,6 +143,47 @@ pub enum Error {
         why: &'static str,
     },
 
+    /// A bad argument to a call (a C caller's copy kind, a buffer too small, a handle of the
+    /// wrong kind of object).
+    #[error("invalid argument: {what}")]
+    InvalidArgument {
+        /// The argument and what is wrong with it.
+        what: String,
+    },
+
+    /// A device id that names no device.
+    #[error("device {id} does not exist (this process has {count} devices: 0 to {last})", last = count.saturating_sub(1))]
+    NoSuchDevice {
+        /// The id given.
+        id: i64,
+        /// How many devices there are.
+        count: usize,
+    },
+
+    /// A handle (stream, event, SyncedMemory) that is not live: never created or destroyed.
+    #[error("{what} handle {handle:#x} is not live (never created, or destroyed; handles are never reused)")]
+    UnknownHandle {
+        /// What kind of handle.
+        what: &'static str,
+        /// The handle.
+        handle: usize,
+    },
+
+    /// A per-process or system limit ran out (open files, locked memory, address space,
+    /// threads): not a lack of device memory, and raising the limit cures it.
+    #[error("{op}: {source}: {resource} is exhausted ({hint})")]
+    ResourceLimit {
+        /// What was being done.
+        op: &'static str,
+        /// The resource: e.g. "open files (RLIMIT_NOFILE)".
+        resource: &'static str,
+        /// What to do about it.
+        hint: &'static str,
+        /// The kernel's answer.
+        #[source]
+        source: io::Error,
+    },
+
     /// A bad allocator setting.
     #[error("{what}")]
     Config {
@@ -194,6 +235,13 @@ pub enum Error {
         expected: &'static str,
     },
 
+    /// A wait that could never end: a host callback waiting for its own queue.
+    #[error("refused to wait, it would deadlock: {what}")]
+    WouldDeadlock {
+        /// What was waited for.
+        what: &'static str,
+    },
+
     /// A system call failed.
     #[error("{op}: {source}")]
     Io {
@@ -205,12 +253,91 @@ pub enum Error {
     },
 }
 
+/// What kind of failure an [`Error`] is: what a caller (and the C status) acts on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// A bad value or setting; changes nothing.
+    InvalidArgument,
+    /// A pointer this library did not hand out, or already freed, or out of its range.
+    InvalidPointer,
+    /// A handle that is not live.
+    InvalidHandle,
+    /// A device id or device node that does not exist.
+    NoSuchDevice,
+    /// Not enough memory (device memory, or the machine's).
+    OutOfMemory,
+    /// A process or system limit (open files, locked memory, address space, threads).
+    ResourceLimit,
+    /// Access to a device node denied.
+    PermissionDenied,
+    /// The source or device cannot do this.
+    NotSupported,
+    /// A wait ran out of time.
+    Timeout,
+    /// A wait refused because it could never end.
+    WouldDeadlock,
+    /// Anything else: a failed system call, a queue whose earlier work failed.
+    Failed,
+}
+
 impl Error {
+    /// The kind of failure.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::ZeroLength
+            | Error::Config { .. }
+            | Error::InvalidArgument { .. }
+            | Error::SizeMismatch { .. }
+            | Error::OutOfBounds { .. }
+            | Error::ReadOnly
+            | Error::BadImport { .. }
+            | Error::NoTiming { .. } => ErrorKind::InvalidArgument,
+            Error::TooLarge { .. }
+            | Error::OutOfMemory { .. }
+            | Error::AllocatorOom { .. }
+            | Error::UdmabufLimit { .. } => ErrorKind::OutOfMemory,
+            Error::InvalidFree { .. } | Error::UnknownPointer { .. } => ErrorKind::InvalidPointer,
+            Error::UnknownHandle { .. } => ErrorKind::InvalidHandle,
+            Error::NoSuchDevice { .. } | Error::NoSuchHeap { .. } | Error::NoDevice { .. } => ErrorKind::NoSuchDevice,
+            Error::ResourceLimit { .. } => ErrorKind::ResourceLimit,
+            Error::Open { source, .. } if source.kind() == io::ErrorKind::PermissionDenied => {
+                ErrorKind::PermissionDenied
+            }
+            Error::Unsupported { .. } => ErrorKind::NotSupported,
+            Error::Timeout { .. } => ErrorKind::Timeout,
+            Error::WouldDeadlock { .. } => ErrorKind::WouldDeadlock,
+            Error::Open { .. } | Error::OperationFailed { .. } | Error::Io { .. } => ErrorKind::Failed,
+        }
+    }
+
+    /// A failed system call: [`Error::ResourceLimit`] when the kernel's answer says a limit
+    /// ran out, else [`Error::Io`].
     pub(crate) fn io(op: &'static str) -> impl FnOnce(io::Error) -> Error {
-        move |source| Error::Io { op, source }
+        move |source| Error::from_io(op, source)
     }
 
     pub(crate) fn io_rustix(op: &'static str) -> impl FnOnce(rustix::io::Errno) -> Error {
-        move |e| Error::Io { op, source: e.into() }
+        move |e| Error::from_io(op, e.into())
+    }
+
+    pub(crate) fn from_io(op: &'static str, source: io::Error) -> Error {
+        match limit_of(&source) {
+            Some((resource, hint)) => Error::ResourceLimit { op, resource, hint, source },
+            None => Error::Io { op, source },
+        }
+    }
+}
+
+/// The limit an errno means, if it means one that is not a lack of memory.
+pub(crate) fn limit_of(e: &io::Error) -> Option<(&'static str, &'static str)> {
+    use rustix::io::Errno;
+    let code = e.raw_os_error()?;
+    if code == Errno::MFILE.raw_os_error() {
+        Some(("this process's open files (RLIMIT_NOFILE)", "close fds, or raise `ulimit -n`"))
+    } else if code == Errno::NFILE.raw_os_error() {
+        Some(("the system's open files (fs.file-max)", "close fds, or raise the sysctl fs.file-max"))
+    } else {
+        None
     }
 }

@@ -35,7 +35,7 @@ mod sys;
 #[doc(hidden)]
 pub mod testing;
 
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};
 pub use mapping::Mapping;
 pub use segment::{Access, CpuAccess, FdKind, Origin, Segment, SegmentKind};
 pub use source::MemorySource;

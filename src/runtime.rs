@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use crate::caching::{CachingAllocator, Config, HostAllocation, HostCachingAllocator};
 use crate::error::{Error, Result};
-use crate::queue::{Event, HostBuffer, Mem, Queue, QueueHandle, copy_now};
+use crate::queue::{Event, HostBuffer, Mem, Queue, QueueHandle, copy_now, fill_now};
 use crate::segment::Segment;
 use crate::source::{GemSource, HeapSource, MemorySource, ShmemSource};
 use crate::synced::SyncedMemory;
@@ -78,28 +78,41 @@ impl Device {
         self.queues.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Waits for the work submitted to every stream of this device.
+    /// Waits for the work submitted to every stream of this device, and for the copies that
+    /// streams of other devices queued into its memory. Called from a host callback (on a
+    /// stream's own thread), it waits for everything but that stream, whose work before the
+    /// callback has run and whose work after it cannot run until the callback returns.
+    /// Streams destroyed meanwhile have finished their work and count as passed.
     pub fn synchronize(&self) -> Result<()> {
-        let (live, default): (Vec<QueueHandle>, Option<Arc<Queue>>) = {
+        let own = crate::queue::executing_queue();
+        let (live, foreign): (Vec<QueueHandle>, Vec<Event>) = {
             let q = self.queues();
-            (q.live.values().cloned().collect(), q.default.clone())
+            let default = q.default.as_ref().map(|d| d.handle());
+            (q.live.values().cloned().chain(default).collect(), q.foreign.clone())
         };
         let mut first_err = None;
-        for h in live {
-            if let Err(e) = h.record().and_then(|ev| ev.synchronize(None)) {
-                first_err.get_or_insert(e);
+        for h in live.into_iter().filter(|h| Some(h.id()) != own) {
+            match h.record_unless_passed() {
+                Ok(Some(ev)) => {
+                    if let Err(e) = ev.synchronize(None) {
+                        first_err.get_or_insert(e);
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
             }
         }
-        if let Some(q) = default {
-            if let Err(e) = q.synchronize() {
-                first_err.get_or_insert(e);
-            }
-        }
-        let foreign = std::mem::take(&mut self.queues().foreign);
-        for ev in foreign {
+        // Every synchronizer waits for every foreign event it saw (none takes them from
+        // another); completed ones are dropped afterwards.
+        for ev in foreign.iter().filter(|ev| own.is_none_or(|q| !ev.pending_on(q))) {
             if let Err(e) = ev.synchronize(None) {
                 first_err.get_or_insert(e);
             }
+        }
+        if !foreign.is_empty() {
+            self.queues().foreign.retain(|e| !e.is_complete());
         }
         first_err.map_or(Ok(()), Err)
     }
@@ -273,9 +286,7 @@ impl Runtime {
 
     /// Device `id`, or an error naming the valid range.
     pub fn device(&self, id: usize) -> Result<&Device> {
-        self.devices.get(id).ok_or_else(|| Error::Config {
-            what: format!("device {id} does not exist (this process has {} devices)", self.devices.len()),
-        })
+        self.devices.get(id).ok_or(Error::NoSuchDevice { id: id as i64, count: self.devices.len() })
     }
 
     /// Makes `id` this thread's current device.
@@ -402,37 +413,36 @@ impl Runtime {
                 (self.device_mem(dst_dev, dst, len)?, self.device_mem(src_dev, src, len)?)
             }
         };
-        match queue {
-            None => {
-                self.device(dst_dev)?.synchronize()?;
-                if src_dev != dst_dev {
-                    self.device(src_dev)?.synchronize()?;
-                }
-                copy_now(d, s)
+        let Some(q) = queue else {
+            self.device(dst_dev)?.synchronize()?;
+            if src_dev != dst_dev {
+                self.device(src_dev)?.synchronize()?;
             }
-            Some(q) if kind == CopyKind::HostToDevice => {
-                let staged = HostBuffer::new(len)?;
-                copy_now(&staged, s)?;
-                q.copy(d, &staged)
-            }
-            Some(q) => {
-                q.copy(d, s)?;
-                // A stream of another device touching this memory (a peer copy): let the
-                // memory's devices wait for it too when they are synchronized, as work on
-                // their own streams would be.
-                let touched = match kind {
-                    CopyKind::DeviceToHost => [Some(src_dev), None],
-                    _ => [Some(dst_dev), (kind == CopyKind::PeerToPeer).then_some(src_dev)],
-                };
-                for dev in touched.into_iter().flatten().filter(|&d| Some(d) != stream_dev) {
-                    let ev = q.record()?;
-                    let mut queues = self.device(dev)?.queues();
-                    queues.foreign.retain(|e| !e.is_complete());
-                    queues.foreign.push(ev);
-                }
-                Ok(())
-            }
+            return copy_now(d, s);
+        };
+        if kind == CopyKind::HostToDevice {
+            // Read the host side now, so the caller may reuse it when this returns.
+            let staged = HostBuffer::new(len)?;
+            copy_now(&staged, s)?;
+            q.copy(d, &staged)?;
+        } else {
+            q.copy(d, s)?;
         }
+        // A stream of another device touching this memory (a peer copy, or a copy queued on
+        // a stream of another device): let the memory's devices wait for it too when they are
+        // synchronized, as work on their own streams would be.
+        let touched = match kind {
+            CopyKind::DeviceToHost => [Some(src_dev), None],
+            CopyKind::HostToDevice | CopyKind::DeviceToDevice => [Some(dst_dev), None],
+            CopyKind::PeerToPeer => [Some(dst_dev), Some(src_dev)],
+        };
+        for dev in touched.into_iter().flatten().filter(|&d| Some(d) != stream_dev) {
+            let ev = q.record()?;
+            let mut queues = self.device(dev)?.queues();
+            queues.foreign.retain(|e| !e.is_complete());
+            queues.foreign.push(ev);
+        }
+        Ok(())
     }
 
     /// Sets `len` bytes at device pointer `ptr` to `byte` (synchronously, after the device's
@@ -442,11 +452,8 @@ impl Runtime {
             return Ok(());
         }
         let m = self.device_mem(device, ptr, len)?;
-        let dev = self.device(device)?;
-        dev.synchronize()?;
-        let q = dev.default_stream()?;
-        q.fill(m, byte)?;
-        q.synchronize()
+        self.device(device)?.synchronize()?;
+        fill_now(m, byte)
     }
 
     /// Total and free bytes of `device` (capacity, and capacity minus what its allocator
@@ -471,29 +478,20 @@ impl Runtime {
     }
 
     fn stream(&self, h: usize) -> Result<Arc<Queue>> {
-        lock(&self.streams).get(&h).map(|e| Arc::clone(&e.queue)).ok_or(Error::UnknownPointer {
-            what: "stream",
-            ptr: h,
-            expected: "a live stream",
-        })
+        lock(&self.streams)
+            .get(&h)
+            .map(|e| Arc::clone(&e.queue))
+            .ok_or(Error::UnknownHandle { what: "stream", handle: h })
     }
 
     /// The stream's device.
     pub fn stream_device(&self, h: usize) -> Result<usize> {
-        lock(&self.streams).get(&h).map(|e| e.device).ok_or(Error::UnknownPointer {
-            what: "stream",
-            ptr: h,
-            expected: "a live stream",
-        })
+        lock(&self.streams).get(&h).map(|e| e.device).ok_or(Error::UnknownHandle { what: "stream", handle: h })
     }
 
     /// Destroys a stream after its submitted work has run.
     pub fn destroy_stream(&self, h: usize) -> Result<()> {
-        let e = lock(&self.streams).remove(&h).ok_or(Error::UnknownPointer {
-            what: "stream",
-            ptr: h,
-            expected: "a live stream",
-        })?;
+        let e = lock(&self.streams).remove(&h).ok_or(Error::UnknownHandle { what: "stream", handle: h })?;
         if let Ok(dev) = self.device(e.device) {
             dev.queues().live.remove(&e.queue.id());
         }
@@ -537,21 +535,22 @@ impl Runtime {
     }
 
     fn event(&self, h: usize) -> Result<Event> {
-        lock(&self.events).get(&h).cloned().ok_or(Error::UnknownPointer {
-            what: "event",
-            ptr: h,
-            expected: "a live event",
-        })
+        lock(&self.events).get(&h).cloned().ok_or(Error::UnknownHandle { what: "event", handle: h })
     }
 
-    /// Records the event at the stream's current end (or the device's default stream).
+    /// Records the event at the stream's current end. Without a stream it is recorded on the
+    /// device's synchronous stream, where every call has finished its work before returning,
+    /// so the record completes at once.
     pub fn record_event(&self, device: usize, stream: Option<usize>, event: usize) -> Result<()> {
         let ev = self.event(event)?;
-        let q = match stream {
-            Some(s) => self.stream(s)?,
-            None => self.device(device)?.default_stream()?,
-        };
-        q.record_event(&ev)
+        match stream {
+            Some(s) => self.stream(s)?.record_event(&ev),
+            None => {
+                self.device(device)?;
+                ev.record_complete();
+                Ok(())
+            }
+        }
     }
 
     /// Whether the event's latest record has completed (an error if it failed).
@@ -566,11 +565,7 @@ impl Runtime {
 
     /// Destroys an event (a stream still waiting on it keeps its own reference).
     pub fn destroy_event(&self, h: usize) -> Result<()> {
-        lock(&self.events).remove(&h).map(drop).ok_or(Error::UnknownPointer {
-            what: "event",
-            ptr: h,
-            expected: "a live event",
-        })
+        lock(&self.events).remove(&h).map(drop).ok_or(Error::UnknownHandle { what: "event", handle: h })
     }
 
     // ---- SyncedMemory ----
@@ -598,7 +593,7 @@ impl Runtime {
         let (device, mem) = lock(&self.synced)
             .get(&h)
             .map(|e| (e.device, Arc::clone(&e.mem)))
-            .ok_or(Error::UnknownPointer { what: "synced", ptr: h, expected: "a live SyncedMemory" })?;
+            .ok_or(Error::UnknownHandle { what: "SyncedMemory", handle: h })?;
         let mut m = lock(&mem);
         f(device, &mut m)
     }
@@ -607,11 +602,7 @@ impl Runtime {
     /// recorded on them have passed their work), lent memory is left alone. A call on it
     /// running in another thread finishes first.
     pub fn destroy_synced(&self, h: usize) -> Result<()> {
-        let e = lock(&self.synced).remove(&h).ok_or(Error::UnknownPointer {
-            what: "synced",
-            ptr: h,
-            expected: "a live SyncedMemory",
-        })?;
+        let e = lock(&self.synced).remove(&h).ok_or(Error::UnknownHandle { what: "SyncedMemory", handle: h })?;
         drop(e);
         Ok(())
     }

@@ -174,6 +174,28 @@ impl ExpState {
 /// Expandable segments grow in chunks of this size (and give pages back per page).
 const CHUNK: usize = 2 << 20;
 
+/// The address space to reserve for an expandable segment whose first request needs `floor`
+/// bytes. Memory is counted by backed pages, so a reservation larger than the allowed memory
+/// leaves room to grow past holes punched under pressure: four times the allowed memory, at
+/// most 256 GiB (so that hundreds of queues, each with a segment per pool, fit in the 128 TiB
+/// of a process's address space). Under an address-space limit (`RLIMIT_AS`, `ulimit -v`) it takes at most a quarter
+/// of the room left below the limit, so that the rest of the process (and other queues'
+/// segments) can still map memory; never less than `floor`.
+fn reservation_len(allowed: u64, floor: usize) -> usize {
+    let mut len = allowed.saturating_mul(4).min(1 << 38);
+    if let Some(room) = address_space_room() {
+        len = len.min(room / 4);
+    }
+    (len as usize).max(floor).max(CHUNK).next_multiple_of(CHUNK)
+}
+
+/// Bytes of address space left below this process's `RLIMIT_AS`, if it has one.
+fn address_space_room() -> Option<u64> {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::As).current?;
+    let pages: u64 = std::fs::read_to_string("/proc/self/statm").ok()?.split_whitespace().next()?.parse().ok()?;
+    Some(limit.saturating_sub(pages.saturating_mul(crate::source::page_size() as u64)))
+}
+
 /// Where reserved bytes grow (an expandable segment grows, or a cached block with punched
 /// pages is handed out), the trim policy keeps them under `Config::trim_ratio` times the
 /// allocated peak by punching free pages first ([`Pool::trim`]); when it punches, it takes them
@@ -299,8 +321,7 @@ pub enum HistoryKind {
     SegmentFree,
     /// A request failed with out-of-memory.
     Oom,
-    /// A raw free of a pointer that is not a live raw allocation was refused (one that found
-    /// the lock taken and was checked later; see `CachingAllocator::free_raw`).
+    /// A raw free of a pointer that is not a live raw allocation was refused.
     InvalidFree,
 }
 
@@ -388,6 +409,9 @@ pub(crate) struct Pool {
     expandable: HashMap<(u64, usize), u32>,
     /// The source cannot make expandable segments: classic segments are used instead.
     expandable_unsupported: bool,
+    /// The latest failure of the source during the current request that was not a lack of
+    /// memory (fd limit, permission, I/O): reported as itself, not as out-of-memory.
+    source_error: Option<Error>,
 }
 
 /// How many freed blocks the quick cache holds before it is flushed into the pools.
@@ -429,6 +453,7 @@ impl Pool {
             quick: Quick::default(),
             expandable: HashMap::new(),
             expandable_unsupported: false,
+            source_error: None,
         }
     }
 
@@ -849,6 +874,8 @@ impl Pool {
             if got.is_some() || !self.expandable_unsupported {
                 return got;
             }
+            // Classic segments from here on: their result is what counts.
+            self.source_error = None;
         }
         self.alloc_segment(alloc_size, pool, stream, cause)
     }
@@ -862,11 +889,8 @@ impl Pool {
         let idx = match self.expandable.get(&(stream, pool)) {
             Some(&i) => i,
             None => {
-                // Address space is cheap and memory is counted by backed pages, so reserve
-                // several times the allowed memory: holes punched under pressure then leave
-                // room to grow past them.
-                let mut len = (self.allowed.saturating_mul(4).min(1 << 42) as usize).max(CHUNK).next_multiple_of(CHUNK);
                 let floor = rounded.next_multiple_of(CHUNK);
+                let mut len = reservation_len(self.allowed, floor);
                 let seg = loop {
                     match self.source.reserve_expandable(len) {
                         Ok(s) => break s,
@@ -880,6 +904,7 @@ impl Pool {
                         Err(e) => {
                             // Not even the request fits: classic segments from here on.
                             *cause = format!("; {} cannot reserve address space: {e}", self.source.name());
+                            self.note_source_error(e);
                             self.expandable_unsupported = true;
                             return None;
                         }
@@ -926,6 +951,7 @@ impl Pool {
         let e = self.segments[idx as usize].as_mut().expect("live expandable segment");
         if let Err(err) = e.seg.grow_to(mapped, mapped + grow) {
             *cause = format!("; {err}");
+            self.note_source_error(err);
             return None;
         }
         e.size = mapped + grow;
@@ -1134,6 +1160,13 @@ impl Pool {
 
     // ---- allocation (seed 003's malloc) ----
 
+    /// Keeps a source failure that is not a lack of memory, to report instead of an OOM.
+    fn note_source_error(&mut self, e: Error) {
+        if e.kind() != crate::error::ErrorKind::OutOfMemory {
+            self.source_error = Some(e);
+        }
+    }
+
     /// Notes `queue` as one that blocks are bound to (called on the slow path: a queue's first
     /// allocation always takes it).
     pub(crate) fn register_queue(&mut self, queue: &Queue) {
@@ -1179,6 +1212,7 @@ impl Pool {
             source_name: "caching allocator".into(),
         };
         let rounded = self.round_size(size).filter(|&r| r <= isize::MAX as usize).ok_or_else(too_large)?;
+        self.source_error = None;
         // The fast path: a block of exactly this size freed on this queue.
         if let Some(id) = self.quick_take(stream, rounded) {
             return Ok(Outcome::Got(self.hand_out(id, size, stream)));
@@ -1234,6 +1268,11 @@ impl Pool {
                 .into();
         }
         let Some(id) = found else {
+            if let Some(e) = self.source_error.take() {
+                // Not a lack of memory: the source failed for another reason (after the
+                // ladder, which released cached segments and their fds too).
+                return Err(e);
+            }
             self.stats.num_ooms += 1;
             self.log(HistoryKind::Oom, 0, size, stream);
             let largest = self.pools.iter().flat_map(|p| p.iter()).map(|k| k.1).max().unwrap_or(0);
@@ -1367,6 +1406,7 @@ impl Pool {
             Ok(s) => s,
             Err(e) => {
                 *cause = format!("; {} refused: {e}", self.source.name());
+                self.note_source_error(e);
                 return None;
             }
         };
@@ -1557,7 +1597,13 @@ impl Pool {
     /// request applied and the block and queues returned for the caller to wait on.
     #[inline]
     pub(crate) fn free_raw(&mut self, addr: usize) -> std::result::Result<Option<RawDeferred>, &'static str> {
-        let id = self.raw_at(addr)?;
+        let id = match self.raw_at(addr) {
+            Ok(id) => id,
+            Err(why) => {
+                self.log_always(HistoryKind::InvalidFree, addr, 0, 0);
+                return Err(why);
+            }
+        };
         let b = &mut self.blocks[id as usize];
         b.raw = false;
         if !b.raw_used {

@@ -14,7 +14,7 @@ use std::fmt::Write as _;
 use std::sync::Mutex;
 
 use super::{null, out, run, store};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::queue::Mem;
 use crate::runtime::{CopyKind, Runtime};
 use crate::synced::Head;
@@ -47,6 +47,13 @@ pub enum dmabuf_rt_status {
     DMABUF_RT_NOT_SUPPORTED = 5,
     /// Anything else: a failed system call, a stream whose earlier work failed.
     DMABUF_RT_FAILED = 6,
+    /// A process or system limit ran out, not device memory: open files (`ulimit -n`),
+    /// locked memory (`ulimit -l`, which io_uring needs on older kernels), address space
+    /// (`ulimit -v`), threads. The message names the limit; raising it cures the failure.
+    DMABUF_RT_RESOURCE_LIMIT = 7,
+    /// Refused because the wait could never end: a stream callback that synchronizes its own
+    /// stream, or waits for an event recorded on it after the callback.
+    DMABUF_RT_WOULD_DEADLOCK = 8,
 }
 
 use dmabuf_rt_status as S;
@@ -135,35 +142,17 @@ pub struct dmabuf_rt_stats {
 
 // ---- helpers ----
 
-/// The status for an error.
+/// The status for an error: chosen by its kind, never by its text.
 fn status_of(e: &Error) -> dmabuf_rt_status {
-    match e {
-        Error::ZeroLength
-        | Error::Config { .. }
-        | Error::SizeMismatch { .. }
-        | Error::OutOfBounds { .. }
-        | Error::ReadOnly
-        | Error::BadImport { .. }
-        | Error::NoTiming { .. } => S::DMABUF_RT_INVALID_ARGUMENT,
-        Error::TooLarge { .. }
-        | Error::OutOfMemory { .. }
-        | Error::AllocatorOom { .. }
-        | Error::UdmabufLimit { .. } => S::DMABUF_RT_OUT_OF_MEMORY,
-        // The runtime's errors for handles that are not live (an out-pointer named `stream`
-        // that is NULL is an invalid pointer, not an invalid handle).
-        Error::UnknownPointer {
-            what: "stream" | "event" | "synced",
-            expected: "a live stream" | "a live event" | "a live SyncedMemory",
-            ..
-        } => S::DMABUF_RT_INVALID_HANDLE,
-        Error::UnknownPointer { .. } | Error::InvalidFree { .. } => S::DMABUF_RT_INVALID_POINTER,
-        Error::Unsupported { .. } => S::DMABUF_RT_NOT_SUPPORTED,
-        Error::NoSuchHeap { .. }
-        | Error::NoDevice { .. }
-        | Error::Open { .. }
-        | Error::Timeout { .. }
-        | Error::OperationFailed { .. }
-        | Error::Io { .. } => S::DMABUF_RT_FAILED,
+    match e.kind() {
+        ErrorKind::InvalidArgument | ErrorKind::NoSuchDevice => S::DMABUF_RT_INVALID_ARGUMENT,
+        ErrorKind::OutOfMemory => S::DMABUF_RT_OUT_OF_MEMORY,
+        ErrorKind::InvalidPointer => S::DMABUF_RT_INVALID_POINTER,
+        ErrorKind::InvalidHandle => S::DMABUF_RT_INVALID_HANDLE,
+        ErrorKind::NotSupported => S::DMABUF_RT_NOT_SUPPORTED,
+        ErrorKind::ResourceLimit => S::DMABUF_RT_RESOURCE_LIMIT,
+        ErrorKind::WouldDeadlock => S::DMABUF_RT_WOULD_DEADLOCK,
+        ErrorKind::PermissionDenied | ErrorKind::Timeout | ErrorKind::Failed => S::DMABUF_RT_FAILED,
     }
 }
 
@@ -181,20 +170,14 @@ fn rt() -> Result<&'static Runtime> {
 }
 
 fn invalid(what: String) -> Error {
-    Error::Config { what }
+    Error::InvalidArgument { what }
 }
 
 /// The device a C device argument names (`DMABUF_RT_CURRENT_DEVICE`: the thread's current one).
 fn device_id(rt: &Runtime, device: c_int) -> Result<usize> {
     let id = match device {
         DMABUF_RT_CURRENT_DEVICE => rt.current(),
-        d if d < 0 => {
-            return Err(invalid(format!(
-                "device {d} does not exist (this process has {} devices; {DMABUF_RT_CURRENT_DEVICE} means the \
-                 current device)",
-                rt.devices().len()
-            )));
-        }
+        d if d < 0 => return Err(Error::NoSuchDevice { id: i64::from(d), count: rt.devices().len() }),
         d => d as usize,
     };
     Ok(rt.device(id)?.id())

@@ -18,7 +18,7 @@
 use std::ffi::{c_char, c_int, c_uchar, c_void};
 
 use super::{null, out, run, store};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::runtime::{CopyKind, Runtime};
 
 /// `C_Status`.
@@ -173,10 +173,10 @@ pub const MAX_CHUNK: usize = 64 << 20;
 
 /// The status for a result: errors are already logged by `run`.
 fn status(r: Result<()>) -> CStatus {
-    match r {
+    match r.map_err(|e| e.kind()) {
         Ok(()) => C_SUCCESS,
-        Err(Error::AllocatorOom { .. } | Error::OutOfMemory { .. } | Error::TooLarge { .. }) => C_FAILED,
-        Err(Error::OperationFailed { .. } | Error::Io { .. } | Error::Timeout { .. }) => C_INTERNAL_ERROR,
+        Err(ErrorKind::OutOfMemory) => C_FAILED,
+        Err(ErrorKind::Failed | ErrorKind::Timeout) => C_INTERNAL_ERROR,
         Err(_) => C_ERROR,
     }
 }
@@ -191,7 +191,8 @@ unsafe fn dev_id(dev: CDevice) -> Result<usize> {
     }
     // SAFETY: non-null, and the caller's contract says it points to a C_Device_st.
     let id = unsafe { (*dev).id };
-    usize::try_from(id).map_err(|_| Error::Config { what: format!("device id {id} is negative") })
+    let count = Runtime::get().map_or(0, |rt| rt.devices().len());
+    usize::try_from(id).map_err(|_| Error::NoSuchDevice { id: i64::from(id), count })
 }
 
 fn rt() -> Result<&'static Runtime> {
@@ -374,7 +375,11 @@ fn size_cb(
     status(run(name, || {
         // SAFETY: Paddle passes its C_Device.
         let id = unsafe { dev_id(dev)? };
-        let v = v(rt()?, id)?;
+        let rt = rt()?;
+        // Every hint names a device: one out of range is refused, even where the hint is the
+        // same for all devices.
+        rt.device(id)?;
+        let v = v(rt, id)?;
         // SAFETY: Paddle passes a writable size_t.
         unsafe { store(out(size_out, "size")?, v) };
         Ok(())
@@ -415,7 +420,7 @@ fn alloc_cb(name: &'static str, ptr: *mut *mut c_void, f: impl FnOnce(&Runtime) 
         }
         let p = match rt().and_then(f) {
             Ok(p) => p,
-            Err(e @ (Error::AllocatorOom { .. } | Error::OutOfMemory { .. } | Error::TooLarge { .. })) => {
+            Err(e) if e.kind() == ErrorKind::OutOfMemory => {
                 super::report(name, &e);
                 std::ptr::null_mut()
             }

@@ -58,6 +58,9 @@ struct State {
     hooks: Vec<(u64, Hook)>,
     /// Threads blocked in a wait (so completion wakes only when someone sleeps).
     sleepers: usize,
+    /// The queue each pending generation was recorded on (kernel fences have none): a wait on
+    /// such a generation from that queue's own executor thread (a callback) could never end.
+    owners: BTreeMap<u64, u64>,
 }
 
 impl State {
@@ -76,6 +79,9 @@ impl State {
     }
 
     fn mark_done(&mut self, generation: u64) {
+        if !self.owners.is_empty() {
+            self.owners.remove(&generation);
+        }
         if generation <= self.done_upto {
             return;
         }
@@ -147,6 +153,29 @@ impl Event {
         let mut s = self.lock();
         s.recorded += 1;
         s.recorded
+    }
+
+    /// Starts a new generation recorded on queue `queue`; returns it.
+    pub(crate) fn begin_record_on(&self, queue: u64) -> u64 {
+        let mut s = self.lock();
+        s.recorded += 1;
+        let generation = s.recorded;
+        s.owners.insert(generation, queue);
+        generation
+    }
+
+    /// Records a new generation that is complete at once (a record on a stream that has no
+    /// work outstanding by construction, such as the runtime's synchronous stream).
+    pub(crate) fn record_complete(&self) {
+        let generation = self.begin_record();
+        self.complete(generation, Ok(()));
+    }
+
+    /// Whether the latest record is pending on queue `queue` (its completion then waits for
+    /// everything that queue runs before it).
+    pub(crate) fn pending_on(&self, queue: u64) -> bool {
+        let s = self.lock();
+        s.owners.get(&s.recorded) == Some(&queue)
     }
 
     /// Completes `generation`, successfully or not, on this thread: runs the hooks waiting for
@@ -249,6 +278,16 @@ impl Event {
         loop {
             if let Some(r) = s.result_for(generation) {
                 return r.map_err(|reason| Error::OperationFailed { reason });
+            }
+            if let Some(&q) = s.owners.get(&generation) {
+                if super::executing_queue() == Some(q) {
+                    // This thread is that queue's executor (a host callback is running): the
+                    // record sits behind the callback, which would wait for it forever.
+                    return Err(Error::WouldDeadlock {
+                        what: "a host callback waited for work queued on its own queue after it (an event recorded \
+                               there, or a synchronize of that queue or of its device's streams)",
+                    });
+                }
             }
             if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
                 return Err(Error::OperationFailed { reason: "queue dropped while waiting for an event".into() });

@@ -222,7 +222,7 @@ impl Queue {
 
     /// Records `event` again at this point (a new generation; see [`Event`]).
     pub fn record_event(&self, event: &Event) -> Result<()> {
-        let generation = event.begin_record();
+        let generation = event.begin_record_on(self.shared.id);
         let r = self.submit(Op::Record { event: event.clone(), generation });
         if let Err(e) = &r {
             // Never leave a generation nobody will complete.
@@ -322,13 +322,48 @@ impl QueueHandle {
     /// A new event recorded at the queue's current end.
     pub fn record(&self) -> Result<Event> {
         let event = Event::new();
-        let generation = event.begin_record();
+        let generation = event.begin_record_on(self.shared.id);
         let r = submit(&self.shared, Op::Record { event: event.clone(), generation });
         if let Err(e) = &r {
             event.complete(generation, Err(e.to_string().into()));
         }
         r.map(|()| event)
     }
+
+    /// What waiting for everything submitted so far takes: `Ok(None)` when the queue was
+    /// dropped and finished all its work, else an event recorded at the queue's current end.
+    pub fn record_unless_passed(&self) -> Result<Option<Event>> {
+        {
+            let s = self.shared.lock();
+            if s.exited && !s.dead {
+                return Ok(None);
+            }
+        }
+        match self.record() {
+            Ok(ev) => Ok(Some(ev)),
+            // It exited between the check and the record: its work is all done.
+            Err(_) if self.shared.lock().exited && !self.shared.lock().dead => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Whether the queue has been dropped and its executor has exited, having finished or
+    /// cancelled all its work: nothing can use its blocks any more.
+    pub fn is_gone(&self) -> bool {
+        let s = self.shared.lock();
+        s.exited || s.dead
+    }
+}
+
+thread_local! {
+    /// The id of the queue whose executor this thread is (0: none).
+    static EXECUTING: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// The queue whose executor thread this is, if any: code running in a host callback.
+pub fn executing_queue() -> Option<u64> {
+    let id = EXECUTING.with(std::cell::Cell::get);
+    (id != 0).then_some(id)
 }
 
 /// Runs `f` once every queue in `queues` has passed its current end: an event is recorded on
@@ -353,9 +388,9 @@ pub fn after_queues(queues: impl IntoIterator<Item = QueueHandle>, f: impl FnOnc
                 }
             }
         };
-        match q.record() {
-            Ok(ev) => ev.on_complete(move |_| done()),
-            Err(_) => done(),
+        match q.record_unless_passed() {
+            Ok(Some(ev)) => ev.on_complete(move |_| done()),
+            Ok(None) | Err(_) => done(),
         }
     }
 }
@@ -407,6 +442,17 @@ pub fn copy_now(dst: impl Into<Mem>, src: impl Into<Mem>) -> Result<()> {
     let (dst, src) = (dst.into(), src.into());
     check_copy(&dst, &src)?;
     cpu_copy(&dst, &src).map_err(|reason| Error::OperationFailed { reason })
+}
+
+/// Synchronous fill on the calling thread: no queue, same checks and the same dma-buf
+/// bracketing as a queued fill.
+pub fn fill_now(dst: impl Into<Mem>, byte: u8) -> Result<()> {
+    let dst = dst.into();
+    dst.ptr()?;
+    if !dst.writable() {
+        return Err(Error::ReadOnly);
+    }
+    cpu_fill(&dst, byte).map_err(|reason| Error::OperationFailed { reason })
 }
 
 fn check_copy(dst: &Mem, src: &Mem) -> Result<()> {
@@ -470,6 +516,7 @@ fn cancel(op: Op, why: &Arc<str>) {
 
 fn executor(shared: &Shared) {
     let _guard = ExecutorGuard(shared);
+    EXECUTING.with(|e| e.set(shared.id));
     loop {
         let (queued, failed) = {
             let mut s = shared.lock();
@@ -547,14 +594,17 @@ fn finish(shared: &Shared, completes: Option<(Event, u64, Completion)>) {
     if let Some((event, generation, result)) = &completes {
         event.run_hooks(*generation, result);
     }
-    let (more, late) = {
+    let (wake, late) = {
         let mut s = shared.lock();
         s.running = false;
         // Lock order: queue, then event (as in `inline_ok`).
         let late = completes.map(|(event, generation, result)| event.mark_complete(generation, result));
-        (!s.ops.is_empty(), late)
+        // Wake the executor when there is more to run, and also when the queue is closing: an
+        // operation run inline on another thread kept it asleep through Drop's wake-up, and it
+        // must now see the queue idle and exit, or Drop's join waits forever.
+        (!s.ops.is_empty() || s.closing, late)
     };
-    if more {
+    if wake {
         shared.work.notify_one();
     }
     if let Some(late) = late {

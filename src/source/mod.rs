@@ -86,7 +86,7 @@ pub(crate) fn alloc_error(requested: usize, source_name: String, op: &'static st
         Some(code) if code == libc_enomem() || code == libc_enospc() => {
             Error::OutOfMemory { requested: requested as u64, source_name, source: e }
         }
-        _ => Error::Io { op, source: e },
+        _ => Error::from_io(op, e),
     }
 }
 
