@@ -225,7 +225,7 @@ pub enum Error {
 
     /// A pointer that does not lie in memory this library handed out (a copy's device side,
     /// a stream or event handle that is not live).
-    #[error("{what} {ptr:#x} is not {expected}")]
+    #[error("{what} {ptr:#x} is not {expected}{}{why}", if why.is_empty() { "" } else { ": " })]
     UnknownPointer {
         /// What the pointer was passed as.
         what: &'static str,
@@ -233,6 +233,8 @@ pub enum Error {
         ptr: usize,
         /// What it should have been.
         expected: &'static str,
+        /// What it is instead, when known (empty otherwise).
+        why: String,
     },
 
     /// A wait that could never end: a host callback waiting for its own queue.

@@ -392,7 +392,12 @@ impl Runtime {
             return Ok(());
         }
         if dst.is_null() || src.is_null() {
-            return Err(Error::UnknownPointer { what: "copy pointer", ptr: 0, expected: "non-null" });
+            return Err(Error::UnknownPointer {
+                what: "copy pointer",
+                ptr: 0,
+                expected: "non-null",
+                why: String::new(),
+            });
         }
         let (queue, stream_dev) = match stream {
             Some(h) => (Some(self.stream(h)?), Some(self.stream_device(h)?)),
@@ -613,7 +618,8 @@ impl Runtime {
     /// the range runs past its end.
     pub(crate) fn runtime_mem_at(&self, ptr: *const u8, len: usize) -> Result<Option<Mem>> {
         let addr = ptr as usize;
-        let past = |expected: &'static str| Error::UnknownPointer { what: "data", ptr: addr, expected };
+        let past =
+            |expected: &'static str| Error::UnknownPointer { what: "data", ptr: addr, expected, why: String::new() };
         let inside = |base: usize, size: usize| addr >= base && addr - base < size;
         {
             let host = lock(&self.host_live);
@@ -634,11 +640,10 @@ impl Runtime {
             }
         }
         for d in &self.devices {
-            if d.alloc.mem_at(ptr, 1).is_ok() {
-                let m = d.alloc.mem_at(ptr, len).map_err(|_| {
-                    past("a range inside one segment (it starts in device memory but runs past its end)")
-                })?;
-                return Ok(Some(m));
+            if d.alloc.holds(ptr) {
+                // Device memory: the range must lie in one live allocation (the error says
+                // why not: freed, or running past its end).
+                return d.alloc.mem_at(ptr, len).map(Some);
             }
         }
         Ok(None)

@@ -37,6 +37,7 @@
 //! completion finishing a deferred free) pushes onto a lock-free list ([`free_list`]) that the
 //! next allocation, or any call that needs the pools, drains under the lock.
 
+mod addrs;
 mod allocation;
 pub mod config;
 pub mod free_list;
@@ -355,18 +356,25 @@ impl CachingAllocator {
         self.lock().record_stream_raw(ptr as usize, queue).map_err(|why| Error::InvalidFree { ptr: ptr as usize, why })
     }
 
-    /// `len` bytes at `ptr`, anywhere inside memory this allocator holds (frameworks that
-    /// sub-allocate pass pointers into the middle of blocks), as a queue range that keeps the
-    /// segment mapped while operations use it. A range that is not wholly inside one segment
-    /// is refused. Takes the allocator's lock.
+    /// `len` bytes at `ptr`, anywhere inside one live allocation of this allocator
+    /// (frameworks that sub-allocate pass pointers into the middle of blocks), as a queue range
+    /// that keeps the segment mapped while operations use it. A range that is not wholly inside
+    /// the bytes one live allocation asked for (freed, foreign, or running past its end into
+    /// a neighbour) is refused with [`Error::UnknownPointer`] saying which. Takes the lock.
     pub fn mem_at(&self, ptr: *const u8, len: usize) -> Result<Mem> {
         let addr = ptr as usize;
-        let (seg, off) = self.lock().segment_at(addr, len).ok_or(Error::UnknownPointer {
-            what: "pointer",
+        let (seg, off) = self.lock().live_range(addr, len).map_err(|why| Error::UnknownPointer {
+            what: "device pointer",
             ptr: addr,
-            expected: "inside memory of this allocator (with the whole range)",
+            expected: "inside one live allocation of this device with the whole range",
+            why,
         })?;
         Mem::from(&seg).range(off, len)
+    }
+
+    /// Whether `ptr` lies in memory this allocator holds (live, cached or freed blocks alike).
+    pub fn holds(&self, ptr: *const u8) -> bool {
+        self.lock().holds(ptr as usize)
     }
 
     /// The size asked for by the live raw allocation at `ptr`.

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::FreeMsg;
+use super::addrs::BlockAddrs;
 use super::allocation::SegRef;
 use super::config::Config;
 use super::free_list::{FreeList, Node};
@@ -399,7 +400,7 @@ pub(crate) struct Pool {
     /// The queues blocks were allocated on, to tell whether one still has work in flight.
     queues: HashMap<u64, QueueHandle, FxBuild>,
     /// Every block of every live segment by address: raw frees look their pointer up here.
-    by_addr: HashMap<usize, BlockId, FxBuild>,
+    by_addr: BlockAddrs,
     /// The other queues that used a raw block (`Block::raw_used`).
     raw_uses: HashMap<BlockId, Vec<QueueHandle>, FxBuild>,
     /// Freed blocks kept unmerged for exact reuse, by (stream, size): the fast path for
@@ -448,7 +449,7 @@ impl Pool {
             nodes: Vec::new(),
             scratch: Vec::new(),
             queues: HashMap::default(),
-            by_addr: HashMap::default(),
+            by_addr: BlockAddrs::default(),
             raw_uses: HashMap::default(),
             quick: Quick::default(),
             expandable: HashMap::new(),
@@ -647,7 +648,8 @@ impl Pool {
                 (self.blocks.len() - 1) as BlockId
             }
         };
-        self.by_addr.insert(self.addr(id), id);
+        let addr = self.addr(id);
+        self.by_addr.insert(addr, id);
         self.quick.track(id);
         id
     }
@@ -818,10 +820,10 @@ impl Pool {
         let (id_addr, other_addr) = (self.addr(id), self.addr(other));
         if other_addr < id_addr {
             // `id` now starts where `other` did.
-            self.by_addr.remove(&id_addr);
+            self.by_addr.remove(id_addr);
             self.by_addr.insert(other_addr, id);
         } else {
-            self.by_addr.remove(&other_addr);
+            self.by_addr.remove(other_addr);
         }
         let o = self.blocks[other as usize].clone();
         let b = &mut self.blocks[id as usize];
@@ -1456,7 +1458,7 @@ impl Pool {
         }
         self.pool_remove(id);
         let addr = self.addr(id);
-        self.by_addr.remove(&addr);
+        self.by_addr.remove(addr);
         let b = self.blocks[id as usize].clone();
         if let Some(entry) = self.segments[b.seg as usize].take() {
             self.stats.num_device_free += 1;
@@ -1581,7 +1583,7 @@ impl Pool {
     /// The live raw block at `addr`, or why there is none.
     #[inline]
     fn raw_at(&self, addr: usize) -> std::result::Result<BlockId, &'static str> {
-        let Some(&id) = self.by_addr.get(&addr) else { return Err(self.classify_foreign(addr)) };
+        let Some(id) = self.by_addr.get(addr) else { return Err(self.classify_foreign(addr)) };
         let b = &self.blocks[id as usize];
         match (b.allocated, b.raw, b.requested > 0) {
             (true, true, true) => Ok(id),
@@ -1637,11 +1639,38 @@ impl Pool {
         Ok((seg, b.offset, b.requested))
     }
 
-    /// The segment that holds `[addr, addr + len)` wholly, and the offset of `addr` in it.
-    pub(crate) fn segment_at(&self, addr: usize, len: usize) -> Option<(Arc<Segment>, usize)> {
-        let s = self.segments.iter().flatten().find(|s| addr >= s.base && addr - s.base < s.size)?;
-        let off = addr - s.base;
-        (off.checked_add(len)? <= s.size).then(|| (Arc::clone(&s.seg), off))
+    /// The live allocation that holds `[addr, addr + len)` wholly (frameworks that sub-allocate
+    /// pass pointers into the middle of blocks): its segment and the offset of `addr` in the
+    /// segment. Only the bytes the caller asked for count, so a range that runs past them (into
+    /// a neighbour, or into the rounding), or one in a freed block, is refused with the reason.
+    pub(crate) fn live_range(&self, addr: usize, len: usize) -> std::result::Result<(Arc<Segment>, usize), String> {
+        let end = addr.checked_add(len).ok_or_else(|| format!("a {len}-byte range from {addr:#x} wraps around"))?;
+        let found = self.by_addr.at_or_before(addr).filter(|&(start, id)| {
+            let b = &self.blocks[id as usize];
+            addr - start < b.size
+        });
+        let Some((start, id)) = found else {
+            return Err("not inside memory of this allocator".into());
+        };
+        let b = &self.blocks[id as usize];
+        if !b.allocated || b.requested == 0 {
+            return Err(format!("inside a freed block (at {start:#x}, {} bytes)", b.size));
+        }
+        let owned = start + b.requested;
+        if end > owned {
+            return Err(format!(
+                "the range {addr:#x}+{len} runs {} bytes past the end of its allocation ({} bytes at {start:#x})",
+                end - owned,
+                b.requested
+            ));
+        }
+        let e = self.segments[b.seg as usize].as_ref().expect("a live block's segment is live");
+        Ok((Arc::clone(&e.seg), addr - e.base))
+    }
+
+    /// Whether `addr` lies in some block of a live segment.
+    pub(crate) fn holds(&self, addr: usize) -> bool {
+        self.by_addr.at_or_before(addr).is_some_and(|(start, id)| addr - start < self.blocks[id as usize].size)
     }
 
     /// Why a pointer that starts no block is not a live allocation.
@@ -1753,7 +1782,7 @@ impl Pool {
                         b.pool, b.stream, e.pool, e.stream
                     ));
                 }
-                if self.by_addr.get(&(e.base + b.offset)) != Some(&id) {
+                if self.by_addr.get(e.base + b.offset) != Some(id) {
                     return Err(format!("block {id} is not in the address table"));
                 }
                 by_addr += 1;

@@ -57,7 +57,7 @@ pub(crate) fn run<T>(func: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
 
 /// An error for a null pointer argument.
 pub(crate) fn null(what: &'static str) -> Error {
-    Error::UnknownPointer { what, ptr: 0, expected: "a non-null pointer" }
+    Error::UnknownPointer { what, ptr: 0, expected: "a non-null pointer", why: String::new() }
 }
 
 /// Checks an out-pointer: not NULL and aligned for `T`.
@@ -66,7 +66,12 @@ pub(crate) fn out<T>(p: *mut T, what: &'static str) -> Result<*mut T> {
         return Err(null(what));
     }
     if !p.is_aligned() {
-        return Err(Error::UnknownPointer { what, ptr: p as usize, expected: "aligned for its type" });
+        return Err(Error::UnknownPointer {
+            what,
+            ptr: p as usize,
+            expected: "aligned for its type",
+            why: String::new(),
+        });
     }
     Ok(p)
 }
