@@ -342,6 +342,10 @@ enum dmabuf_rt_status dmabuf_rt_reset_peak_stats(int device);
 // submitted to its streams. Live allocations are untouched.
 enum dmabuf_rt_status dmabuf_rt_empty_cache(int device);
 
+// Returns the cached (freed but kept) pinned host memory to the system: its memfds are
+// closed and its pages unlocked. Live host allocations are untouched.
+enum dmabuf_rt_status dmabuf_rt_host_empty_cache(void);
+
 // Stores in `*json` a snapshot of the device's allocator as a NUL-terminated JSON object:
 // `{"device":N,"spec":"...","stats":{...},"segments":[...]}`, where `stats` uses PyTorch's
 // `memory_stats()` key names and `segments` lists each segment with its blocks (PyTorch's

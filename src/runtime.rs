@@ -336,6 +336,11 @@ impl Runtime {
         Ok(ptr)
     }
 
+    /// Returns cached pinned host memory to the system.
+    pub fn host_empty_cache(&self) {
+        self.host.empty_cache();
+    }
+
     /// Frees pinned host memory.
     pub fn host_free(&self, ptr: *mut u8) -> Result<()> {
         match lock(&self.host_live).remove(&(ptr as usize)) {

@@ -73,6 +73,8 @@ pub(crate) enum FreeMsg {
     Requested(BlockId),
     /// Those events completed.
     Completed(BlockId),
+    /// The queue with this id is gone: its memory goes back once its blocks are free.
+    QueueGone(u64),
 }
 
 pub(crate) struct Inner {
@@ -232,7 +234,18 @@ impl CachingAllocator {
             let pending = !self.inner.pending.is_zero();
             let mut pool = self.lock();
             if let Some(q) = queue {
-                pool.register_queue(q);
+                if pool.register_queue(q) {
+                    // When the queue goes, its segments (an expandable one per pool, and its
+                    // cached classic ones) go back to the source once their blocks are free:
+                    // no other queue can use them. Weak: the queue must not keep us alive.
+                    let inner = Arc::downgrade(&self.inner);
+                    let id = q.id();
+                    q.handle().on_exit(move || {
+                        if let Some(inner) = inner.upgrade() {
+                            inner.frees.push(Node::new(FreeMsg::QueueGone(id)));
+                        }
+                    });
+                }
             }
             match pool.allocate(size, stream, pending, waited)? {
                 Outcome::Got(b) => return Ok(take(pool, b)),

@@ -413,6 +413,8 @@ pub(crate) struct Pool {
     /// The latest failure of the source during the current request that was not a lack of
     /// memory (fd limit, permission, I/O): reported as itself, not as out-of-memory.
     source_error: Option<Error>,
+    /// Queues that are gone but still have segments with blocks in use.
+    gone: std::collections::HashSet<u64>,
 }
 
 /// How many freed blocks the quick cache holds before it is flushed into the pools.
@@ -455,6 +457,7 @@ impl Pool {
             expandable: HashMap::new(),
             expandable_unsupported: false,
             source_error: None,
+            gone: Default::default(),
         }
     }
 
@@ -678,7 +681,11 @@ impl Pool {
     #[inline(always)]
     fn apply(&mut self, m: FreeMsg) {
         match m {
-            FreeMsg::Free(id) => self.free_now(id),
+            FreeMsg::Free(id) => {
+                self.free_now(id);
+                self.after_free(id);
+            }
+            FreeMsg::QueueGone(stream) => self.queue_gone(stream),
             FreeMsg::Requested(id) => {
                 self.account_free_request(id);
                 let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
@@ -693,6 +700,18 @@ impl Pool {
                 stats::dec_array(&mut self.pending, pool, 1);
                 stats::dec_array(&mut self.pending_bytes, pool, size);
                 self.free_block(id);
+                self.after_free(id);
+            }
+        }
+    }
+
+    /// After a free: the last block of a gone queue's segment lets the segment go.
+    #[inline(always)]
+    fn after_free(&mut self, id: BlockId) {
+        if !self.gone.is_empty() {
+            let stream = self.blocks[id as usize].stream;
+            if self.gone.contains(&stream) {
+                self.release_gone(stream);
             }
         }
     }
@@ -1171,8 +1190,76 @@ impl Pool {
 
     /// Notes `queue` as one that blocks are bound to (called on the slow path: a queue's first
     /// allocation always takes it).
-    pub(crate) fn register_queue(&mut self, queue: &Queue) {
-        self.queues.entry(queue.id()).or_insert_with(|| queue.handle());
+    /// Returns true the first time.
+    pub(crate) fn register_queue(&mut self, queue: &Queue) -> bool {
+        let mut new = false;
+        self.queues.entry(queue.id()).or_insert_with(|| {
+            new = true;
+            queue.handle()
+        });
+        new
+    }
+
+    /// The queue `stream` is gone (dropped, its work finished): nothing can allocate on it
+    /// again, so its segments go back to the source as soon as all their blocks are free (now,
+    /// or when the last of them is freed), and its handle and quick-cache table are dropped.
+    fn queue_gone(&mut self, stream: u64) {
+        self.queues.remove(&stream);
+        self.gone.insert(stream);
+        self.release_gone(stream);
+    }
+
+    /// Releases every segment of the gone queue `stream` whose blocks are all free; forgets
+    /// the queue once none is left.
+    fn release_gone(&mut self, stream: u64) {
+        self.flush_quick();
+        self.quick.forget_stream(stream);
+        let segs: Vec<u32> = (0..self.segments.len() as u32)
+            .filter(|&i| self.segments[i as usize].as_ref().is_some_and(|e| e.stream == stream))
+            .collect();
+        let mut left = false;
+        for si in segs {
+            left |= !self.release_segment_if_free(si);
+        }
+        if !left {
+            self.gone.remove(&stream);
+        }
+    }
+
+    /// Returns segment `si` to the source if none of its blocks is in use (after a flush of the
+    /// quick cache, free blocks are merged, so that is one free block, or none for an
+    /// expandable segment that never grew). Returns whether it went.
+    fn release_segment_if_free(&mut self, si: u32) -> bool {
+        let Some(e) = self.segments[si as usize].as_ref() else { return true };
+        let (base, size, expandable) = (e.base, e.size, e.exp.is_some());
+        let first = self.by_addr.get(base).filter(|&id| self.blocks[id as usize].seg == si);
+        if !expandable {
+            return first.is_some_and(|id| {
+                let b = &self.blocks[id as usize];
+                !b.allocated && !b.in_quick && !b.is_split() && self.release_block(id)
+            });
+        }
+        if size > 0 {
+            let whole = first.filter(|&id| {
+                let b = &self.blocks[id as usize];
+                !b.allocated && !b.in_quick && b.next.is_none()
+            });
+            let Some(id) = whole else { return false };
+            self.pool_remove(id);
+            self.by_addr.remove(base);
+            self.free_ids.push(id);
+        }
+        let e = self.segments[si as usize].take().expect("checked live above");
+        let exp = e.exp.as_ref().expect("expandable");
+        let backed = e.size - exp.punched * exp.page;
+        self.stats.num_device_free += 1;
+        stats::dec_array(&mut self.stats.segment, e.pool, 1);
+        stats::dec_array(&mut self.stats.reserved_bytes, e.pool, backed as i64);
+        self.expandable.remove(&(e.stream, e.pool));
+        self.log(HistoryKind::SegmentFree, e.base, e.size, e.stream);
+        self.free_segs.push(si);
+        drop(e); // unmaps the reservation and closes the memfd once no queue operation holds it
+        true
     }
 
     /// Whether the queue `stream` has work queued or running: its freed blocks may still be

@@ -90,6 +90,24 @@ impl Quick {
         self.last
     }
 
+    /// Drops the table of `stream`, whose queue is gone. The cache must hold none of its
+    /// blocks (the pool flushes it first).
+    pub(crate) fn forget_stream(&mut self, stream: u64) {
+        self.large.retain(|k, _| k.0 != stream);
+        let Some(i) = self.streams.iter().position(|&s| s == stream) else { return };
+        debug_assert!(self.heads[i * CLASSES..][..CLASSES].iter().all(|&h| h == NONE));
+        let last = self.streams.len() - 1;
+        if i != last {
+            self.heads.copy_within(last * CLASSES..(last + 1) * CLASSES, i * CLASSES);
+            self.used.copy_within(last * WORDS..(last + 1) * WORDS, i * WORDS);
+            self.streams[i] = self.streams[last];
+        }
+        self.streams.pop();
+        self.heads.truncate(last * CLASSES);
+        self.used.truncate(last * WORDS);
+        self.last = 0;
+    }
+
     /// Adds a free block of `size` (a multiple of 512) bound to `stream`.
     #[inline(always)]
     pub(crate) fn push(&mut self, stream: u64, size: usize, id: BlockId) {

@@ -752,6 +752,16 @@ pub extern "C" fn dmabuf_rt_empty_cache(device: c_int) -> dmabuf_rt_status {
     })
 }
 
+/// Returns the cached (freed but kept) pinned host memory to the system: its memfds are
+/// closed and its pages unlocked. Live host allocations are untouched.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_host_empty_cache() -> dmabuf_rt_status {
+    call("dmabuf_rt_host_empty_cache", || {
+        rt()?.host_empty_cache();
+        Ok(())
+    })
+}
+
 /// Stores in `*json` a snapshot of the device's allocator as a NUL-terminated JSON object:
 /// `{"device":N,"spec":"...","stats":{...},"segments":[...]}`, where `stats` uses PyTorch's
 /// `memory_stats()` key names and `segments` lists each segment with its blocks (PyTorch's

@@ -86,7 +86,12 @@ pub(super) fn kernel_copy(shared: &Shared, dst: &Mem, src: &Mem) -> std::result:
     };
     let sides = [(src.dmabuf(), sys::dma_buf::SYNC_READ), (dst.dmabuf(), sys::dma_buf::SYNC_WRITE)];
     let r = with_sync(sides, || {
-        let mut ring = shared.ring();
+        let Ok(mut ring) = shared.ring.lock() else {
+            return Err(("kernel copy", RingError::NotSubmitted("the queue's ring lock is poisoned".into())));
+        };
+        let Some(ring) = ring.as_mut() else {
+            return Err(("kernel copy", RingError::NotSubmitted("the queue's io_uring is closed".into())));
+        };
         if let Some((fd, off)) = dst.memfd() {
             // SAFETY: the source range lies in live memory held by `src` for the whole call,
             // and for good if the ring fails mid-flight (parked below).

@@ -175,8 +175,10 @@ impl Mem {
         if ptr.is_null() {
             return Err(Error::Unsupported { what: "a null pointer".into() });
         }
-        if (ptr as usize).checked_add(len).is_none() {
-            return Err(Error::OutOfBounds { offset: ptr as usize, len, size: usize::MAX });
+        if (ptr as usize).checked_add(len).is_none_or(|end| end > isize::MAX as usize) {
+            return Err(Error::InvalidArgument {
+                what: format!("{len} bytes at {ptr:p} run past the end of the address space"),
+            });
         }
         Ok(Mem { target: Target::Raw { base: ptr as usize, writable }, offset: 0, len })
     }

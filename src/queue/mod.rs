@@ -93,7 +93,8 @@ impl QueueBuilder {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             state: Mutex::new(State::default()),
             work: Condvar::new(),
-            ring: Mutex::new(ring),
+            ring: Mutex::new(Some(ring)),
+            exit_hooks: Mutex::new(Vec::new()),
             closing: AtomicBool::new(false),
             engine: self.engine,
             inline_max: self.inline_max,
@@ -154,7 +155,11 @@ struct Shared {
     id: u64,
     state: Mutex<State>,
     work: Condvar,
-    ring: Mutex<Ring>,
+    /// The queue's io_uring; closed when the executor exits, so that handles which outlive the
+    /// queue (the allocator's, deferred frees') do not keep its fd open.
+    ring: Mutex<Option<Ring>>,
+    /// Run once when the executor has exited (see [`QueueHandle::on_exit`]).
+    exit_hooks: Mutex<Vec<ExitHook>>,
     /// Mirrors `State::closing` for waits that poll it without the state lock.
     closing: AtomicBool,
     engine: CopyEngine,
@@ -166,10 +171,24 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn ring(&self) -> MutexGuard<'_, Ring> {
-        self.ring.lock().unwrap_or_else(|p| p.into_inner())
+    /// Runs `f` on the ring; an error once the executor has exited and closed it.
+    fn with_ring<R>(&self, f: impl FnOnce(&mut Ring) -> R) -> std::result::Result<R, Arc<str>> {
+        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        ring.as_mut().map(f).ok_or_else(|| Arc::from("the queue's io_uring is closed (the queue has exited)"))
+    }
+
+    /// After the executor has exited (its work done or cancelled): closes the ring and runs
+    /// the exit hooks.
+    fn exited(&self) {
+        drop(self.ring.lock().unwrap_or_else(|p| p.into_inner()).take());
+        let hooks = std::mem::take(&mut *self.exit_hooks.lock().unwrap_or_else(|p| p.into_inner()));
+        for h in hooks {
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(h));
+        }
     }
 }
+
+type ExitHook = Box<dyn FnOnce() + Send>;
 
 /// A stream of operations executed in order; see the module documentation.
 pub struct Queue {
@@ -353,6 +372,22 @@ impl QueueHandle {
         let s = self.shared.lock();
         s.exited || s.dead
     }
+
+    /// Runs `f` once the queue is gone (see [`QueueHandle::is_gone`]): on the executor thread
+    /// as it exits, or at once on this thread if it already has. `f` must be quick and must not
+    /// block (the caching allocator uses it to free a dropped queue's memory).
+    pub fn on_exit(&self, f: impl FnOnce() + Send + 'static) {
+        {
+            let s = self.shared.lock();
+            if !(s.exited || s.dead) {
+                // Registered under the state lock: the executor sets `exited` under it before
+                // it takes the hooks, so a hook is either taken or sees the queue gone.
+                self.shared.exit_hooks.lock().unwrap_or_else(|p| p.into_inner()).push(Box::new(f));
+                return;
+            }
+        }
+        f();
+    }
 }
 
 thread_local! {
@@ -500,6 +535,7 @@ impl Drop for ExecutorGuard<'_> {
         for q in left {
             cancel(q.op, &why);
         }
+        self.0.exited();
     }
 }
 
@@ -529,6 +565,8 @@ fn executor(shared: &Shared) {
                     }
                     if s.closing {
                         s.exited = true;
+                        drop(s);
+                        shared.exited();
                         return;
                     }
                 }
@@ -613,9 +651,9 @@ fn finish(shared: &Shared, completes: Option<(Event, u64, Completion)>) {
 }
 
 fn post_deferred_completion(shared: &Shared) -> std::result::Result<(), Arc<str>> {
-    shared.ring().complete_cpu_deferred().map_err(|e| Arc::from(format!("io_uring completion: {e}")))
+    shared.with_ring(|r| r.complete_cpu_deferred())?.map_err(|e| Arc::from(format!("io_uring completion: {e}")))
 }
 
 fn post_cpu_completion(shared: &Shared) -> std::result::Result<(), Arc<str>> {
-    shared.ring().complete_cpu().map_err(|e| Arc::from(format!("io_uring completion: {e}")))
+    shared.with_ring(|r| r.complete_cpu())?.map_err(|e| Arc::from(format!("io_uring completion: {e}")))
 }
