@@ -1756,6 +1756,20 @@ fn recv_packet(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<Packet> {
     Ok(Packet::Data { len: msg.bytes.min(buf.len()), fds, truncated })
 }
 
+/// The private message parsers, for the fuzzer (`fuzz/fuzz_targets/parsers.rs`); not API.
+#[doc(hidden)]
+pub mod fuzzing {
+    /// A data-channel message decoded and encoded again (`None`: refused).
+    pub fn message(b: &[u8]) -> Option<[u8; super::MSG_LEN]> {
+        super::Msg::decode(b).ok().map(|m| m.encode())
+    }
+
+    /// A stage's report parsed and formatted again (`None`: refused).
+    pub fn report(text: &str) -> Option<String> {
+        super::StageStats::parse(text).map(|s| s.to_message())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
