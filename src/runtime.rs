@@ -201,14 +201,37 @@ pub fn parse_capacity(s: &str) -> Result<u64> {
     Ok(v)
 }
 
+/// Parses `DMABUF_RT_DEVICES`'s syntax: a comma-separated list of `shmem`, `heap:NAME` and
+/// `gem[:PATH]` (blanks around items are ignored). Checks the syntax only: whether each device
+/// can be opened is found out when the runtime opens it.
+pub fn parse_device_list(list: &str) -> Result<Vec<String>> {
+    let specs: Vec<String> = list.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+    if specs.is_empty() {
+        return Err(Error::Config { what: format!("{DEVICES_ENV} is set but names no device") });
+    }
+    for spec in &specs {
+        let (kind, arg) = spec.split_once(':').map_or((spec.as_str(), None), |(k, a)| (k, Some(a)));
+        let ok = match (kind, arg) {
+            ("shmem", None) | ("gem", None) => true,
+            ("heap", Some(name)) => !name.is_empty() && !name.contains('/') && name != "." && name != "..",
+            ("gem", Some(path)) => path.starts_with('/'),
+            _ => false,
+        };
+        if !ok {
+            return Err(Error::Config {
+                what: format!(
+                    "{DEVICES_ENV}: `{spec}` is not a device (shmem, heap:NAME with a plain name, gem, or gem:/PATH)"
+                ),
+            });
+        }
+    }
+    Ok(specs)
+}
+
 /// The device specs from `DMABUF_RT_DEVICES`, or shmem plus what discovery finds usable.
 fn device_specs() -> Result<Vec<String>> {
     if let Ok(list) = std::env::var(DEVICES_ENV) {
-        let specs: Vec<String> = list.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
-        if specs.is_empty() {
-            return Err(Error::Config { what: format!("{DEVICES_ENV} is set but names no device") });
-        }
-        return Ok(specs);
+        return parse_device_list(&list);
     }
     let inv = crate::discovery::discover();
     let mut specs = vec!["shmem".to_string()];
