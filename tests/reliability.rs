@@ -305,3 +305,37 @@ fn a_source_out_of_fds_is_reported_as_a_resource_limit_not_out_of_memory() {
         assert_eq!(a.stats().num_ooms, 0);
     }
 }
+
+/// Defect 1 at its root: an operation run inline (on the submitting thread, while the queue
+/// was idle) that finished after `Drop` had set the queue closing did not wake the executor,
+/// whose wake-up it had swallowed, so `Drop`'s join waited forever. Another thread records on
+/// the queue through a handle in a tight loop while the queue is dropped, many times; a
+/// watchdog turns a hang into a failure.
+#[test]
+fn dropping_a_queue_while_another_thread_records_on_it_never_hangs() {
+    let _serial = serial();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for _ in 0..1500 {
+            let q = Queue::new().unwrap();
+            let h = q.handle();
+            let started = Arc::new(Barrier::new(2));
+            let recorder = {
+                let started = started.clone();
+                std::thread::spawn(move || {
+                    started.wait();
+                    // Inline records until the queue refuses them (it has exited).
+                    while let Ok(ev) = h.record() {
+                        let _ = ev.synchronize(None);
+                    }
+                })
+            };
+            started.wait();
+            drop(q);
+            recorder.join().unwrap();
+        }
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(120))
+        .expect("HANG: dropping a queue while another thread records on it");
+}

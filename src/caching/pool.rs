@@ -183,8 +183,14 @@ const CHUNK: usize = 2 << 20;
 /// of the room left below the limit, so that the rest of the process (and other queues'
 /// segments) can still map memory; never less than `floor`.
 fn reservation_len(allowed: u64, floor: usize) -> usize {
+    reservation_len_within(allowed, floor, address_space_room())
+}
+
+/// [`reservation_len`] with `room` bytes of address space left below `RLIMIT_AS` (`None`: no
+/// limit).
+fn reservation_len_within(allowed: u64, floor: usize, room: Option<u64>) -> usize {
     let mut len = allowed.saturating_mul(4).min(1 << 38);
-    if let Some(room) = address_space_room() {
+    if let Some(room) = room {
         len = len.min(room / 4);
     }
     (len as usize).max(floor).max(CHUNK).next_multiple_of(CHUNK)
@@ -1540,7 +1546,6 @@ impl Pool {
     fn release_block(&mut self, id: BlockId) -> bool {
         let b = &self.blocks[id as usize];
         if b.allocated || b.in_quick || b.is_split() || self.is_expandable(id) {
-            debug_assert!(false, "release_block({id}): not a free, unsplit, pooled classic block");
             return false;
         }
         self.pool_remove(id);
@@ -2015,5 +2020,83 @@ impl Pool {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::SparseSource;
+
+    fn pool(conf: &str) -> Pool {
+        Pool::new(Box::new(SparseSource), Config::parse(conf).unwrap(), 1 << 30)
+    }
+
+    fn got(o: Result<Outcome>) -> Handed {
+        match o.unwrap() {
+            Outcome::Got(h) => h,
+            Outcome::WaitForPending => panic!("nothing is pending"),
+        }
+    }
+
+    /// Issue 9, defect 9: `Allocation`'s segment pointer is sound only if a segment never goes
+    /// back to its source while one of its blocks is handed out. `release_block` checks that
+    /// in every build (it was a `debug_assert!`), so a bug elsewhere leaks instead of freeing
+    /// memory in use.
+    #[test]
+    fn release_block_refuses_blocks_in_use_split_or_cached() {
+        let mut p = pool("expandable_segments:False");
+        let whole = got(p.allocate(4 << 20, 0, false, false)).id;
+        assert!(p.blocks[whole as usize].allocated);
+        assert!(!p.release_block(whole), "released an allocated block's segment");
+        let part = got(p.allocate(4096, 0, false, false)).id;
+        assert!(p.blocks[part as usize].is_split());
+        let rest = p.blocks[part as usize].next.unwrap();
+        assert!(!p.release_block(rest), "released the segment under an allocated neighbour");
+        p.apply(FreeMsg::Free(part));
+        assert!(p.blocks[part as usize].in_quick);
+        assert!(!p.release_block(part), "released a quick-cached block");
+        assert_eq!(p.stats.segment[stats::AGGREGATE].current, 2);
+        p.check_invariants().unwrap();
+        p.apply(FreeMsg::Free(whole));
+        p.release_cached(None);
+        assert_eq!(p.stats.segment[stats::AGGREGATE].current, 0);
+        p.check_invariants().unwrap();
+    }
+
+    /// Issue 9, defect 11: under `RLIMIT_AS` an expandable segment takes at most a quarter of
+    /// the room left, never the rest of the address space; otherwise four times the allowed
+    /// memory, capped so hundreds of queues fit.
+    #[test]
+    fn reservations_leave_room_under_an_address_space_limit() {
+        const G: u64 = 1 << 30;
+        assert_eq!(reservation_len_within(G, CHUNK, None), 4 << 30);
+        assert_eq!(reservation_len_within(1 << 40, CHUNK, None), 1 << 38);
+        assert_eq!(reservation_len_within(G, CHUNK, Some(2 * G)), (G / 2) as usize);
+        // Never less than the request, whatever the room.
+        assert_eq!(reservation_len_within(G, 64 << 20, Some(16 << 20)), 64 << 20);
+        assert_eq!(reservation_len_within(0, 1, Some(0)), CHUNK);
+    }
+
+    /// Issue 9, defect 7: a gone queue's segments go back as soon as their blocks are free.
+    #[test]
+    fn a_gone_queues_segments_go_when_their_last_block_is_freed() {
+        for conf in ["expandable_segments:False", "expandable_segments:True"] {
+            let mut p = pool(conf);
+            let a = got(p.allocate(4096, 7, false, false)).id;
+            let b = got(p.allocate(3 << 20, 7, false, false)).id;
+            let other = got(p.allocate(4096, 8, false, false)).id;
+            p.queue_gone(7);
+            p.check_invariants().unwrap();
+            assert_eq!(p.stats.segment[stats::AGGREGATE].current, 3, "{conf}: blocks are live");
+            p.apply(FreeMsg::Free(a));
+            assert_eq!(p.stats.segment[stats::AGGREGATE].current, 2, "{conf}");
+            p.apply(FreeMsg::Free(b));
+            assert_eq!(p.stats.segment[stats::AGGREGATE].current, 1, "{conf}");
+            assert!(p.gone.is_empty() && p.expandable.keys().all(|k| k.0 != 7), "{conf}");
+            p.check_invariants().unwrap();
+            p.apply(FreeMsg::Free(other));
+            p.check_invariants().unwrap();
+        }
     }
 }
