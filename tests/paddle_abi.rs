@@ -216,6 +216,23 @@ fn bad_input_gets_an_error_status_and_the_allocator_keeps_working() {
         assert_eq!(i.set_device.unwrap()(&mut bad_dev), C_ERROR);
         assert_eq!(i.set_device.unwrap()(&mut neg_dev), C_ERROR);
         assert_eq!(i.device_memory_allocate.unwrap()(&mut bad_dev, &mut p, 4096), C_ERROR);
+        // Every size hint names a device: an out-of-range one is refused (issue 9, defect 12:
+        // they answered for any id), and the out-value is left alone.
+        let hints = [
+            ("min_chunk", i.device_min_chunk_size),
+            ("max_chunk", i.device_max_chunk_size),
+            ("max_alloc", i.device_max_alloc_size),
+            ("extra_padding", i.device_extra_padding_size),
+            ("init_alloc", i.device_init_alloc_size),
+            ("realloc", i.device_realloc_size),
+        ];
+        for (name, f) in hints {
+            let mut v = 12345usize;
+            assert_eq!(f.unwrap()(&mut bad_dev, &mut v), C_ERROR, "{name} for device 7");
+            assert_eq!(f.unwrap()(&mut neg_dev, &mut v), C_ERROR, "{name} for device -1");
+            assert_eq!(v, 12345, "{name} wrote its out-value on a refusal");
+            assert_eq!(f.unwrap()(&mut dev0, &mut v), C_SUCCESS, "{name} for device 0");
+        }
         // Frees of pointers we never gave, twice, or with the wrong size.
         assert_eq!(i.device_memory_deallocate.unwrap()(&mut dev0, local.as_mut_ptr().cast(), 64), C_ERROR);
         assert_eq!(i.device_memory_deallocate.unwrap()(&mut dev0, null_mut(), 64), C_ERROR);
