@@ -25,16 +25,18 @@
 typedef enum dmabuf_rt_status {
   // Success.
   DMABUF_RT_OK = 0,
-  // A bad value: size 0, an unknown device id or copy kind, a buffer too small, a range
-  // outside its block, an invalid setting in the environment; or a call the object's state
-  // does not allow (an asynchronous push of a SyncedMemory whose newest data is not on the
-  // host).
+  // A bad value: size 0, an unknown device id or copy kind, a buffer too small, a host
+  // range that wraps the address space, an invalid setting in the environment; or a call
+  // the object's state does not allow (an asynchronous push of a SyncedMemory whose newest
+  // data is not on the host).
   DMABUF_RT_INVALID_ARGUMENT = 1,
   // The device (or the machine) cannot provide that much memory, even after emptying the
   // cache; the message gives the capacity, what is allocated and what is cached.
   DMABUF_RT_OUT_OF_MEMORY = 2,
   // A NULL or misaligned pointer argument, or a pointer this library did not hand out (or
-  // already freed, or of another device, or a range not inside one of its blocks).
+  // already freed, or of another device), or a device range not wholly inside the bytes
+  // one live allocation asked for (a copy or memset running past its end into a
+  // neighbour, or into a freed block). Checked when the call is made.
   DMABUF_RT_INVALID_POINTER = 3,
   // A stream, event or SyncedMemory handle that is not live (never created, or destroyed:
   // handles are never reused).
