@@ -11,14 +11,15 @@
 //! read and write one mapping through `&Mapping` at once without a data race in Rust's sense;
 //! overlapping writers leave an unspecified mix of their bytes, exactly as two processes
 //! writing a shared buffer would. Ordering against devices is the job of the dma-buf sync
-//! guard ([`crate::segment::CpuAccess`]) and of queue events. Code that takes
-//! [`Mapping::as_ptr`] must follow the same rule.
+//! bracket of a CPU view ([`crate::view::CpuView`], the bounded way safe code reaches a
+//! mapping) and of queue events. Code that takes [`Mapping::as_ptr`] must follow the same rule.
 #![allow(unsafe_code)]
 
 use std::ffi::c_void;
 use std::io;
 use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rustix::mm::{MapFlags, ProtFlags};
 
@@ -26,10 +27,20 @@ use crate::copy;
 use crate::error::{Error, Result};
 
 /// A `MAP_SHARED` mapping of (part of) a file, unmapped on drop.
+///
+/// The reservation behind an expandable segment is address space first: only the prefix grown
+/// into it is memory, and every access is bounded by that prefix ([`Mapping::len`]), never by
+/// the reservation ([`Mapping::reserved_len`]): a touch of the `PROT_NONE` rest would kill the
+/// process.
 #[derive(Debug)]
 pub struct Mapping {
     ptr: NonNull<u8>,
-    len: usize,
+    /// The address range this value owns (and unmaps).
+    reserved: usize,
+    /// The accessible prefix: `reserved` for an ordinary mapping; for a reservation, what has
+    /// been mapped into it so far. Only grows (Release after the pages are mapped, Acquire by
+    /// every bounds check), so a check never admits a page that is not mapped yet.
+    mapped: AtomicUsize,
     writable: bool,
 }
 
@@ -52,7 +63,7 @@ impl Mapping {
         // own reference to the file.
         let ptr = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, fd, offset) }?;
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?;
-        Ok(Self { ptr, len, writable })
+        Ok(Self { ptr, reserved: len, mapped: AtomicUsize::new(len), writable })
     }
 
     /// Reserves `len` bytes of address space with no access and no memory behind it
@@ -66,14 +77,17 @@ impl Mapping {
         // SAFETY: a fresh anonymous mapping at an address the kernel chooses aliases nothing.
         let ptr = unsafe { rustix::mm::mmap_anonymous(std::ptr::null_mut(), len, ProtFlags::empty(), flags) }?;
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?;
-        Ok(Self { ptr, len, writable: true })
+        Ok(Self { ptr, reserved: len, mapped: AtomicUsize::new(0), writable: true })
     }
 
     /// Maps `len` bytes of `fd` at file offset `offset` over this mapping's own range at the
-    /// same offset, shared and read-write (`MAP_FIXED`). Used to grow expandable segments into
-    /// their reservation.
+    /// same offset, shared and read-write (`MAP_FIXED`), and makes them accessible. Used to grow
+    /// expandable segments into their reservation: the range must start where the accessible
+    /// prefix ends (growth is a prefix; pages in use are never replaced). Callers serialise
+    /// growth of one mapping (the pool's lock does).
     pub(crate) fn map_fixed_shared(&self, fd: BorrowedFd<'_>, offset: usize, len: usize) -> io::Result<()> {
-        if offset.checked_add(len).is_none_or(|end| end > self.len) || len == 0 {
+        let in_range = offset.checked_add(len).is_some_and(|end| end <= self.reserved);
+        if !in_range || len == 0 || offset != self.mapped.load(Ordering::Acquire) {
             return Err(io::Error::from(io::ErrorKind::InvalidInput));
         }
         let at = self.ptr.as_ptr().wrapping_add(offset).cast::<c_void>();
@@ -82,17 +96,27 @@ impl Mapping {
         // replaces our own pages there (never memory Rust holds references to: mappings are
         // only reached through raw copies), and the caller maps ranges no block uses yet.
         unsafe { rustix::mm::mmap(at, len, prot, MapFlags::SHARED | MapFlags::FIXED, fd, offset as u64) }?;
+        // Published only now that the pages are there: a bounds check that sees the new length
+        // sees mapped pages.
+        self.mapped.store(offset + len, Ordering::Release);
         Ok(())
     }
 
-    /// Length in bytes.
+    /// Length in bytes that can be accessed: the whole mapping, or for a reservation the part
+    /// mapped so far (0 before the first growth).
     pub fn len(&self) -> usize {
-        self.len
+        self.mapped.load(Ordering::Acquire)
     }
 
-    /// Always false: mappings are never empty.
+    /// True for a reservation nothing has been mapped into yet.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
+    }
+
+    /// The address space this mapping owns: [`Mapping::len`], or for a reservation all of it
+    /// (accessible or not).
+    pub fn reserved_len(&self) -> usize {
+        self.reserved
     }
 
     /// Whether the mapping was made writable.
@@ -106,9 +130,10 @@ impl Mapping {
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<()> {
+        let size = self.len();
         match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(()),
-            _ => Err(Error::OutOfBounds { offset, len, size: self.len }),
+            Some(end) if end <= size => Ok(()),
+            _ => Err(Error::OutOfBounds { offset, len, size }),
         }
     }
 
@@ -157,7 +182,7 @@ impl Mapping {
         let advice = if self.writable { Advice::LinuxPopulateWrite } else { Advice::LinuxPopulateRead };
         // SAFETY: populating only faults in pages of our own live mapping; it does not change
         // their contents as any reader sees them (holes read as zeroes before and after).
-        unsafe { rustix::mm::madvise(self.ptr.as_ptr().cast::<c_void>(), self.len, advice) }?;
+        unsafe { rustix::mm::madvise(self.ptr.as_ptr().cast::<c_void>(), self.len(), advice) }?;
         Ok(())
     }
 
@@ -165,7 +190,7 @@ impl Mapping {
     pub(crate) fn lock(&self) -> io::Result<()> {
         // SAFETY: mlock only changes residency of our own live mapping; it does not touch its
         // contents as Rust sees them.
-        unsafe { rustix::mm::mlock(self.ptr.as_ptr().cast::<c_void>(), self.len) }?;
+        unsafe { rustix::mm::mlock(self.ptr.as_ptr().cast::<c_void>(), self.len()) }?;
         Ok(())
     }
 }
@@ -175,6 +200,6 @@ impl Drop for Mapping {
         // SAFETY: ptr/len describe a mapping this value created and still owns; no borrow of
         // `self` outlives this call, so nothing can touch the range afterwards. An error here
         // (impossible for a range we mapped) is ignored: Drop must not panic.
-        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.len) };
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.reserved) };
     }
 }

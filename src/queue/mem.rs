@@ -157,8 +157,10 @@ impl From<&HostBuffer> for Mem {
 }
 
 impl From<&Arc<Segment>> for Mem {
+    /// The segment's mapped bytes (for an expandable segment, its mapped prefix: the rest of
+    /// the reservation is no memory a queue could copy to).
     fn from(s: &Arc<Segment>) -> Self {
-        Mem { len: s.len(), target: Target::Segment(Arc::clone(s)), offset: 0 }
+        Mem { len: s.mapped_len(), target: Target::Segment(Arc::clone(s)), offset: 0 }
     }
 }
 
