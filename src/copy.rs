@@ -99,7 +99,7 @@ unsafe fn copy_words_then_bytes(src: *const u8, dst: *mut u8, len: usize) {
 ///
 /// # Safety
 /// As [`copy`].
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", not(miri)))]
 unsafe fn copy_body(src: *const u8, dst: *mut u8, len: usize) {
     let blocks = len / 64;
     if blocks == 0 {
@@ -159,11 +159,12 @@ unsafe fn copy_body(src: *const u8, dst: *mut u8, len: usize) {
     }
 }
 
-/// Portable body: relaxed word atomics where aligned, bytes otherwise.
+/// Portable body: relaxed word atomics where aligned, bytes otherwise (also under Miri, which
+/// cannot run inline assembly).
 ///
 /// # Safety
 /// As [`copy`].
-#[cfg(not(target_arch = "x86_64"))]
+#[cfg(any(not(target_arch = "x86_64"), miri))]
 unsafe fn copy_body(src: *const u8, dst: *mut u8, len: usize) {
     // SAFETY: the caller's contract.
     unsafe { copy_words_then_bytes(src, dst, len) };
@@ -199,6 +200,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "4 MiB under Miri is minutes")]
     fn large_copies_take_the_streaming_path_exactly() {
         let len = NT_THRESHOLD + 4096 + 3;
         let a: Vec<u8> = (0..len + 8).map(|i| (i % 251) as u8).collect();

@@ -53,6 +53,7 @@ unsafe impl Sync for Mapping {}
 
 impl Mapping {
     /// Maps `len` bytes of `fd` at `offset`, shared, readable and (if `writable`) writable.
+    #[cfg(not(miri))]
     pub(crate) fn map_shared(fd: BorrowedFd<'_>, offset: u64, len: usize, writable: bool) -> io::Result<Self> {
         if len == 0 {
             return Err(io::Error::from(io::ErrorKind::InvalidInput));
@@ -69,6 +70,7 @@ impl Mapping {
     /// Reserves `len` bytes of address space with no access and no memory behind it
     /// (`PROT_NONE`, `MAP_NORESERVE`): the base of an expandable segment. Pages are mapped
     /// into it with [`Mapping::map_fixed_shared`].
+    #[cfg(not(miri))]
     pub(crate) fn reserve(len: usize) -> io::Result<Self> {
         if len == 0 {
             return Err(io::Error::from(io::ErrorKind::InvalidInput));
@@ -85,6 +87,7 @@ impl Mapping {
     /// expandable segments into their reservation: the range must start where the accessible
     /// prefix ends (growth is a prefix; pages in use are never replaced). Callers serialise
     /// growth of one mapping (the pool's lock does).
+    #[cfg(not(miri))]
     pub(crate) fn map_fixed_shared(&self, fd: BorrowedFd<'_>, offset: usize, len: usize) -> io::Result<()> {
         let in_range = offset.checked_add(len).is_some_and(|end| end <= self.reserved);
         if !in_range || len == 0 || offset != self.mapped.load(Ordering::Acquire) {
@@ -177,6 +180,7 @@ impl Mapping {
     /// that memory exhaustion is an error here rather than a SIGBUS on first touch. For shmem
     /// this also initialises pages that were only `fallocate`d, which matters before the pages
     /// are handed to udmabuf (see `Udmabuf::export`).
+    #[cfg(not(miri))]
     pub(crate) fn populate(&self) -> io::Result<()> {
         use rustix::mm::Advice;
         let advice = if self.writable { Advice::LinuxPopulateWrite } else { Advice::LinuxPopulateRead };
@@ -187,6 +191,7 @@ impl Mapping {
     }
 
     /// Locks the mapped pages in RAM (`mlock`), faulting them in.
+    #[cfg(not(miri))]
     pub(crate) fn lock(&self) -> io::Result<()> {
         // SAFETY: mlock only changes residency of our own live mapping; it does not touch its
         // contents as Rust sees them.
@@ -195,11 +200,73 @@ impl Mapping {
     }
 }
 
+#[cfg(not(miri))]
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: ptr/len describe a mapping this value created and still owns; no borrow of
         // `self` outlives this call, so nothing can touch the range afterwards. An error here
         // (impossible for a range we mapped) is ignored: Drop must not panic.
         let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.reserved) };
+    }
+}
+
+/// Miri cannot map files. Under `cfg(miri)` a mapping is a zeroed, page-aligned heap allocation
+/// of the same size (as vm-memory's `src/mmap/unix.rs` does), so the allocator core, the views
+/// and the copy kernel run under Miri unchanged. It is not shared with the fd: a second mapping
+/// of the same file sees other bytes, which nothing run under Miri relies on. A reservation is
+/// allocated whole and made accessible prefix by prefix, as the real one is.
+#[cfg(miri)]
+mod miri_stand_in {
+    use std::alloc::Layout;
+
+    use super::*;
+
+    const ALIGN: usize = 4096;
+
+    impl Mapping {
+        fn heap(len: usize, mapped: usize, writable: bool) -> io::Result<Self> {
+            if len == 0 {
+                return Err(io::Error::from(io::ErrorKind::InvalidInput));
+            }
+            let layout =
+                Layout::from_size_align(len, ALIGN).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+            // SAFETY: the layout has a non-zero size.
+            let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+            let ptr = NonNull::new(ptr).ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
+            Ok(Self { ptr, reserved: len, mapped: AtomicUsize::new(mapped), writable })
+        }
+
+        pub(crate) fn map_shared(_fd: BorrowedFd<'_>, _offset: u64, len: usize, writable: bool) -> io::Result<Self> {
+            Self::heap(len, len, writable)
+        }
+
+        pub(crate) fn reserve(len: usize) -> io::Result<Self> {
+            Self::heap(len, 0, true)
+        }
+
+        pub(crate) fn map_fixed_shared(&self, _fd: BorrowedFd<'_>, offset: usize, len: usize) -> io::Result<()> {
+            let in_range = offset.checked_add(len).is_some_and(|end| end <= self.reserved);
+            if !in_range || len == 0 || offset != self.mapped.load(Ordering::Acquire) {
+                return Err(io::Error::from(io::ErrorKind::InvalidInput));
+            }
+            self.mapped.store(offset + len, Ordering::Release);
+            Ok(())
+        }
+
+        pub(crate) fn populate(&self) -> io::Result<()> {
+            Ok(())
+        }
+
+        pub(crate) fn lock(&self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Drop for Mapping {
+        fn drop(&mut self) {
+            let layout = Layout::from_size_align(self.reserved, ALIGN).expect("checked when allocated");
+            // SAFETY: allocated in `heap` with this layout, freed once, here.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+        }
     }
 }

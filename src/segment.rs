@@ -130,6 +130,7 @@ impl Segment {
 
     /// Returns the pages of `[offset, offset + len)` of an expandable segment to the kernel
     /// (`fallocate(PUNCH_HOLE)`): the range stays mapped and reads back as zeroes.
+    #[cfg(not(miri))]
     pub(crate) fn punch(&self, offset: usize, len: usize) -> Result<()> {
         use rustix::fs::FallocateFlags;
         rustix::fs::fallocate(
@@ -139,6 +140,14 @@ impl Segment {
             len as u64,
         )
         .map_err(Error::io_rustix("fallocate(PUNCH_HOLE)"))
+    }
+
+    /// Under Miri (no fallocate; the mapping is a heap stand-in): the range reads back as
+    /// zeroes, as after a real punch.
+    #[cfg(miri)]
+    pub(crate) fn punch(&self, offset: usize, len: usize) -> Result<()> {
+        let m = self.mapping.as_ref().ok_or_else(|| Error::Unsupported { what: "no reservation".into() })?;
+        m.fill(offset, len, 0)
     }
 
     /// Imports a dma-buf or memfd received from elsewhere (another process, a driver). The

@@ -187,3 +187,6 @@ impl SegRef {
         unsafe { Arc::from_raw(ptr) }
     }
 }
+
+#[cfg(test)]
+mod tests;
