@@ -15,12 +15,14 @@
 //! mapping) and of queue events. Code that takes [`Mapping::as_ptr`] must follow the same rule.
 #![allow(unsafe_code)]
 
+#[cfg(not(miri))]
 use std::ffi::c_void;
 use std::io;
 use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+#[cfg(not(miri))]
 use rustix::mm::{MapFlags, ProtFlags};
 
 use crate::copy;
@@ -222,11 +224,17 @@ mod miri_stand_in {
     use super::*;
 
     const ALIGN: usize = 4096;
+    /// The stand-in is real memory (and Miri keeps metadata per byte): larger mappings fail as
+    /// an exhausted address space would (the pool then reserves less).
+    const MAX: usize = 64 << 20;
 
     impl Mapping {
         fn heap(len: usize, mapped: usize, writable: bool) -> io::Result<Self> {
             if len == 0 {
                 return Err(io::Error::from(io::ErrorKind::InvalidInput));
+            }
+            if len > MAX {
+                return Err(io::Error::from(io::ErrorKind::OutOfMemory));
             }
             let layout =
                 Layout::from_size_align(len, ALIGN).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
@@ -254,6 +262,18 @@ mod miri_stand_in {
         }
 
         pub(crate) fn populate(&self) -> io::Result<()> {
+            Ok(())
+        }
+
+        /// A punched range reads back as zeroes. A plain (non-atomic) bulk write, on purpose:
+        /// the pool punches only pages no block uses, so if any thread could still touch them,
+        /// Miri reports the race.
+        pub(crate) fn punch_stand_in(&self, offset: usize, len: usize) -> crate::error::Result<()> {
+            self.check(offset, len)?;
+            self.check_writable()?;
+            // SAFETY: in bounds of the live allocation (checked); the caller guarantees no one
+            // else uses the range (the point of a punch).
+            unsafe { self.ptr.as_ptr().add(offset).write_bytes(0, len) };
             Ok(())
         }
 

@@ -143,11 +143,11 @@ impl Segment {
     }
 
     /// Under Miri (no fallocate; the mapping is a heap stand-in): the range reads back as
-    /// zeroes, as after a real punch.
+    /// zeroes, as after a real punch (see `Mapping::punch_stand_in`).
     #[cfg(miri)]
     pub(crate) fn punch(&self, offset: usize, len: usize) -> Result<()> {
         let m = self.mapping.as_ref().ok_or_else(|| Error::Unsupported { what: "no reservation".into() })?;
-        m.fill(offset, len, 0)
+        m.punch_stand_in(offset, len)
     }
 
     /// Imports a dma-buf or memfd received from elsewhere (another process, a driver). The

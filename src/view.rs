@@ -208,7 +208,6 @@ mod tests {
     use crate::segment::SegmentKind;
 
     #[test]
-    #[cfg_attr(miri, ignore = "memfd and mmap")]
     fn a_growing_segment_is_reachable_up_to_its_mapped_prefix_and_no_further() {
         const CHUNK: usize = 2 << 20;
         let seg = crate::source::memfd_expandable(16 * CHUNK, SegmentKind::Device).unwrap();
