@@ -163,7 +163,7 @@ impl Mapping {
         let to = self.ptr.as_ptr().wrapping_add(offset);
         // SAFETY: [to, to + src.len()) is inside the live, writable mapping (checked above),
         // which is only ever accessed atomically.
-        unsafe { copy::copy(src.as_ptr(), to, src.len()) };
+        unsafe { copy::copy_from_private(src, to) };
         Ok(())
     }
 

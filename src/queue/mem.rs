@@ -103,7 +103,7 @@ impl HostBuffer {
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check(offset, src.len())?;
         // SAFETY: in bounds (checked); the buffer is only accessed through `copy`.
-        unsafe { copy::copy(src.as_ptr(), self.as_ptr().wrapping_add(offset), src.len()) };
+        unsafe { copy::copy_from_private(src, self.as_ptr().wrapping_add(offset)) };
         Ok(())
     }
 
