@@ -29,17 +29,40 @@ pub const NT_THRESHOLD: usize = 4 << 20;
 /// duration of the call, and they must not overlap. Memory that other threads may access
 /// concurrently must be accessed by them only atomically or through this module.
 pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: the caller's contract, with a shared source.
+    unsafe { copy_impl::<true>(src, dst, len) }
+}
+
+/// Copies `src`, memory private to the caller (a Rust slice: it may be behind a shared
+/// reference or read-only, so it is read with plain loads, never through an atomic, which
+/// would need it writable), to `dst`, written byte-wise atomically.
+///
+/// # Safety
+///
+/// `[dst, dst + src.len())` must be valid for writes for the duration of the call, must not
+/// overlap `src`, and be accessed by other threads only atomically or through this module.
+pub(crate) unsafe fn copy_from_private(src: &[u8], dst: *mut u8) {
+    // SAFETY: the caller's contract; `src` is a live slice nobody writes while we hold it.
+    unsafe { copy_impl::<false>(src.as_ptr(), dst, src.len()) }
+}
+
+/// `SHARED_SRC`: the source may be written concurrently, so it is loaded atomically (and must
+/// be valid for writes, as `Atomic*::from_ptr` requires); otherwise with plain loads.
+///
+/// # Safety
+/// As [`copy`] (with a shared source) or [`copy_from_private`].
+unsafe fn copy_impl<const SHARED_SRC: bool>(src: *const u8, dst: *mut u8, len: usize) {
     // Align the destination to 16 bytes with byte copies (movntdq needs it; it helps the rest).
     let head = dst.align_offset(16).min(len);
     // SAFETY: in range (caller).
-    unsafe { copy_bytes(src, dst, head) };
+    unsafe { copy_bytes::<SHARED_SRC>(src, dst, head) };
     let body = (len - head) / 64 * 64;
     let (src_b, dst_b) = (src.wrapping_add(head), dst.wrapping_add(head));
     // SAFETY: [head, head + body) is in range (caller); dst_b is 16-aligned.
-    unsafe { copy_body(src_b, dst_b, body) };
+    unsafe { copy_body::<SHARED_SRC>(src_b, dst_b, body) };
     let done = head + body;
     // SAFETY: in range (caller).
-    unsafe { copy_words_then_bytes(src.wrapping_add(done), dst.wrapping_add(done), len - done) };
+    unsafe { copy_words_then_bytes::<SHARED_SRC>(src.wrapping_add(done), dst.wrapping_add(done), len - done) };
 }
 
 /// Sets `len` bytes at `dst` to `byte`.
@@ -65,10 +88,15 @@ pub(crate) unsafe fn fill(dst: *mut u8, len: usize, byte: u8) {
 
 /// # Safety
 /// As [`copy`], for `len` bytes.
-unsafe fn copy_bytes(src: *const u8, dst: *mut u8, len: usize) {
+unsafe fn copy_bytes<const SHARED_SRC: bool>(src: *const u8, dst: *mut u8, len: usize) {
     for i in 0..len {
-        // SAFETY: in range (caller); byte atomics need no alignment.
-        let b = unsafe { AtomicU8::from_ptr(src.wrapping_add(i).cast_mut()) }.load(Relaxed);
+        let b = if SHARED_SRC {
+            // SAFETY: in range (caller); byte atomics need no alignment.
+            unsafe { AtomicU8::from_ptr(src.wrapping_add(i).cast_mut()) }.load(Relaxed)
+        } else {
+            // SAFETY: in range of the caller's private slice.
+            unsafe { src.wrapping_add(i).read() }
+        };
         // SAFETY: as above.
         unsafe { AtomicU8::from_ptr(dst.wrapping_add(i)) }.store(b, Relaxed);
     }
@@ -79,28 +107,33 @@ unsafe fn copy_bytes(src: *const u8, dst: *mut u8, len: usize) {
 ///
 /// # Safety
 /// As [`copy`], for `len` bytes.
-unsafe fn copy_words_then_bytes(src: *const u8, dst: *mut u8, len: usize) {
+unsafe fn copy_words_then_bytes<const SHARED_SRC: bool>(src: *const u8, dst: *mut u8, len: usize) {
     let mut done = 0;
     if src.align_offset(8) == 0 && dst.align_offset(8) == 0 {
         let (s, d) = (src.cast::<u64>(), dst.cast::<u64>());
         for w in 0..len / 8 {
-            // SAFETY: in range (caller), both 8-aligned (checked).
-            let v = unsafe { AtomicU64::from_ptr(s.wrapping_add(w).cast_mut()) }.load(Relaxed);
+            let v = if SHARED_SRC {
+                // SAFETY: in range (caller), both 8-aligned (checked).
+                unsafe { AtomicU64::from_ptr(s.wrapping_add(w).cast_mut()) }.load(Relaxed)
+            } else {
+                // SAFETY: in range of the caller's private slice, 8-aligned (checked).
+                unsafe { s.wrapping_add(w).read() }
+            };
             // SAFETY: as above.
             unsafe { AtomicU64::from_ptr(d.wrapping_add(w)) }.store(v, Relaxed);
         }
         done = len / 8 * 8;
     }
     // SAFETY: in range (caller).
-    unsafe { copy_bytes(src.wrapping_add(done), dst.wrapping_add(done), len - done) };
+    unsafe { copy_bytes::<SHARED_SRC>(src.wrapping_add(done), dst.wrapping_add(done), len - done) };
 }
 
 /// Copies `len` (a multiple of 64) bytes; `dst` is 16-aligned.
 ///
 /// # Safety
 /// As [`copy`].
-#[cfg(target_arch = "x86_64")]
-unsafe fn copy_body(src: *const u8, dst: *mut u8, len: usize) {
+#[cfg(all(target_arch = "x86_64", not(miri)))]
+unsafe fn copy_body<const SHARED_SRC: bool>(src: *const u8, dst: *mut u8, len: usize) {
     let blocks = len / 64;
     if blocks == 0 {
         return;
@@ -159,14 +192,15 @@ unsafe fn copy_body(src: *const u8, dst: *mut u8, len: usize) {
     }
 }
 
-/// Portable body: relaxed word atomics where aligned, bytes otherwise.
+/// Portable body: relaxed word atomics where aligned, bytes otherwise (also under Miri, which
+/// cannot run inline assembly).
 ///
 /// # Safety
 /// As [`copy`].
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn copy_body(src: *const u8, dst: *mut u8, len: usize) {
+#[cfg(any(not(target_arch = "x86_64"), miri))]
+unsafe fn copy_body<const SHARED_SRC: bool>(src: *const u8, dst: *mut u8, len: usize) {
     // SAFETY: the caller's contract.
-    unsafe { copy_words_then_bytes(src, dst, len) };
+    unsafe { copy_words_then_bytes::<SHARED_SRC>(src, dst, len) };
 }
 
 #[cfg(test)]
@@ -174,6 +208,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg_attr(miri, ignore = "hundreds of thousands of atomic accesses: minutes under Miri")]
     fn copies_are_exact_at_every_alignment_and_length() {
         let mut a = vec![0u8; 4096 + 64];
         let mut b = vec![0u8; 4096 + 64];
@@ -185,8 +220,12 @@ mod tests {
                     }
                     b.fill(0xcc);
                     // SAFETY: both ranges lie inside their own vectors, which only this test uses.
-                    unsafe { copy(a[soff..].as_ptr(), b[doff..].as_mut_ptr(), len) };
+                    unsafe { copy(a.as_mut_ptr().wrapping_add(soff), b[doff..].as_mut_ptr(), len) };
                     assert_eq!(&b[doff..doff + len], &a[soff..soff + len], "soff {soff} doff {doff} len {len}");
+                    b[doff..doff + len].fill(0xcc);
+                    // SAFETY: as above.
+                    unsafe { copy_from_private(&a[soff..soff + len], b[doff..].as_mut_ptr()) };
+                    assert_eq!(&b[doff..doff + len], &a[soff..soff + len], "private soff {soff} doff {doff} len {len}");
                     assert!(b[..doff].iter().all(|&x| x == 0xcc), "wrote before the start");
                     assert!(b[doff + len..].iter().all(|&x| x == 0xcc), "wrote past the end");
                     // SAFETY: as above.
@@ -199,14 +238,33 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "4 MiB under Miri is minutes")]
     fn large_copies_take_the_streaming_path_exactly() {
         let len = NT_THRESHOLD + 4096 + 3;
         let a: Vec<u8> = (0..len + 8).map(|i| (i % 251) as u8).collect();
         let mut b = vec![0u8; len + 8];
         // SAFETY: in range of both vectors.
-        unsafe { copy(a[5..].as_ptr(), b[1..].as_mut_ptr(), len) };
+        let mut a = a;
+        // SAFETY: in range of both vectors.
+        unsafe { copy(a.as_mut_ptr().wrapping_add(5), b[1..].as_mut_ptr(), len) };
         assert_eq!(&b[1..1 + len], &a[5..5 + len]);
         assert_eq!(b[0], 0);
         assert_eq!(b[len + 1], 0);
+    }
+
+    /// A source behind a shared reference (here a promoted constant, in read-only memory) is
+    /// read with plain loads: an atomic on it is undefined behaviour (`Atomic*::from_ptr` needs
+    /// writable memory), which Miri reported for `Mapping::write(&[1, 2, 3, 4])` before the
+    /// private-source path existed (run under Miri by tests/miri/run).
+    #[test]
+    fn a_read_only_private_source_is_copied_with_plain_loads() {
+        let src: &'static [u8] = &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19];
+        let mut dst = [0u8; 24];
+        for off in [0, 1, 5] {
+            dst.fill(0);
+            // SAFETY: `dst` has room for the source at `off`; it is this test's own.
+            unsafe { copy_from_private(src, dst[off..].as_mut_ptr()) };
+            assert_eq!(&dst[off..off + src.len()], src);
+        }
     }
 }

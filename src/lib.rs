@@ -1,9 +1,10 @@
 //! dmabuf-rt: the device-memory layer for accelerator runtimes on Linux, built on DMA-BUF.
 //!
 //! Every buffer is an fd any DMA-BUF importer can take. The layers: memory [`source`]s and
-//! [`Segment`]s; [`queue`]s and events on io_uring; the [`caching`] allocator; [`synced`]
-//! memory (Caffe's SyncedMemory); zero-copy [`pipeline`]s between processes; and the C ABI
-//! ([`ffi`]: the C API and the PaddlePaddle plugin) over the process-wide [`runtime`].
+//! [`Segment`]s, reached from the CPU only through bounded [`view`]s; [`queue`]s and events on
+//! io_uring; the [`caching`] allocator; [`synced`] memory (Caffe's SyncedMemory); zero-copy
+//! [`pipeline`]s between processes; and the C ABI ([`ffi`]: the C API and the PaddlePaddle
+//! plugin) over the process-wide [`runtime`].
 //!
 //! ```no_run
 //! use dmabuf_rt::source::{MemorySource, ShmemSource};
@@ -34,11 +35,13 @@ pub mod synced;
 mod sys;
 #[doc(hidden)]
 pub mod testing;
+pub mod view;
 
 pub use error::{Error, ErrorKind, Result};
 pub use mapping::Mapping;
-pub use segment::{Access, CpuAccess, FdKind, Origin, Segment, SegmentKind};
+pub use segment::{Access, FdKind, Origin, Segment, SegmentKind};
 pub use source::MemorySource;
+pub use view::CpuView;
 
 /// The README's examples are compiled and run as doctests, so they stay true.
 #[doc = include_str!("../README.md")]

@@ -11,25 +11,38 @@
 //! read and write one mapping through `&Mapping` at once without a data race in Rust's sense;
 //! overlapping writers leave an unspecified mix of their bytes, exactly as two processes
 //! writing a shared buffer would. Ordering against devices is the job of the dma-buf sync
-//! guard ([`crate::segment::CpuAccess`]) and of queue events. Code that takes
-//! [`Mapping::as_ptr`] must follow the same rule.
+//! bracket of a CPU view ([`crate::view::CpuView`], the bounded way safe code reaches a
+//! mapping) and of queue events. Code that takes [`Mapping::as_ptr`] must follow the same rule.
 #![allow(unsafe_code)]
 
+#[cfg(not(miri))]
 use std::ffi::c_void;
 use std::io;
 use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
+#[cfg(not(miri))]
 use rustix::mm::{MapFlags, ProtFlags};
 
 use crate::copy;
 use crate::error::{Error, Result};
 
 /// A `MAP_SHARED` mapping of (part of) a file, unmapped on drop.
+///
+/// The reservation behind an expandable segment is address space first: only the prefix grown
+/// into it is memory, and every access is bounded by that prefix ([`Mapping::len`]), never by
+/// the reservation ([`Mapping::reserved_len`]): a touch of the `PROT_NONE` rest would kill the
+/// process.
 #[derive(Debug)]
 pub struct Mapping {
     ptr: NonNull<u8>,
-    len: usize,
+    /// The address range this value owns (and unmaps).
+    reserved: usize,
+    /// The accessible prefix: `reserved` for an ordinary mapping; for a reservation, what has
+    /// been mapped into it so far. Only grows (Release after the pages are mapped, Acquire by
+    /// every bounds check), so a check never admits a page that is not mapped yet.
+    mapped: AtomicUsize,
     writable: bool,
 }
 
@@ -42,6 +55,7 @@ unsafe impl Sync for Mapping {}
 
 impl Mapping {
     /// Maps `len` bytes of `fd` at `offset`, shared, readable and (if `writable`) writable.
+    #[cfg(not(miri))]
     pub(crate) fn map_shared(fd: BorrowedFd<'_>, offset: u64, len: usize, writable: bool) -> io::Result<Self> {
         if len == 0 {
             return Err(io::Error::from(io::ErrorKind::InvalidInput));
@@ -52,12 +66,13 @@ impl Mapping {
         // own reference to the file.
         let ptr = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, fd, offset) }?;
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?;
-        Ok(Self { ptr, len, writable })
+        Ok(Self { ptr, reserved: len, mapped: AtomicUsize::new(len), writable })
     }
 
     /// Reserves `len` bytes of address space with no access and no memory behind it
     /// (`PROT_NONE`, `MAP_NORESERVE`): the base of an expandable segment. Pages are mapped
     /// into it with [`Mapping::map_fixed_shared`].
+    #[cfg(not(miri))]
     pub(crate) fn reserve(len: usize) -> io::Result<Self> {
         if len == 0 {
             return Err(io::Error::from(io::ErrorKind::InvalidInput));
@@ -66,14 +81,18 @@ impl Mapping {
         // SAFETY: a fresh anonymous mapping at an address the kernel chooses aliases nothing.
         let ptr = unsafe { rustix::mm::mmap_anonymous(std::ptr::null_mut(), len, ProtFlags::empty(), flags) }?;
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?;
-        Ok(Self { ptr, len, writable: true })
+        Ok(Self { ptr, reserved: len, mapped: AtomicUsize::new(0), writable: true })
     }
 
     /// Maps `len` bytes of `fd` at file offset `offset` over this mapping's own range at the
-    /// same offset, shared and read-write (`MAP_FIXED`). Used to grow expandable segments into
-    /// their reservation.
+    /// same offset, shared and read-write (`MAP_FIXED`), and makes them accessible. Used to grow
+    /// expandable segments into their reservation: the range must start where the accessible
+    /// prefix ends (growth is a prefix; pages in use are never replaced). Callers serialise
+    /// growth of one mapping (the pool's lock does).
+    #[cfg(not(miri))]
     pub(crate) fn map_fixed_shared(&self, fd: BorrowedFd<'_>, offset: usize, len: usize) -> io::Result<()> {
-        if offset.checked_add(len).is_none_or(|end| end > self.len) || len == 0 {
+        let in_range = offset.checked_add(len).is_some_and(|end| end <= self.reserved);
+        if !in_range || len == 0 || offset != self.mapped.load(Ordering::Acquire) {
             return Err(io::Error::from(io::ErrorKind::InvalidInput));
         }
         let at = self.ptr.as_ptr().wrapping_add(offset).cast::<c_void>();
@@ -82,17 +101,27 @@ impl Mapping {
         // replaces our own pages there (never memory Rust holds references to: mappings are
         // only reached through raw copies), and the caller maps ranges no block uses yet.
         unsafe { rustix::mm::mmap(at, len, prot, MapFlags::SHARED | MapFlags::FIXED, fd, offset as u64) }?;
+        // Published only now that the pages are there: a bounds check that sees the new length
+        // sees mapped pages.
+        self.mapped.store(offset + len, Ordering::Release);
         Ok(())
     }
 
-    /// Length in bytes.
+    /// Length in bytes that can be accessed: the whole mapping, or for a reservation the part
+    /// mapped so far (0 before the first growth).
     pub fn len(&self) -> usize {
-        self.len
+        self.mapped.load(Ordering::Acquire)
     }
 
-    /// Always false: mappings are never empty.
+    /// True for a reservation nothing has been mapped into yet.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
+    }
+
+    /// The address space this mapping owns: [`Mapping::len`], or for a reservation all of it
+    /// (accessible or not).
+    pub fn reserved_len(&self) -> usize {
+        self.reserved
     }
 
     /// Whether the mapping was made writable.
@@ -106,9 +135,10 @@ impl Mapping {
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<()> {
+        let size = self.len();
         match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(()),
-            _ => Err(Error::OutOfBounds { offset, len, size: self.len }),
+            Some(end) if end <= size => Ok(()),
+            _ => Err(Error::OutOfBounds { offset, len, size }),
         }
     }
 
@@ -133,7 +163,7 @@ impl Mapping {
         let to = self.ptr.as_ptr().wrapping_add(offset);
         // SAFETY: [to, to + src.len()) is inside the live, writable mapping (checked above),
         // which is only ever accessed atomically.
-        unsafe { copy::copy(src.as_ptr(), to, src.len()) };
+        unsafe { copy::copy_from_private(src, to) };
         Ok(())
     }
 
@@ -152,29 +182,111 @@ impl Mapping {
     /// that memory exhaustion is an error here rather than a SIGBUS on first touch. For shmem
     /// this also initialises pages that were only `fallocate`d, which matters before the pages
     /// are handed to udmabuf (see `Udmabuf::export`).
+    #[cfg(not(miri))]
     pub(crate) fn populate(&self) -> io::Result<()> {
         use rustix::mm::Advice;
         let advice = if self.writable { Advice::LinuxPopulateWrite } else { Advice::LinuxPopulateRead };
         // SAFETY: populating only faults in pages of our own live mapping; it does not change
         // their contents as any reader sees them (holes read as zeroes before and after).
-        unsafe { rustix::mm::madvise(self.ptr.as_ptr().cast::<c_void>(), self.len, advice) }?;
+        unsafe { rustix::mm::madvise(self.ptr.as_ptr().cast::<c_void>(), self.len(), advice) }?;
         Ok(())
     }
 
     /// Locks the mapped pages in RAM (`mlock`), faulting them in.
+    #[cfg(not(miri))]
     pub(crate) fn lock(&self) -> io::Result<()> {
         // SAFETY: mlock only changes residency of our own live mapping; it does not touch its
         // contents as Rust sees them.
-        unsafe { rustix::mm::mlock(self.ptr.as_ptr().cast::<c_void>(), self.len) }?;
+        unsafe { rustix::mm::mlock(self.ptr.as_ptr().cast::<c_void>(), self.len()) }?;
         Ok(())
     }
 }
 
+#[cfg(not(miri))]
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: ptr/len describe a mapping this value created and still owns; no borrow of
         // `self` outlives this call, so nothing can touch the range afterwards. An error here
         // (impossible for a range we mapped) is ignored: Drop must not panic.
-        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.len) };
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast::<c_void>(), self.reserved) };
+    }
+}
+
+/// Miri cannot map files. Under `cfg(miri)` a mapping is a zeroed, page-aligned heap allocation
+/// of the same size (as vm-memory's `src/mmap/unix.rs` does), so the allocator core, the views
+/// and the copy kernel run under Miri unchanged. It is not shared with the fd: a second mapping
+/// of the same file sees other bytes, which nothing run under Miri relies on. A reservation is
+/// allocated whole and made accessible prefix by prefix, as the real one is.
+#[cfg(miri)]
+mod miri_stand_in {
+    use std::alloc::Layout;
+
+    use super::*;
+
+    const ALIGN: usize = 4096;
+    /// The stand-in is real memory (and Miri keeps metadata per byte): larger mappings fail as
+    /// an exhausted address space would (the pool then reserves less).
+    const MAX: usize = 64 << 20;
+
+    impl Mapping {
+        fn heap(len: usize, mapped: usize, writable: bool) -> io::Result<Self> {
+            if len == 0 {
+                return Err(io::Error::from(io::ErrorKind::InvalidInput));
+            }
+            if len > MAX {
+                return Err(io::Error::from(io::ErrorKind::OutOfMemory));
+            }
+            let layout =
+                Layout::from_size_align(len, ALIGN).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+            // SAFETY: the layout has a non-zero size.
+            let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+            let ptr = NonNull::new(ptr).ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
+            Ok(Self { ptr, reserved: len, mapped: AtomicUsize::new(mapped), writable })
+        }
+
+        pub(crate) fn map_shared(_fd: BorrowedFd<'_>, _offset: u64, len: usize, writable: bool) -> io::Result<Self> {
+            Self::heap(len, len, writable)
+        }
+
+        pub(crate) fn reserve(len: usize) -> io::Result<Self> {
+            Self::heap(len, 0, true)
+        }
+
+        pub(crate) fn map_fixed_shared(&self, _fd: BorrowedFd<'_>, offset: usize, len: usize) -> io::Result<()> {
+            let in_range = offset.checked_add(len).is_some_and(|end| end <= self.reserved);
+            if !in_range || len == 0 || offset != self.mapped.load(Ordering::Acquire) {
+                return Err(io::Error::from(io::ErrorKind::InvalidInput));
+            }
+            self.mapped.store(offset + len, Ordering::Release);
+            Ok(())
+        }
+
+        pub(crate) fn populate(&self) -> io::Result<()> {
+            Ok(())
+        }
+
+        /// A punched range reads back as zeroes. A plain (non-atomic) bulk write, on purpose:
+        /// the pool punches only pages no block uses, so if any thread could still touch them,
+        /// Miri reports the race.
+        pub(crate) fn punch_stand_in(&self, offset: usize, len: usize) -> crate::error::Result<()> {
+            self.check(offset, len)?;
+            self.check_writable()?;
+            // SAFETY: in bounds of the live allocation (checked); the caller guarantees no one
+            // else uses the range (the point of a punch).
+            unsafe { self.ptr.as_ptr().add(offset).write_bytes(0, len) };
+            Ok(())
+        }
+
+        pub(crate) fn lock(&self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Drop for Mapping {
+        fn drop(&mut self) {
+            let layout = Layout::from_size_align(self.reserved, ALIGN).expect("checked when allocated");
+            // SAFETY: allocated in `heap` with this layout, freed once, here.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+        }
     }
 }

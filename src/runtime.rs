@@ -351,7 +351,7 @@ impl Runtime {
     /// `size` bytes of pinned host memory.
     pub fn host_alloc(&self, size: usize) -> Result<*mut u8> {
         let a = self.host.allocate(size)?;
-        let ptr = a.segment().mapping().map_or(std::ptr::null_mut(), |m| m.as_ptr());
+        let ptr = a.as_ptr();
         if ptr.is_null() {
             return Err(Error::Unsupported { what: "pinned host memory without a CPU mapping".into() });
         }

@@ -12,6 +12,7 @@ use crate::mapping::Mapping;
 use crate::source::gem::GemHandle;
 use crate::sys;
 use crate::sys::memfd::SealFlags;
+use crate::view::CpuView;
 
 /// What a segment's memory is for, from the runtime's point of view.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -94,7 +95,7 @@ impl fmt::Debug for Segment {
             .field("fd_kind", &self.fd_kind)
             .field("kind", &self.kind)
             .field("origin", &self.origin)
-            .field("mapped", &self.mapping.is_some())
+            .field("mapped_len", &self.mapped_len())
             .finish()
     }
 }
@@ -120,7 +121,8 @@ impl Segment {
         Ok(Self { mapping: Some(mapping), backing: Backing::None, fd, len, fd_kind: FdKind::Memfd, kind, origin })
     }
 
-    /// Maps `[from, to)` of an expandable segment's memfd into its reservation.
+    /// Maps `[from, to)` of an expandable segment's memfd into its reservation; `from` must be
+    /// where the mapped part ends ([`Segment::mapped_len`], which then becomes `to`).
     pub(crate) fn grow_to(&self, from: usize, to: usize) -> Result<()> {
         let m = self.mapping.as_ref().ok_or_else(|| Error::Unsupported { what: "no reservation".into() })?;
         m.map_fixed_shared(self.fd.as_fd(), from, to - from).map_err(Error::io("mmap(MAP_FIXED) into reservation"))
@@ -128,6 +130,7 @@ impl Segment {
 
     /// Returns the pages of `[offset, offset + len)` of an expandable segment to the kernel
     /// (`fallocate(PUNCH_HOLE)`): the range stays mapped and reads back as zeroes.
+    #[cfg(not(miri))]
     pub(crate) fn punch(&self, offset: usize, len: usize) -> Result<()> {
         use rustix::fs::FallocateFlags;
         rustix::fs::fallocate(
@@ -137,6 +140,14 @@ impl Segment {
             len as u64,
         )
         .map_err(Error::io_rustix("fallocate(PUNCH_HOLE)"))
+    }
+
+    /// Under Miri (no fallocate; the mapping is a heap stand-in): the range reads back as
+    /// zeroes, as after a real punch (see `Mapping::punch_stand_in`).
+    #[cfg(miri)]
+    pub(crate) fn punch(&self, offset: usize, len: usize) -> Result<()> {
+        let m = self.mapping.as_ref().ok_or_else(|| Error::Unsupported { what: "no reservation".into() })?;
+        m.punch_stand_in(offset, len)
     }
 
     /// Imports a dma-buf or memfd received from elsewhere (another process, a driver). The
@@ -208,9 +219,20 @@ impl Segment {
     }
 
     /// Length in bytes: what the allocation was rounded to (whole pages), or for an import
-    /// the size the fd reports.
+    /// the size the fd reports. For an expandable segment, the part mapped so far (what CPU
+    /// views and queue ranges can reach, as [`Segment::mapped_len`]), not its reservation.
     pub fn len(&self) -> usize {
-        self.len
+        match &self.mapping {
+            // An expandable segment: what is mapped so far, not the reservation.
+            Some(m) if m.reserved_len() > m.len() => m.len(),
+            _ => self.len,
+        }
+    }
+
+    /// Bytes the CPU (and queue ranges) can reach: [`Segment::len`], except for an expandable
+    /// segment, whose mapped prefix grows as the caching allocator needs it.
+    pub fn mapped_len(&self) -> usize {
+        self.mapping.as_ref().map_or(0, Mapping::len)
     }
 
     /// Always false: segments are never empty.
@@ -275,7 +297,8 @@ impl Segment {
     }
 
     /// A second, independent mapping of the same buffer. It follows the same access rules and
-    /// unmaps itself on drop; CPU access to a dma-buf still belongs inside [`Segment::cpu_access`].
+    /// unmaps itself on drop; CPU access to a dma-buf still belongs inside a [`CpuView`]'s
+    /// bracket ([`Segment::cpu_access`]).
     pub fn map(&self) -> Result<Mapping> {
         Mapping::map_shared(self.fd.as_fd(), 0, self.len, self.is_writable()).map_err(Error::io("mmap segment"))
     }
@@ -312,23 +335,12 @@ impl Segment {
         }
     }
 
-    /// Begins CPU access: for a dma-buf, `DMA_BUF_IOCTL_SYNC` start now and end when the guard
-    /// drops (caches are flushed/invalidated and device fences waited as the exporter needs);
-    /// for a memfd, nothing is needed and the guard is free.
-    pub fn cpu_access(&self, access: Access) -> Result<CpuAccess<'_>> {
-        let mapping = self
-            .mapping
-            .as_ref()
-            .ok_or_else(|| Error::Unsupported { what: "this segment has no CPU mapping".into() })?;
-        if access != Access::Read && !mapping.is_writable() {
-            return Err(Error::ReadOnly);
-        }
-        let dmabuf = self.is_dma_buf().then(|| self.fd.as_fd());
-        if let Some(fd) = dmabuf {
-            sys::dma_buf::sync(fd, sys::dma_buf::SYNC_START | access.sync_flags())
-                .map_err(Error::io("DMA_BUF_IOCTL_SYNC start"))?;
-        }
-        Ok(CpuAccess { mapping, dmabuf, access })
+    /// CPU access to the whole mapped segment: a [`CpuView`] of `[0, mapped_len())`, inside
+    /// the `DMA_BUF_IOCTL_SYNC` bracket for a dma-buf (start now, end when the view drops).
+    /// For a block of the caching allocator use the block's own view
+    /// ([`Allocation::cpu_access`](crate::caching::Allocation::cpu_access)).
+    pub fn cpu_access(&self, access: Access) -> Result<CpuView<'_>> {
+        CpuView::new(self, 0, self.mapped_len(), access)
     }
 }
 
@@ -350,82 +362,11 @@ pub enum Access {
 }
 
 impl Access {
-    fn sync_flags(self) -> u64 {
+    pub(crate) fn sync_flags(self) -> u64 {
         match self {
             Access::Read => sys::dma_buf::SYNC_READ,
             Access::Write => sys::dma_buf::SYNC_WRITE,
             Access::ReadWrite => sys::dma_buf::SYNC_RW,
         }
-    }
-}
-
-/// CPU access to a segment, bracketed by `DMA_BUF_IOCTL_SYNC` start/end for dma-bufs.
-/// Reads and writes are bounds-checked copies (see [`crate::mapping`] for why no slice is given).
-#[derive(Debug)]
-pub struct CpuAccess<'a> {
-    mapping: &'a Mapping,
-    dmabuf: Option<BorrowedFd<'a>>,
-    access: Access,
-}
-
-impl CpuAccess<'_> {
-    /// Length of the segment.
-    pub fn len(&self) -> usize {
-        self.mapping.len()
-    }
-
-    /// Always false.
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-
-    /// Copies bytes out of the segment.
-    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        if self.access == Access::Write {
-            return Err(Error::Unsupported { what: "read through a write-only CPU access guard".into() });
-        }
-        self.mapping.read(offset, dst)
-    }
-
-    /// Copies bytes into the segment.
-    pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
-        self.check_write()?;
-        self.mapping.write(offset, src)
-    }
-
-    /// Fills a range of the segment with one byte.
-    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
-        self.check_write()?;
-        self.mapping.fill(offset, len, byte)
-    }
-
-    fn check_write(&self) -> Result<()> {
-        if self.access == Access::Read {
-            return Err(Error::Unsupported { what: "write through a read-only CPU access guard".into() });
-        }
-        Ok(())
-    }
-
-    /// Ends the access now and reports whether the end-of-access sync succeeded (dropping the
-    /// guard does the same but can only ignore a failure).
-    pub fn end(self) -> Result<()> {
-        let r = self.end_sync();
-        std::mem::forget(self);
-        r
-    }
-
-    fn end_sync(&self) -> Result<()> {
-        match self.dmabuf {
-            Some(fd) => sys::dma_buf::sync(fd, sys::dma_buf::SYNC_END | self.access.sync_flags())
-                .map_err(Error::io("DMA_BUF_IOCTL_SYNC end")),
-            None => Ok(()),
-        }
-    }
-}
-
-impl Drop for CpuAccess<'_> {
-    fn drop(&mut self) {
-        // Drop cannot report; `end()` is the way to observe a failure.
-        let _ = self.end_sync();
     }
 }

@@ -24,7 +24,7 @@
 //! process. So by default ([`SyncedBuilder::alias`] `true`) a `SyncedMemory` keeps **one**
 //! buffer, a block of the [`CachingAllocator`], and both views are that buffer: the host view
 //! is a CPU access to the device pages, bracketed by `DMA_BUF_IOCTL_SYNC` when the segment is
-//! a dma-buf (the [`crate::segment::CpuAccess`] guard), and the device view is a [`Mem`] range
+//! a dma-buf (the block's [`crate::view::CpuView`]), and the device view is a [`Mem`] range
 //! of the same pages. The head still follows Caffe's rules (it says which side wrote last),
 //! but no transition copies anything: [`SyncedMemory::copies`] stays 0.
 //!
@@ -117,8 +117,9 @@ use std::sync::Arc;
 use crate::caching::{Allocation, CachingAllocator, HostAllocation, HostCachingAllocator};
 use crate::error::{Error, Result};
 use crate::queue::{Event, HostBuffer, Mem, Queue, copy_now};
-use crate::segment::{Access, CpuAccess};
+use crate::segment::Access;
 use crate::sys::dma_buf;
+use crate::view::CpuView;
 
 /// Where the newest data of a [`SyncedMemory`] is (Caffe's `SyncedHead`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -179,19 +180,17 @@ impl Buf {
         }
     }
 
-    /// CPU access to the first `size` bytes.
-    fn cpu(&self, access: Access, size: usize) -> Result<CpuView<'_>> {
+    /// CPU access to the buffer (owned blocks are exactly `size` bytes, borrowed ranges are
+    /// checked to be).
+    fn cpu(&self, access: Access) -> Result<HostAccess<'_>> {
         match self {
-            Buf::Device(a) => {
-                let (seg, base) = a.segment();
-                Ok(CpuView::Mapped { cpu: seg.cpu_access(access)?, base, len: size })
-            }
-            Buf::Host(h) => Ok(CpuView::Mapped { cpu: h.segment().cpu_access(access)?, base: 0, len: size }),
+            Buf::Device(a) => Ok(HostAccess::Mapped(a.cpu_access(access)?)),
+            Buf::Host(h) => Ok(HostAccess::Mapped(h.cpu_access(access)?)),
             Buf::Borrowed(m) => {
                 if access != Access::Read && !m.writable() {
                     return Err(Error::ReadOnly);
                 }
-                Ok(CpuView::Staged { mem: m.clone(), access })
+                Ok(HostAccess::Staged { mem: m.clone(), access })
             }
         }
     }
@@ -373,7 +372,7 @@ impl SyncedMemory {
     pub fn host_data(&mut self) -> Result<HostView<'_>> {
         self.begin()?;
         self.sync_host()?;
-        Ok(HostView { inner: self.store.host_buf()?.cpu(Access::Read, self.size)? })
+        Ok(HostView { inner: self.store.host_buf()?.cpu(Access::Read)? })
     }
 
     /// The host view for reading and writing (Caffe's `mutable_cpu_data()`): as
@@ -381,7 +380,7 @@ impl SyncedMemory {
     pub fn mutable_host_data(&mut self) -> Result<HostViewMut<'_>> {
         self.begin()?;
         self.sync_host()?;
-        let inner = self.store.host_buf()?.cpu(Access::ReadWrite, self.size)?;
+        let inner = self.store.host_buf()?.cpu(Access::ReadWrite)?;
         self.head = Head::AtHost;
         Ok(HostViewMut { inner })
     }
@@ -629,7 +628,7 @@ impl SyncedMemory {
     /// views become separate.
     fn allocate_aliased(&mut self) -> Result<()> {
         let block = self.device_alloc.allocate(self.size, self.queue.as_deref())?;
-        self.store = if block.segment().0.mapping().is_some() {
+        self.store = if !block.as_ptr().is_null() {
             Store::Aliased(Some(Buf::Device(block)))
         } else {
             Store::Split { host: None, device: Some(Buf::Device(block)) }
@@ -660,7 +659,7 @@ impl SyncedMemory {
     /// `caffe_memset` of a fresh host buffer (or of the aliased one): blocks are reused from
     /// the allocators' caches, so they hold whatever their last user left.
     fn zero_host(&self) -> Result<()> {
-        let cpu = self.store.host_buf()?.cpu(Access::Write, self.size)?;
+        let cpu = self.store.host_buf()?.cpu(Access::Write)?;
         cpu.fill(0, self.size, 0)?;
         cpu.end()
     }
@@ -675,7 +674,7 @@ impl SyncedMemory {
                 q.synchronize()
             }
             _ => {
-                let cpu = buf.cpu(Access::Write, self.size)?;
+                let cpu = buf.cpu(Access::Write)?;
                 cpu.fill(0, self.size, 0)?;
                 cpu.end()
             }
@@ -731,22 +730,22 @@ impl Drop for SyncedMemory {
     }
 }
 
-/// CPU access to the first `len` bytes of a buffer.
+/// CPU access to a buffer of a `SyncedMemory`.
 #[derive(Debug)]
-enum CpuView<'a> {
-    /// A segment of ours: the guard holds the dma-buf bracket; the buffer starts at `base`.
-    Mapped { cpu: CpuAccess<'a>, base: usize, len: usize },
+enum HostAccess<'a> {
+    /// A block of ours: its bounded view, which holds the dma-buf bracket.
+    Mapped(CpuView<'a>),
     /// A borrowed range, reached only through queue-checked copies ([`copy_now`], which
     /// brackets dma-bufs per copy), staged through a private buffer: a [`Mem`] offers no
     /// direct CPU access outside the queue module.
     Staged { mem: Mem, access: Access },
 }
 
-impl CpuView<'_> {
+impl HostAccess<'_> {
     fn len(&self) -> usize {
         match self {
-            CpuView::Mapped { len, .. } => *len,
-            CpuView::Staged { mem, .. } => mem.len(),
+            HostAccess::Mapped(cpu) => cpu.len(),
+            HostAccess::Staged { mem, .. } => mem.len(),
         }
     }
 
@@ -760,9 +759,9 @@ impl CpuView<'_> {
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len())?;
         match self {
-            CpuView::Mapped { cpu, base, .. } => cpu.read(base + offset, dst),
-            CpuView::Staged { .. } if dst.is_empty() => Ok(()),
-            CpuView::Staged { mem, .. } => {
+            HostAccess::Mapped(cpu) => cpu.read(offset, dst),
+            HostAccess::Staged { .. } if dst.is_empty() => Ok(()),
+            HostAccess::Staged { mem, .. } => {
                 let stage = HostBuffer::new(dst.len())?;
                 copy_now(&stage, mem.range(offset, dst.len())?)?;
                 stage.read(0, dst)
@@ -773,20 +772,20 @@ impl CpuView<'_> {
     fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check(offset, src.len())?;
         match self {
-            CpuView::Mapped { cpu, base, .. } => cpu.write(base + offset, src),
-            CpuView::Staged { access: Access::Read, .. } => Err(Error::ReadOnly),
-            CpuView::Staged { .. } if src.is_empty() => Ok(()),
-            CpuView::Staged { mem, .. } => copy_now(mem.range(offset, src.len())?, &HostBuffer::from_slice(src)?),
+            HostAccess::Mapped(cpu) => cpu.write(offset, src),
+            HostAccess::Staged { access: Access::Read, .. } => Err(Error::ReadOnly),
+            HostAccess::Staged { .. } if src.is_empty() => Ok(()),
+            HostAccess::Staged { mem, .. } => copy_now(mem.range(offset, src.len())?, &HostBuffer::from_slice(src)?),
         }
     }
 
     fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
         self.check(offset, len)?;
         match self {
-            CpuView::Mapped { cpu, base, .. } => cpu.fill(base + offset, len, byte),
-            CpuView::Staged { access: Access::Read, .. } => Err(Error::ReadOnly),
-            CpuView::Staged { .. } if len == 0 => Ok(()),
-            CpuView::Staged { mem, .. } => {
+            HostAccess::Mapped(cpu) => cpu.fill(offset, len, byte),
+            HostAccess::Staged { access: Access::Read, .. } => Err(Error::ReadOnly),
+            HostAccess::Staged { .. } if len == 0 => Ok(()),
+            HostAccess::Staged { mem, .. } => {
                 copy_now(mem.range(offset, len)?, &HostBuffer::from_slice(&vec![byte; len])?)
             }
         }
@@ -800,8 +799,8 @@ impl CpuView<'_> {
 
     fn end(self) -> Result<()> {
         match self {
-            CpuView::Mapped { cpu, .. } => cpu.end(),
-            CpuView::Staged { .. } => Ok(()),
+            HostAccess::Mapped(cpu) => cpu.end(),
+            HostAccess::Staged { .. } => Ok(()),
         }
     }
 }
@@ -811,7 +810,7 @@ impl CpuView<'_> {
 /// view drops or [`HostView::end`].
 #[derive(Debug)]
 pub struct HostView<'a> {
-    inner: CpuView<'a>,
+    inner: HostAccess<'a>,
 }
 
 impl HostView<'_> {
@@ -845,7 +844,7 @@ impl HostView<'_> {
 /// ([`SyncedMemory::mutable_host_data`]); as [`HostView`], with a read-write bracket.
 #[derive(Debug)]
 pub struct HostViewMut<'a> {
-    inner: CpuView<'a>,
+    inner: HostAccess<'a>,
 }
 
 impl HostViewMut<'_> {

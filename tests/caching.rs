@@ -191,7 +191,7 @@ fn blocks_stay_with_their_queue() {
     // Through the pools too: merged and best-fit blocks stay with their queue.
     let b = alloc("", 1 << 30);
     let first = b.allocate(512 * KB, Some(&q1)).unwrap();
-    let seg_q1 = first.segment().0.mapping().unwrap().as_ptr() as usize;
+    let seg_q1 = first.as_ptr() as usize - first.offset();
     drop(first);
     drop(b.allocate(300 * KB, Some(&q1)).unwrap()); // a quick-cache miss: merges q1's frees
     let other = b.allocate(512 * KB, Some(&q2)).unwrap();
@@ -612,10 +612,10 @@ fn pinned_host_blocks_are_power_of_two_never_split_and_reused_after_their_queues
     let a = h.allocate(5000).unwrap();
     assert_eq!(a.segment().len(), 8192, "rounded to a power of two");
     assert_eq!(a.segment().kind(), SegmentKind::PinnedHost);
-    let seg_addr = a.segment().mapping().unwrap().as_ptr();
+    let seg_addr = a.as_ptr();
     drop(a);
     let b = h.allocate(8000).unwrap();
-    assert_eq!(b.segment().mapping().unwrap().as_ptr(), seg_addr, "the cached block was not reused");
+    assert_eq!(b.as_ptr(), seg_addr, "the cached block was not reused");
     assert_eq!(h.stats().num_source_allocs, 1);
     // Used on a queue: not reused until the queue passes the free.
     let q = Queue::new().unwrap();
@@ -624,10 +624,10 @@ fn pinned_host_blocks_are_power_of_two_never_split_and_reused_after_their_queues
     q.callback(|_| std::thread::sleep(Duration::from_millis(80))).unwrap();
     drop(b);
     let c = h.allocate(8000).unwrap();
-    assert_ne!(c.segment().mapping().unwrap().as_ptr(), seg_addr, "reused while the queue might still use it");
+    assert_ne!(c.as_ptr(), seg_addr, "reused while the queue might still use it");
     q.synchronize().unwrap();
     let d = h.allocate(8000).unwrap();
-    assert_eq!(d.segment().mapping().unwrap().as_ptr(), seg_addr);
+    assert_eq!(d.as_ptr(), seg_addr);
     let st = h.stats();
     assert_eq!((st.num_allocs, st.num_frees, st.num_source_allocs), (4, 2, 2));
     assert_eq!(st.allocated_bytes, 2 * 8192);

@@ -10,14 +10,17 @@
 #![allow(unsafe_code)]
 
 use std::mem::ManuallyDrop;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 use super::free_list::Node;
 use super::pool::BlockId;
 use super::{FreeMsg, Inner};
+use crate::error::Result;
 use crate::queue::{Mem, Queue, QueueHandle};
-use crate::segment::Segment;
+use crate::segment::{Access, Segment};
+use crate::view::CpuView;
 
 /// Memory from a [`CachingAllocator`](super::CachingAllocator). Dropping it frees it
 /// (lock-free); if it was used on other queues, the memory returns to the pool only after those
@@ -60,9 +63,27 @@ impl Allocation {
         unsafe { self.seg.get() }
     }
 
-    /// The segment the block lives in, and the block's offset in it.
-    pub fn segment(&self) -> (&Segment, usize) {
-        (self.seg(), self.offset)
+    /// CPU access to the block: a [`CpuView`] of exactly the bytes asked for (its neighbours in
+    /// the segment are out of reach), inside the dma-buf sync bracket if the segment is one.
+    pub fn cpu_access(&self, access: Access) -> Result<CpuView<'_>> {
+        CpuView::new(self.seg(), self.offset, self.size, access)
+    }
+
+    /// Where the block starts in its fd ([`AsFd::as_fd`]): with [`Allocation::len`], the range
+    /// to name when the block is shared.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// A new fd for the buffer the block lies in (`dup`): the whole segment, of which the block
+    /// is `[offset(), offset() + len())`.
+    pub fn try_clone_fd(&self) -> Result<OwnedFd> {
+        self.seg().try_clone_fd()
+    }
+
+    /// Whether the block's fd is a dma-buf (otherwise a memfd).
+    pub fn is_dma_buf(&self) -> bool {
+        self.seg().is_dma_buf()
     }
 
     /// The block as a queue range (it keeps the segment alive for the operations using it).
@@ -89,6 +110,13 @@ impl Allocation {
         if queue.id() != self.stream && !self.uses.iter().any(|h| h.id() == queue.id()) {
             self.uses.push(queue.handle());
         }
+    }
+}
+
+impl AsFd for Allocation {
+    /// The fd of the segment the block lies in, at [`Allocation::offset`].
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.seg().as_fd()
     }
 }
 

@@ -190,28 +190,111 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
+    /// Pushes per thread: enough to interleave for real natively, a few under Miri (which
+    /// checks every access of every interleaving it runs for races and leaks).
+    const PER_THREAD: u32 = if cfg!(miri) { 50 } else { 10_000 };
+
     #[test]
     fn everything_pushed_is_taken_once() {
+        const THREADS: u32 = 4;
         let list = Arc::new(FreeList::new());
-        let threads: Vec<_> = (0..4)
+        let threads: Vec<_> = (0..THREADS)
             .map(|t| {
                 let l = list.clone();
                 std::thread::spawn(move || {
-                    for i in 0..10_000u32 {
-                        l.push(Node::new(t * 10_000 + i));
+                    for i in 0..PER_THREAD {
+                        l.push(Node::new(t * PER_THREAD + i));
                     }
                 })
             })
             .collect();
+        let total = (THREADS * PER_THREAD) as usize;
         let mut seen = Vec::new();
-        while seen.len() < 40_000 {
+        while seen.len() < total {
             seen.extend(list.take_all().map(|n| n.value));
+            std::thread::yield_now();
         }
         for t in threads {
             t.join().unwrap();
         }
         seen.extend(list.take_all().map(|n| n.value));
         seen.sort_unstable();
-        assert_eq!(seen, (0..40_000).collect::<Vec<_>>());
+        assert_eq!(seen, (0..total as u32).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn take_all_is_newest_first_and_drain_oldest_first_is_push_order() {
+        let list = FreeList::new();
+        assert!(list.is_empty());
+        assert!(list.take_all().is_done());
+        for i in 0..5 {
+            list.push(Node::new(i));
+        }
+        assert!(!list.is_empty());
+        assert_eq!(list.take_all().map(|n| n.value).collect::<Vec<_>>(), [4, 3, 2, 1, 0]);
+        assert!(list.is_empty());
+        let mut scratch = Vec::new();
+        let mut order = Vec::new();
+        list.push(Node::new(7));
+        list.drain_oldest_first(&mut scratch, |n| order.push(n.value));
+        assert_eq!(order, [7], "one node");
+        for i in 0..5 {
+            list.push(Node::new(i));
+        }
+        order.clear();
+        list.drain_oldest_first(&mut scratch, |n| order.push(n.value));
+        assert_eq!(order, [0, 1, 2, 3, 4]);
+        assert!(scratch.is_empty() && list.is_empty());
+    }
+
+    #[test]
+    fn nodes_left_in_a_drain_or_the_list_are_freed_with_their_values() {
+        // Miri reports any leak; natively the drop counter shows it.
+        let drops = Arc::new(());
+        let list = FreeList::new();
+        for _ in 0..6 {
+            list.push(Node::new(Arc::clone(&drops)));
+        }
+        let mut drain = list.take_all();
+        let first = drain.next().expect("six nodes");
+        drop(drain);
+        assert_eq!(Arc::strong_count(&drops), 2, "the drain dropped the nodes it did not yield");
+        list.push(first);
+        list.push(Node::new(Arc::clone(&drops)));
+        drop(list);
+        assert_eq!(Arc::strong_count(&drops), 1, "the list dropped what it held");
+    }
+
+    #[test]
+    fn a_taker_sees_every_completion_pushed_before_pending_reached_zero() {
+        // The protocol of `Pending`: begin, push the request, ..., push the completion, end.
+        // Whoever reads zero and then takes must find every completion.
+        const FREES: u32 = if cfg!(miri) { 20 } else { 2_000 };
+        let list = Arc::new(FreeList::new());
+        let pending = Arc::new(Pending::new());
+        assert!(pending.is_zero());
+        for _ in 0..FREES {
+            pending.begin();
+        }
+        let completer = {
+            let (list, pending) = (Arc::clone(&list), Arc::clone(&pending));
+            std::thread::spawn(move || {
+                for i in 0..FREES {
+                    list.push(Node::new(i));
+                    pending.end();
+                }
+            })
+        };
+        let mut seen = Vec::new();
+        loop {
+            let zero = pending.is_zero();
+            seen.extend(list.take_all().map(|n| n.value));
+            if zero {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        assert_eq!(seen.len(), FREES as usize, "a completion pushed before the count hit zero was missed");
+        completer.join().unwrap();
     }
 }

@@ -4,13 +4,15 @@
 //! point of its free, and frees are lock-free.
 
 use std::collections::HashMap;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::free_list::{FreeList, Node};
 use crate::error::{Error, Result};
 use crate::queue::{Mem, Queue, QueueHandle};
-use crate::segment::Segment;
+use crate::segment::{Access, Segment};
 use crate::source::{HostSource, MemorySource};
+use crate::view::CpuView;
 
 /// The smallest block.
 const MIN_SIZE: usize = 4096;
@@ -170,7 +172,26 @@ impl HostAllocation {
         Mem::from(self.seg()).range(0, self.size).expect("the block holds the request")
     }
 
-    /// The segment (a pinned dma-buf or an mlocked memfd).
+    /// CPU access to the block: a [`CpuView`] of exactly the bytes asked for (not the
+    /// power-of-two rounding), inside the dma-buf sync bracket if the memory is a dma-buf.
+    pub fn cpu_access(&self, access: Access) -> Result<CpuView<'_>> {
+        CpuView::new(self.seg(), 0, self.size, access)
+    }
+
+    /// The CPU address of the block, for code that follows the crate's shared-memory access
+    /// rule ([`crate::mapping`]); null if the memory has no CPU mapping.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.seg().mapping().map_or(std::ptr::null_mut(), crate::mapping::Mapping::as_ptr)
+    }
+
+    /// A new fd for the block's buffer (`dup`), to share it; the block starts at offset 0.
+    pub fn try_clone_fd(&self) -> Result<OwnedFd> {
+        self.seg().try_clone_fd()
+    }
+
+    /// The whole segment the block owns (a pinned dma-buf or an mlocked memfd), rounded up to
+    /// a power of two: no other block shares it, but it is larger than the request. Prefer
+    /// [`HostAllocation::cpu_access`], which is bounded to the request.
     pub fn segment(&self) -> &Arc<Segment> {
         self.seg()
     }
@@ -180,6 +201,13 @@ impl HostAllocation {
         if !self.uses.iter().any(|h| h.id() == queue.id()) {
             self.uses.push(queue.handle());
         }
+    }
+}
+
+impl AsFd for HostAllocation {
+    /// The fd of the block's buffer (the block starts at offset 0).
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.seg().as_fd()
     }
 }
 

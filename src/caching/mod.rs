@@ -46,6 +46,8 @@ mod pool;
 mod quick;
 pub mod replay;
 pub mod stats;
+#[cfg(test)]
+mod tests;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 

@@ -940,7 +940,8 @@ impl Pool {
                 let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
                 // CHUNK is a multiple of every page size Linux uses.
                 let page = crate::source::page_size().clamp(1, CHUNK);
-                let exp = ExpState { reserved_len: seg.len(), page, holes: Vec::new(), punched: 0, tail: None };
+                let reserved_len = seg.mapping().map_or(0, crate::mapping::Mapping::reserved_len);
+                let exp = ExpState { reserved_len, page, holes: Vec::new(), punched: 0, tail: None };
                 let i = self.add_segment(SegEntry { seg: Arc::new(seg), base, size: 0, pool, stream, exp: Some(exp) });
                 self.expandable.insert((stream, pool), i);
                 i

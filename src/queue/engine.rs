@@ -67,7 +67,7 @@ unsafe fn copy_maybe_overlapping(src: *const u8, dst: *mut u8, len: usize) {
         // SAFETY: valid (caller); `tmp` is private.
         unsafe { copy::copy(src, tmp.as_mut_ptr(), len) };
         // SAFETY: as above.
-        unsafe { copy::copy(tmp.as_ptr(), dst, len) };
+        unsafe { copy::copy_from_private(&tmp, dst) };
     }
 }
 

@@ -140,7 +140,8 @@ fn outcome(p: &Pending, res: i32) -> std::result::Result<(), std::sync::Arc<str>
     if res < 0 {
         return Err(format!("fence poll failed: {}", std::io::Error::from_raw_os_error(-res)).into());
     }
-    let revents = PollFlags::from_bits_truncate(res as u16);
+    // The poll result's low bits are `revents` (`c_short`: u16 or i16 by rustix backend).
+    let revents = PollFlags::from_bits_truncate(res as _);
     if !revents.contains(PollFlags::IN) {
         return Err(format!("fence fd reported {revents:?} without becoming readable").into());
     }

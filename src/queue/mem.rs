@@ -103,7 +103,7 @@ impl HostBuffer {
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check(offset, src.len())?;
         // SAFETY: in bounds (checked); the buffer is only accessed through `copy`.
-        unsafe { copy::copy(src.as_ptr(), self.as_ptr().wrapping_add(offset), src.len()) };
+        unsafe { copy::copy_from_private(src, self.as_ptr().wrapping_add(offset)) };
         Ok(())
     }
 
@@ -157,8 +157,10 @@ impl From<&HostBuffer> for Mem {
 }
 
 impl From<&Arc<Segment>> for Mem {
+    /// The segment's mapped bytes (for an expandable segment, its mapped prefix: the rest of
+    /// the reservation is no memory a queue could copy to).
     fn from(s: &Arc<Segment>) -> Self {
-        Mem { len: s.len(), target: Target::Segment(Arc::clone(s)), offset: 0 }
+        Mem { len: s.mapped_len(), target: Target::Segment(Arc::clone(s)), offset: 0 }
     }
 }
 

@@ -70,14 +70,26 @@ pub(crate) fn checked_len(len: usize, source_name: impl FnOnce() -> String) -> R
     if len == 0 {
         return Err(Error::ZeroLength);
     }
-    let info = rustix::system::sysinfo();
-    let unit = u64::from(info.mem_unit.max(1));
-    let limit = (info.totalram as u64).saturating_add(info.totalswap as u64).saturating_mul(unit);
+    let limit = ram_and_swap();
     let rounded = len.checked_next_multiple_of(page_size());
     match rounded {
         Some(r) if (r as u64) <= limit => Ok(r),
         _ => Err(Error::TooLarge { requested: len as u64, limit, what: "RAM + swap", source_name: source_name() }),
     }
+}
+
+/// This machine's RAM + swap in bytes.
+#[cfg(not(miri))]
+fn ram_and_swap() -> u64 {
+    let info = rustix::system::sysinfo();
+    let unit = u64::from(info.mem_unit.max(1));
+    (info.totalram as u64).saturating_add(info.totalswap as u64).saturating_mul(unit)
+}
+
+/// Miri has no `sysinfo`: no limit before the source is asked.
+#[cfg(miri)]
+fn ram_and_swap() -> u64 {
+    u64::MAX
 }
 
 /// Maps an allocation failure: memory exhaustion becomes [`Error::OutOfMemory`].

@@ -3,7 +3,7 @@
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 
-use rustix::ioctl::{Setter, Updater, ioctl, opcode};
+use rustix::ioctl::{Opcode, Setter, Updater, ioctl, opcode};
 
 const DMA_BUF_BASE: u8 = b'b';
 
@@ -34,9 +34,9 @@ pub(crate) struct DmaBufSyncFile {
     pub(crate) fd: i32,
 }
 
-pub(crate) const IOCTL_SYNC: u32 = opcode::write::<DmaBufSync>(DMA_BUF_BASE, 0);
-pub(crate) const IOCTL_EXPORT_SYNC_FILE: u32 = opcode::read_write::<DmaBufSyncFile>(DMA_BUF_BASE, 2);
-pub(crate) const IOCTL_IMPORT_SYNC_FILE: u32 = opcode::write::<DmaBufSyncFile>(DMA_BUF_BASE, 3);
+pub(crate) const IOCTL_SYNC: Opcode = opcode::write::<DmaBufSync>(DMA_BUF_BASE, 0);
+pub(crate) const IOCTL_EXPORT_SYNC_FILE: Opcode = opcode::read_write::<DmaBufSyncFile>(DMA_BUF_BASE, 2);
+pub(crate) const IOCTL_IMPORT_SYNC_FILE: Opcode = opcode::write::<DmaBufSyncFile>(DMA_BUF_BASE, 3);
 
 /// `DMA_BUF_IOCTL_SYNC`: begin (`SYNC_START | dir`) or end (`SYNC_END | dir`) CPU access.
 pub fn sync(dmabuf: BorrowedFd<'_>, flags: u64) -> io::Result<()> {

@@ -4,7 +4,7 @@
 use std::io;
 use std::os::fd::{BorrowedFd, OwnedFd};
 
-use rustix::ioctl::{Setter, Updater, ioctl, opcode};
+use rustix::ioctl::{Opcode, Setter, Updater, ioctl, opcode};
 
 const DRM_IOCTL_BASE: u8 = b'd';
 const DRM_COMMAND_BASE: u8 = 0x40;
@@ -79,9 +79,9 @@ pub(crate) struct VgemFenceSignal {
     pub(crate) flags: u32,
 }
 
-pub(crate) const IOCTL_VGEM_FENCE_ATTACH: u32 =
+pub(crate) const IOCTL_VGEM_FENCE_ATTACH: Opcode =
     opcode::read_write::<VgemFenceAttach>(DRM_IOCTL_BASE, DRM_COMMAND_BASE + 0x1);
-pub(crate) const IOCTL_VGEM_FENCE_SIGNAL: u32 =
+pub(crate) const IOCTL_VGEM_FENCE_SIGNAL: Opcode =
     opcode::write::<VgemFenceSignal>(DRM_IOCTL_BASE, DRM_COMMAND_BASE + 0x2);
 
 /// `DRM_IOCTL_VGEM_FENCE_ATTACH`: attach an unsignalled fence to a vgem object's reservation

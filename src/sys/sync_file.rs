@@ -3,7 +3,7 @@
 use std::io;
 use std::os::fd::BorrowedFd;
 
-use rustix::ioctl::{Updater, ioctl, opcode};
+use rustix::ioctl::{Opcode, Updater, ioctl, opcode};
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -16,7 +16,7 @@ pub(crate) struct SyncFileInfo {
     pub(crate) sync_fence_info: u64,
 }
 
-pub(crate) const IOCTL_FILE_INFO: u32 = opcode::read_write::<SyncFileInfo>(b'>', 4);
+pub(crate) const IOCTL_FILE_INFO: Opcode = opcode::read_write::<SyncFileInfo>(b'>', 4);
 
 /// `SYNC_IOC_FILE_INFO` without the per-fence array: 1 when signalled, 0 while active, a
 /// negative errno when a fence signalled with an error. Fails with ENOTTY on fds that are not

@@ -7,7 +7,7 @@
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 
-use rustix::ioctl::{ioctl, opcode};
+use rustix::ioctl::{Opcode, ioctl, opcode};
 
 use super::FdReturning;
 
@@ -41,8 +41,8 @@ pub(crate) struct UdmabufCreateList {
     pub(crate) count: u32,
 }
 
-pub(crate) const IOCTL_CREATE: u32 = opcode::write::<UdmabufCreate>(b'u', 0x42);
-pub(crate) const IOCTL_CREATE_LIST: u32 = opcode::write::<UdmabufCreateList>(b'u', 0x43);
+pub(crate) const IOCTL_CREATE: Opcode = opcode::write::<UdmabufCreate>(b'u', 0x42);
+pub(crate) const IOCTL_CREATE_LIST: Opcode = opcode::write::<UdmabufCreateList>(b'u', 0x43);
 
 /// A range of a memfd to include in a udmabuf.
 #[derive(Debug, Clone, Copy)]

@@ -1,0 +1,202 @@
+//! The caching allocator's core, run natively and under Miri (`tests/miri/run`): allocation,
+//! frees (owned and raw), split and merge, the quick cache, frees made while the lock is held,
+//! stats, expandable segments, and the bytes blocks hold. Under Miri the memory comes from the
+//! `cfg(miri)` stand-ins (a heap allocation for each mapping, an eventfd for each memfd: see
+//! `crate::mapping`), so Miri checks the pool, the lock-free free path and the unsafe segment
+//! reference of [`Allocation`] for undefined behaviour, data races and leaks. No queues: they
+//! need io_uring.
+
+use std::sync::Arc;
+
+use crate::caching::stats::AGGREGATE;
+use crate::caching::{CachingAllocator, Config, HistoryKind};
+use crate::error::Error;
+use crate::segment::Access;
+use crate::source::ShmemSource;
+
+const KB: usize = 1 << 10;
+const MB: usize = 1 << 20;
+
+fn alloc(cfg: &str, capacity: usize) -> CachingAllocator {
+    CachingAllocator::builder(ShmemSource::new().reserve(false))
+        .config(Config::parse(cfg).unwrap())
+        .capacity(capacity as u64)
+        .build()
+        .unwrap()
+}
+
+fn classic() -> CachingAllocator {
+    alloc("expandable_segments:False", 64 * MB)
+}
+
+#[test]
+fn a_freed_block_is_reused_and_the_stats_follow() {
+    let a = classic();
+    let x = a.allocate(1000, None).unwrap();
+    assert_eq!(x.len(), 1000);
+    let st = a.stats();
+    assert_eq!(st.allocation[AGGREGATE].current, 1);
+    assert_eq!(st.allocated_bytes[AGGREGATE].current, 1024, "rounded to 512");
+    assert_eq!(st.reserved_bytes[AGGREGATE].current as usize, 2 * MB, "one small segment");
+    assert_eq!(st.num_device_alloc, 1);
+    let p = x.as_ptr();
+    drop(x);
+    let st = a.stats();
+    assert_eq!((st.allocation[AGGREGATE].current, st.allocation[AGGREGATE].freed), (0, 1));
+    let y = a.allocate(1000, None).unwrap();
+    assert_eq!(y.as_ptr(), p, "the cached block was not reused");
+    let z = a.allocate(600, None).unwrap();
+    let st = a.stats();
+    assert_eq!(st.num_device_alloc, 1, "both came from the cached segment");
+    assert_eq!(st.allocated_bytes[AGGREGATE].peak, 2048);
+    assert_eq!(st.simple().num_allocs, 3);
+    drop((y, z));
+    a.empty_cache();
+    let st = a.stats();
+    assert_eq!((st.reserved_bytes[AGGREGATE].current, st.segment[AGGREGATE].current), (0, 0));
+    assert_eq!(st.simple().num_frees, 3);
+}
+
+#[test]
+fn blocks_split_and_merge_back_and_whole_segments_are_released() {
+    let a = classic();
+    let blocks: Vec<_> = (0..4).map(|_| a.allocate(512 * KB, None).unwrap()).collect();
+    assert_eq!(a.stats().segment[AGGREGATE].current, 1, "four 512 KiB blocks share one 2 MiB segment");
+    let base = blocks[0].as_ptr() as usize - blocks[0].offset();
+    let mut offsets: Vec<usize> = blocks.iter().map(|b| b.as_ptr() as usize - base).collect();
+    offsets.sort_unstable();
+    assert_eq!(offsets, [0, 512 * KB, MB, 3 * 512 * KB]);
+    let mut it = blocks.into_iter();
+    let (b0, b1, b2, b3) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
+    drop(b1);
+    drop(b2);
+    // Freed blocks wait unmerged for an exact-size reuse (the quick cache)...
+    let st = a.stats();
+    assert_eq!(st.inactive_split[AGGREGATE].current, 2);
+    let again = a.allocate(512 * KB, None).unwrap();
+    assert_eq!(a.stats().inactive_split[AGGREGATE].current, 1, "an exact-size request reused a freed block");
+    drop(again);
+    // ...and a request no cached block fits merges them: 1 MiB, split for 700 KiB.
+    let c = a.allocate(700 * KB, None).unwrap();
+    let st = a.stats();
+    assert_eq!(st.segment[AGGREGATE].current, 1, "the merged hole served the request");
+    assert_eq!(st.inactive_split_bytes[AGGREGATE].current as usize, MB - 700 * KB);
+    drop((b0, b3, c));
+    a.empty_cache();
+    let st = a.stats();
+    assert_eq!(st.inactive_split[AGGREGATE].current, 0);
+    assert_eq!(st.segment[AGGREGATE].current, 0, "the segment merged back whole and was released");
+    assert_eq!(st.num_device_free, 1);
+}
+
+#[test]
+fn raw_blocks_are_checked_reused_and_bounded() {
+    let a = classic();
+    let p = a.allocate_raw(4096, None).unwrap();
+    assert_eq!(a.raw_size(p).unwrap(), 4096);
+    assert_eq!(a.raw_mem(p, 4096).unwrap().len(), 4096);
+    assert!(matches!(a.raw_mem(p, 4097), Err(Error::OutOfBounds { .. })));
+    assert_eq!(a.mem_at(p.wrapping_add(100), 100).unwrap().len(), 100);
+    assert!(a.free_raw(p.wrapping_add(512)).is_err(), "an interior pointer was freed");
+    assert!(a.free_raw(std::ptr::null_mut()).is_err());
+    let owned = a.allocate(4096, None).unwrap();
+    assert!(a.free_raw(owned.as_ptr()).is_err(), "an Allocation's pointer was freed raw");
+    a.free_raw(p).unwrap();
+    assert!(a.free_raw(p).is_err(), "a double free was accepted");
+    assert!(a.raw_size(p).is_err());
+    let q = a.allocate_raw(4096, None).unwrap();
+    assert_eq!(q, p, "the freed raw block was not reused");
+    a.free_raw(q).unwrap();
+    drop(owned);
+    let st = a.stats();
+    assert_eq!(st.allocation[AGGREGATE].current, 0);
+    assert_eq!(st.simple().num_frees, 3);
+}
+
+#[test]
+fn frees_made_while_the_lock_is_held_are_applied_by_the_next_holder() {
+    let a = classic();
+    a.record_history(true);
+    let x = a.allocate(4096, None).unwrap();
+    let y = a.allocate(8192, None).unwrap();
+    let held = a.inner.pool.lock().unwrap();
+    // Neither free may wait for the lock (this thread holds it; the other joins under it).
+    drop(x);
+    std::thread::spawn(move || drop(y)).join().unwrap();
+    assert!(!a.inner.frees.is_empty(), "the frees were not queued");
+    drop(held);
+    let st = a.stats();
+    assert_eq!(st.allocation[AGGREGATE].current, 0);
+    assert_eq!(st.allocation[AGGREGATE].freed, 2);
+    assert_eq!(st.allocated_bytes[AGGREGATE].current, 0);
+    let frees = a.history().iter().filter(|h| h.kind == HistoryKind::FreeCompleted).count();
+    assert_eq!(frees, 2);
+}
+
+#[test]
+fn threads_allocate_and_free_at_once() {
+    const THREADS: usize = 3;
+    const EACH: usize = if cfg!(miri) { 24 } else { 1000 };
+    let a = Arc::new(classic());
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let a = Arc::clone(&a);
+            s.spawn(move || {
+                let mut live = Vec::new();
+                for i in 0..EACH {
+                    live.push(a.allocate(512 + (i * 37 + t * 101) % (64 * KB), None).unwrap());
+                    if i % 3 == 0 {
+                        live.swap_remove((i * 7) % live.len());
+                    }
+                }
+                // The rest is freed on another thread.
+                std::thread::spawn(move || drop(live)).join().unwrap();
+            });
+        }
+    });
+    let st = a.stats();
+    assert_eq!(st.allocation[AGGREGATE].current, 0);
+    assert_eq!(st.active[AGGREGATE].current, 0);
+    assert_eq!(st.simple().num_allocs, (THREADS * EACH) as i64);
+    assert_eq!(st.simple().num_frees, (THREADS * EACH) as i64);
+    a.empty_cache();
+    assert_eq!(a.stats().reserved_bytes[AGGREGATE].current, 0, "{:?}", a.snapshot());
+}
+
+#[test]
+fn blocks_hold_their_own_bytes() {
+    let a = classic();
+    let blocks: Vec<_> = (0..4).map(|i| a.allocate(1000 + i * 100, None).unwrap()).collect();
+    for (i, b) in blocks.iter().enumerate() {
+        let cpu = b.cpu_access(Access::Write).unwrap();
+        cpu.fill(0, b.len(), i as u8 + 1).unwrap();
+        assert!(cpu.write(b.len(), &[0xff]).is_err(), "wrote past block {i}");
+    }
+    for (i, b) in blocks.iter().enumerate() {
+        let got = b.cpu_access(Access::Read).unwrap().to_vec().unwrap();
+        assert_eq!(got, vec![i as u8 + 1; b.len()], "block {i}");
+    }
+}
+
+#[test]
+fn an_expandable_segment_grows_in_place_and_punching_spares_live_blocks() {
+    let a = alloc("expandable_segments:True", 8 * MB);
+    let x = a.allocate(3 * MB, None).unwrap();
+    let y = a.allocate(2 * MB, None).unwrap();
+    let st = a.stats();
+    assert_eq!(st.segment[AGGREGATE].current, 1, "one growing segment");
+    assert_eq!(y.as_ptr() as usize, x.as_ptr() as usize + 3 * MB, "the second block follows the first");
+    let xv = x.cpu_access(Access::ReadWrite).unwrap();
+    xv.fill(x.len() - 64, 64, 0x5a).unwrap();
+    y.cpu_access(Access::Write).unwrap().fill(0, 64, 0xa5).unwrap();
+    assert!(xv.write(x.len(), &[1]).is_err());
+    drop(y);
+    let reserved = a.stats().reserved_bytes[AGGREGATE].current;
+    a.empty_cache();
+    let st = a.stats();
+    assert!(st.reserved_bytes[AGGREGATE].current < reserved, "nothing was given back");
+    assert!(st.reserved_bytes[AGGREGATE].current as usize >= 3 * MB, "the live block lost pages");
+    let mut tail = [0u8; 64];
+    xv.read(x.len() - 64, &mut tail).unwrap();
+    assert_eq!(tail, [0x5a; 64], "punching touched a live block");
+}
