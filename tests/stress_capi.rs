@@ -242,21 +242,9 @@ fn back_to_baseline((fds, base): &(usize, [dmabuf_rt_stats; 2])) {
     }
     let now = open_fds();
     if now != *fds {
-        problems.push(format!("open fds: {now} now, {fds} at the baseline ({})", fd_targets()));
+        problems.push(format!("open fds: {now} now, {fds} at the baseline ({})", common::fd_summary()));
     }
     assert!(problems.is_empty(), "not back to the baseline:\n  {}", problems.join("\n  "));
-}
-
-/// What the open fds are, for a leak's message.
-fn fd_targets() -> String {
-    let mut kinds = std::collections::BTreeMap::<String, usize>::new();
-    for e in std::fs::read_dir("/proc/self/fd").into_iter().flatten().flatten() {
-        let t = std::fs::read_link(e.path()).map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
-        let t = t.split(" (deleted)").next().unwrap_or("").to_owned();
-        let t = if t.starts_with("/memfd:") { "memfd".into() } else { t };
-        *kinds.entry(t).or_default() += 1;
-    }
-    kinds.iter().map(|(k, n)| format!("{n}x {k}")).collect::<Vec<_>>().join(", ")
 }
 
 // ---- the shadow-model stress ----

@@ -272,11 +272,21 @@ pub(crate) fn explain_setup_error(e: io::Error) -> io::Error {
     let code = e.raw_os_error();
     let errno = |c: rustix::io::Errno| Some(c.raw_os_error());
     let hint = if code == errno(rustix::io::Errno::NOMEM) {
+        // The ring's memory is locked kernel memory mapped into this process: either limit may
+        // be the one hit.
+        let address_space = match getrlimit(Resource::As).current {
+            Some(_) => format!(
+                "; this process's address space is limited too (RLIMIT_AS, `ulimit -v`; {}) and the ring's \
+                 mappings may not fit: raise it",
+                limit(Resource::As, " bytes")
+            ),
+            None => String::new(),
+        };
         format!(
             "the ring's memory could not be allocated and locked: io_uring rings are locked memory, charged to \
-             RLIMIT_MEMLOCK (`ulimit -l`; {}) on kernels before 5.12 and to the memory cgroup after; raise the \
-             limit (`ulimit -l unlimited`, LimitMEMLOCK= for a systemd service, `memlock` in \
-             /etc/security/limits.conf, `--ulimit memlock=-1` for docker) or free memory",
+             RLIMIT_MEMLOCK (`ulimit -l`; {}) on kernels before 5.12 and for unprivileged users, to the memory \
+             cgroup after; raise the limit (`ulimit -l unlimited`, LimitMEMLOCK= for a systemd service, `memlock` \
+             in /etc/security/limits.conf, `--ulimit memlock=-1` for docker) or free memory{address_space}",
             limit(Resource::Memlock, " bytes")
         )
     } else if code == errno(rustix::io::Errno::MFILE) {
