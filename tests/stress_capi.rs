@@ -1248,12 +1248,18 @@ struct SyncCallbackData {
     log: Arc<SyncCallbackLog>,
     block: *mut c_void,
     expect: u8,
+    /// The test's watch: slot 1 says which call the callback is in.
+    watch: *const Watch,
 }
 
 unsafe extern "C" fn sync_callback(stream: dmabuf_rt_stream, _status: dmabuf_rt_status, user: *mut c_void) {
     // SAFETY: the leaked box given with this callback, passed to this one call.
     let d = unsafe { Box::from_raw(user.cast::<SyncCallbackData>()) };
+    // SAFETY: the watch outlives the test body, which waits for this callback.
+    let watch = unsafe { &*d.watch };
+    let at = |what: &'static str| watch.at(1, || format!("in the stream's callback: {what}"));
     let mut calls = Vec::new();
+    at("synchronous dmabuf_rt_memcpy (device to host)");
     let (st, back) = read_sync(0, d.block, 4096);
     let bytes = if st == DMABUF_RT_OK && back.iter().any(|&b| b != d.expect) { "wrong bytes" } else { "" };
     calls.push((
@@ -1261,15 +1267,19 @@ unsafe extern "C" fn sync_callback(stream: dmabuf_rt_stream, _status: dmabuf_rt_
         st,
         if st == DMABUF_RT_OK { bytes.into() } else { last_error() },
     ));
+    at("dmabuf_rt_memset");
     let st = dmabuf_rt_memset(0, d.block, c_int::from(d.expect), 4096);
     calls.push(("dmabuf_rt_memset".to_owned(), st, if st == DMABUF_RT_OK { String::new() } else { last_error() }));
+    at("dmabuf_rt_device_synchronize");
     let st = dmabuf_rt_device_synchronize(0);
     calls.push((
         "dmabuf_rt_device_synchronize".to_owned(),
         st,
         if st == DMABUF_RT_OK { String::new() } else { last_error() },
     ));
+    at("dmabuf_rt_stream_synchronize(own stream)");
     let st = dmabuf_rt_stream_synchronize(stream);
+    watch.done(1);
     calls.push((
         "dmabuf_rt_stream_synchronize(own stream)".to_owned(),
         st,
@@ -1284,7 +1294,7 @@ unsafe extern "C" fn sync_callback(stream: dmabuf_rt_stream, _status: dmabuf_rt_
 /// (issue 9, defect 6).
 #[test]
 fn callbacks_calling_synchronous_functions_never_hang() {
-    stress("callbacks_calling_synchronous_functions_never_hang", 1, |watch| {
+    stress("callbacks_calling_synchronous_functions_never_hang", 2, |watch| {
         let baseline = warm_up();
         let (st, p) = alloc(0, 4096);
         ok(st, &"alloc");
@@ -1292,7 +1302,12 @@ fn callbacks_calling_synchronous_functions_never_hang() {
         for (r, dev) in [0, 1, 0].into_iter().enumerate() {
             let h = new_stream(dev);
             ok(write_sync(0, p, &[r as u8 + 1; 4096], h), &"h2d on the stream");
-            let d = Box::new(SyncCallbackData { log: Arc::clone(&log), block: p, expect: r as u8 + 1 });
+            let d = Box::new(SyncCallbackData {
+                log: Arc::clone(&log),
+                block: p,
+                expect: r as u8 + 1,
+                watch: std::ptr::from_ref(watch),
+            });
             // SAFETY: callable from any thread; `user` is the leaked box it takes back; the
             // block stays allocated until the stream is destroyed below.
             let st = unsafe { dmabuf_rt_stream_add_callback(h, Some(sync_callback), Box::into_raw(d).cast()) };
