@@ -58,11 +58,14 @@ impl std::fmt::Debug for Ring {
 const DEFERRED: u64 = 0;
 
 impl Ring {
+    /// A ring of `entries` SQEs. A refusal of `io_uring_setup` says why and what to do
+    /// ([`explain_setup_error`]).
     pub(crate) fn new(entries: u32) -> io::Result<Self> {
         let mut b = IoUring::builder();
         // Completions are reaped by the thread that submitted, right away: no IPIs needed.
         b.setup_coop_taskrun();
-        let ring = b.build(entries).or_else(|_| IoUring::new(entries))?;
+        // Kernels before 5.19 refuse COOP_TASKRUN with EINVAL: then without it.
+        let ring = b.build(entries).or_else(|_| IoUring::new(entries)).map_err(explain_setup_error)?;
         Ok(Self { ring, in_flight: 0, next_id: 1, broken: None })
     }
 
@@ -223,6 +226,98 @@ impl Ring {
     }
 }
 
+/// Why `io_uring_setup` failed, with the kernel's errno and what to do about it: the error
+/// an [`io::Error`] from [`explain_setup_error`] carries (its kind and
+/// [`SetupRefused::errno`] keep the kernel's answer for callers that classify errors).
+#[derive(Debug)]
+pub(crate) struct SetupRefused {
+    /// The kernel's answer.
+    pub(crate) errno: io::Error,
+    /// What it means here, and what to do.
+    pub(crate) hint: String,
+}
+
+impl std::fmt::Display for SetupRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.errno, self.hint)
+    }
+}
+
+impl std::error::Error for SetupRefused {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.errno)
+    }
+}
+
+/// Turns an `io_uring_setup` failure into one that names the likely cause on this machine and
+/// what to do: the locked-memory limit (rings are locked memory, charged to RLIMIT_MEMLOCK on
+/// kernels before 5.12 and for unprivileged users), the open-file limit (a ring is an fd),
+/// `kernel.io_uring_disabled`, a seccomp filter, or a kernel without io_uring. The result
+/// keeps the original error's kind.
+pub(crate) fn explain_setup_error(e: io::Error) -> io::Error {
+    use rustix::process::{Resource, getrlimit};
+    let limit = |r: Resource, unit: &str| {
+        let l = getrlimit(r);
+        let show = |v: Option<u64>| v.map_or("unlimited".to_owned(), |v| format!("{v}{unit}"));
+        format!("soft {}, hard {}", show(l.current), show(l.maximum))
+    };
+    let disabled = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled").ok();
+    let sysctl = match disabled.as_deref().map(str::trim) {
+        Some("0") | None => None,
+        Some(v) => Some(format!(
+            "kernel.io_uring_disabled is {v} here (1: only CAP_SYS_ADMIN or members of kernel.io_uring_group may use \
+             io_uring; 2: no one may): set it to 0 (`sysctl kernel.io_uring_disabled=0`)"
+        )),
+    };
+    let code = e.raw_os_error();
+    let errno = |c: rustix::io::Errno| Some(c.raw_os_error());
+    let hint = if code == errno(rustix::io::Errno::NOMEM) {
+        // The ring's memory is locked kernel memory mapped into this process: either limit may
+        // be the one hit.
+        let address_space = match getrlimit(Resource::As).current {
+            Some(_) => format!(
+                "; this process's address space is limited too (RLIMIT_AS, `ulimit -v`; {}) and the ring's \
+                 mappings may not fit: raise it",
+                limit(Resource::As, " bytes")
+            ),
+            None => String::new(),
+        };
+        format!(
+            "the ring's memory could not be allocated and locked: io_uring rings are locked memory, charged to \
+             RLIMIT_MEMLOCK (`ulimit -l`; {}) on kernels before 5.12 and for unprivileged users, to the memory \
+             cgroup after; raise the limit (`ulimit -l unlimited`, LimitMEMLOCK= for a systemd service, `memlock` \
+             in /etc/security/limits.conf, `--ulimit memlock=-1` for docker) or free memory{address_space}",
+            limit(Resource::Memlock, " bytes")
+        )
+    } else if code == errno(rustix::io::Errno::MFILE) {
+        format!(
+            "too many open files: a ring is an fd and this process is at its RLIMIT_NOFILE ({}); raise it \
+             (`ulimit -n`) or close fds",
+            limit(Resource::Nofile, "")
+        )
+    } else if code == errno(rustix::io::Errno::NFILE) {
+        "too many open files in the system (fs.file-max): close fds or raise fs.file-max".to_owned()
+    } else if code == errno(rustix::io::Errno::PERM) || code == errno(rustix::io::Errno::ACCESS) {
+        sysctl.unwrap_or_else(|| {
+            "io_uring is not permitted to this process: a seccomp filter refuses io_uring_setup (docker's and \
+             podman's default profiles do, as can systemd's SystemCallFilter=), or an LSM policy denies it; allow \
+             the io_uring_setup, io_uring_enter and io_uring_register system calls"
+                .to_owned()
+        })
+    } else if code == errno(rustix::io::Errno::NOSYS) {
+        "this kernel has no io_uring (built without CONFIG_IO_URING, or older than 5.1), or a seccomp filter \
+         answers io_uring_setup with ENOSYS (docker's default profile does); allow the io_uring system calls or \
+         use a kernel with io_uring"
+            .to_owned()
+    } else {
+        match sysctl {
+            Some(s) => s,
+            None => "the kernel refused to create an io_uring instance".to_owned(),
+        }
+    };
+    io::Error::new(e.kind(), SetupRefused { errno: e, hint })
+}
+
 const EAGAIN: i32 = rustix::io::Errno::AGAIN.raw_os_error();
 const EBUSY: i32 = rustix::io::Errno::BUSY.raw_os_error();
 
@@ -241,7 +336,8 @@ pub(crate) const WAKE: u64 = 0;
 
 impl PollRing {
     pub(crate) fn new(entries: u32, wake: OwnedFd) -> io::Result<Self> {
-        let mut r = Self { ring: IoUring::new(entries)?, armed: HashMap::new(), wake };
+        let ring = IoUring::new(entries).map_err(explain_setup_error)?;
+        let mut r = Self { ring, armed: HashMap::new(), wake };
         r.arm_wake()?;
         Ok(r)
     }
@@ -298,5 +394,32 @@ impl PollRing {
         }
         let done: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
         Ok(done.into_iter().map(|(id, r)| (id, r, self.armed.remove(&id))).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn setup_errors_name_their_cause() {
+        use rustix::io::Errno;
+        for (errno, words) in [
+            (Errno::NOMEM, &["RLIMIT_MEMLOCK", "ulimit -l"][..]),
+            (Errno::MFILE, &["too many open files", "RLIMIT_NOFILE", "ulimit -n"]),
+            (Errno::NOSYS, &["no io_uring", "seccomp"]),
+        ] {
+            let e = explain_setup_error(io::Error::from_raw_os_error(errno.raw_os_error()));
+            let text = e.to_string();
+            for w in words {
+                assert!(text.contains(w), "{errno:?}: `{text}` does not mention `{w}`");
+            }
+            assert_eq!(e.kind(), io::Error::from_raw_os_error(errno.raw_os_error()).kind());
+            let inner = e.get_ref().and_then(|i| i.downcast_ref::<SetupRefused>()).expect("a SetupRefused");
+            assert_eq!(inner.errno.raw_os_error(), Some(errno.raw_os_error()));
+        }
+        // EPERM: the sysctl when it is set, else seccomp or an LSM.
+        let text = explain_setup_error(io::Error::from_raw_os_error(Errno::PERM.raw_os_error())).to_string();
+        assert!(text.contains("io_uring_disabled") || text.contains("seccomp"), "{text}");
     }
 }

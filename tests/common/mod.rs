@@ -60,3 +60,18 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
+
+pub mod isolate;
+
+/// What this process's open fds are, grouped ("3x anon_inode:[io_uring], 2x memfd, ..."), for
+/// a leak's message.
+pub fn fd_summary() -> String {
+    let mut kinds = std::collections::BTreeMap::<String, usize>::new();
+    for e in std::fs::read_dir("/proc/self/fd").into_iter().flatten().flatten() {
+        let t = std::fs::read_link(e.path()).map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+        let t = t.split(" (deleted)").next().unwrap_or("").to_owned();
+        let t = if t.starts_with("/memfd:") { "memfd".into() } else { t };
+        *kinds.entry(t).or_default() += 1;
+    }
+    kinds.iter().map(|(k, n)| format!("{n}x {k}")).collect::<Vec<_>>().join(", ")
+}
