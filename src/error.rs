@@ -324,11 +324,30 @@ impl Error {
     }
 
     pub(crate) fn from_io(op: &'static str, source: io::Error) -> Error {
+        let mapping = op.starts_with("mmap") || op.starts_with("reserve");
+        if mapping && source.raw_os_error() == Some(rustix::io::Errno::NOMEM.raw_os_error()) && address_space_limited()
+        {
+            return Error::ResourceLimit {
+                op,
+                resource: "this process's address space (RLIMIT_AS)",
+                hint: "raise `ulimit -v`, or lower the device capacity",
+                source,
+            };
+        }
         match limit_of(&source) {
             Some((resource, hint)) => Error::ResourceLimit { op, resource, hint, source },
             None => Error::Io { op, source },
         }
     }
+}
+
+/// Whether this process runs under an address-space limit (`RLIMIT_AS`), which makes mapping
+/// failures a limit rather than a lack of memory.
+fn address_space_limited() -> bool {
+    #[cfg(not(miri))]
+    return rustix::process::getrlimit(rustix::process::Resource::As).current.is_some();
+    #[cfg(miri)]
+    false
 }
 
 /// The limit an errno means, if it means one that is not a lack of memory.

@@ -857,9 +857,17 @@ fn expandable_growths_and_punches_count_as_backend_calls() {
     a.empty_cache();
     let (allocs, frees) = calls(&a);
     assert_eq!((allocs, a.stats().reserved_bytes[AGGREGATE].current), (3, 0));
-    assert_eq!(frees, 1, "one punch gives back the one merged free block");
+    assert_eq!(frees, 1, "the wholly free segment goes back in one call");
+    assert_eq!(a.stats().segment[AGGREGATE].current, 0, "memfd and reservation are released");
+    // With a block still live, the free part's pages are punched and the reservation stays.
+    let x = a.allocate(3 * MB, None).unwrap();
+    let y = a.allocate(5 * MB, None).unwrap();
+    drop(y);
+    a.empty_cache();
     let st = a.stats();
     assert_eq!(st.segment[AGGREGATE].current, 1, "punching keeps the reservation");
+    assert_eq!(st.reserved_bytes[AGGREGATE].current, 3 * MB as i64, "x's pages stay, the rest is punched per page");
+    drop(x);
 }
 
 #[test]

@@ -177,7 +177,8 @@ impl Report {
     fn fds_unchanged(&mut self, when: &str, before: &Fds) {
         let now = Fds::now();
         self.row(&format!("open fds {when}"), &format!("{} (before: {})", now.n, before.n));
-        if now.n != before.n {
+        // Fewer is fine (a cache the scenario emptied gave its fds back); more is a leak.
+        if now.n > before.n {
             self.fail(format!(
                 "{when}: {} fds open, {} before: leaked\n    now: {}\n    before: {}",
                 now.n, before.n, now.summary, before.summary
@@ -344,11 +345,11 @@ fn rlimit_nofile_tiny() {
         r.rust_err("CachingAllocator::allocate(1 MiB)", alloc.allocate(MB, None), NOFILE_WORDS);
         r.rust_err("Queue::new", Queue::new(), NOFILE_WORDS);
         let (s, _) = c_alloc(0, 8 * MB);
-        r.c_err("dmabuf_rt_device_alloc(0, 8 MiB)", s, &[DMABUF_RT_FAILED], NOFILE_WORDS);
+        r.c_err("dmabuf_rt_device_alloc(0, 8 MiB)", s, &[DMABUF_RT_RESOURCE_LIMIT], NOFILE_WORDS);
         let (s, _) = c_stream(0);
-        r.c_err("dmabuf_rt_stream_create", s, &[DMABUF_RT_FAILED], NOFILE_WORDS);
+        r.c_err("dmabuf_rt_stream_create", s, &[DMABUF_RT_RESOURCE_LIMIT], NOFILE_WORDS);
         let (s, _) = c_host_alloc(MB);
-        r.c_err("dmabuf_rt_host_alloc(1 MiB)", s, &[DMABUF_RT_FAILED], NOFILE_WORDS);
+        r.c_err("dmabuf_rt_host_alloc(1 MiB)", s, &[DMABUF_RT_RESOURCE_LIMIT], NOFILE_WORDS);
         // No new fd needed: a copy into a block that exists.
         match c_round_trip(kept, MB, 0) {
             Ok(()) => r.row("dmabuf_rt_memcpy h2d + d2h (existing block)", "DMABUF_RT_OK, bytes match"),
@@ -467,7 +468,7 @@ fn rlimit_as_tight() {
         let (s, p) = c_alloc(0, 64 * MB);
         r.c_ok("dmabuf_rt_device_alloc(0, 64 MiB)", s);
         let (s2, _) = c_alloc(1, 1 << 30);
-        r.c_err("dmabuf_rt_device_alloc(1, 1 GiB)", s2, &[DMABUF_RT_OUT_OF_MEMORY], AS_WORDS);
+        r.c_err("dmabuf_rt_device_alloc(1, 1 GiB)", s2, &[DMABUF_RT_OUT_OF_MEMORY, DMABUF_RT_RESOURCE_LIMIT], AS_WORDS);
         let (s3, h) = c_stream(0);
         if r.c_ok("dmabuf_rt_stream_create (a thread: needs address space left)", s3) {
             if s == DMABUF_RT_OK {

@@ -197,6 +197,13 @@ fn reservation_len_within(allowed: u64, floor: usize, room: Option<u64>) -> usiz
 }
 
 /// Bytes of address space left below this process's `RLIMIT_AS`, if it has one.
+#[cfg(miri)]
+fn address_space_room() -> Option<u64> {
+    None
+}
+
+/// Bytes of address space left below this process's `RLIMIT_AS`, if it has one.
+#[cfg(not(miri))]
 fn address_space_room() -> Option<u64> {
     let limit = rustix::process::getrlimit(rustix::process::Resource::As).current?;
     let pages: u64 = std::fs::read_to_string("/proc/self/statm").ok()?.split_whitespace().next()?.parse().ok()?;
@@ -898,10 +905,12 @@ impl Pool {
     ) -> Option<BlockId> {
         if self.uses_expandable() {
             let got = self.grow_expandable(rounded, pool, stream, cause);
-            if got.is_some() || !self.expandable_unsupported {
+            if got.is_some() {
                 return got;
             }
-            // Classic segments from here on: their result is what counts.
+            // The source cannot make expandable segments, or this one cannot grow (its
+            // reservation is full, or mapping more failed): a classic segment of its own
+            // serves the request, and its result is what counts.
             self.source_error = None;
         }
         self.alloc_segment(alloc_size, pool, stream, cause)
@@ -1190,7 +1199,8 @@ impl Pool {
 
     /// Keeps a source failure that is not a lack of memory, to report instead of an OOM.
     fn note_source_error(&mut self, e: Error) {
-        if e.kind() != crate::error::ErrorKind::OutOfMemory {
+        use crate::error::ErrorKind;
+        if matches!(e.kind(), ErrorKind::ResourceLimit | ErrorKind::PermissionDenied) {
             self.source_error = Some(e);
         }
     }
@@ -1600,12 +1610,25 @@ impl Pool {
     /// `release_cached_blocks` and `empty_cache`.
     pub(crate) fn release_cached(&mut self, stream: Option<u64>) {
         self.flush_quick();
+        // A wholly free expandable segment goes back whole: its memfd and its reservation of
+        // address space (made again, at the size the limits then allow, when next needed).
+        // Queue operations still using it hold the segment until they finish.
+        let idle: Vec<u32> = (0..self.segments.len() as u32)
+            .filter(|&i| {
+                self.segments[i as usize]
+                    .as_ref()
+                    .is_some_and(|e| e.exp.is_some() && stream.is_none_or(|s| e.stream == s))
+            })
+            .collect();
+        for si in idle {
+            let _ = self.release_segment_if_free(si);
+        }
         for pool in [SMALL_POOL, LARGE_POOL] {
             let ids: Vec<BlockId> =
                 self.pools[pool].iter().filter(|k| stream.is_none_or(|s| k.0 == s)).map(|k| k.3).collect();
             for id in ids {
                 if self.is_expandable(id) {
-                    // Expandable segments keep their address space and give the pages back.
+                    // Expandable segments in use give the pages of their free parts back.
                     self.punch_free(id);
                 } else if !self.blocks[id as usize].is_split() {
                     let _ = self.release_block(id);

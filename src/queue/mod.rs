@@ -87,7 +87,7 @@ impl QueueBuilder {
 
     /// Creates the queue: its ring and its executor thread.
     pub fn build(&self) -> Result<Queue> {
-        let ring = Ring::new(64).map_err(Error::io("io_uring_setup"))?;
+        let ring = Ring::new(64).map_err(setup_error)?;
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let shared = Arc::new(Shared {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -105,6 +105,30 @@ impl QueueBuilder {
             .spawn(move || executor(&s))
             .map_err(Error::io("spawn queue executor"))?;
         Ok(Queue { shared, worker: Some(worker) })
+    }
+}
+
+/// A refused `io_uring_setup` as an [`Error`]: a limit the process ran into (open files, or
+/// the locked memory a ring needs) is [`Error::ResourceLimit`]; anything else (io_uring
+/// disabled, or refused by seccomp) is [`Error::Io`]. The message says which and what to do.
+fn setup_error(e: std::io::Error) -> Error {
+    use rustix::io::Errno;
+    let errno = e.get_ref().and_then(|i| i.downcast_ref::<ring::SetupRefused>()).and_then(|r| r.errno.raw_os_error());
+    let limit = match errno {
+        Some(c) if c == Errno::MFILE.raw_os_error() => {
+            Some(("this process's open files (RLIMIT_NOFILE)", "close fds, or raise `ulimit -n`"))
+        }
+        Some(c) if c == Errno::NFILE.raw_os_error() => {
+            Some(("the system's open files (fs.file-max)", "close fds, or raise the sysctl fs.file-max"))
+        }
+        Some(c) if c == Errno::NOMEM.raw_os_error() => {
+            Some(("the locked memory a ring needs (RLIMIT_MEMLOCK)", "raise `ulimit -l`"))
+        }
+        _ => None,
+    };
+    match limit {
+        Some((resource, hint)) => Error::ResourceLimit { op: "io_uring_setup", resource, hint, source: e },
+        None => Error::Io { op: "io_uring_setup", source: e },
     }
 }
 
