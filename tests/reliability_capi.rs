@@ -12,6 +12,11 @@ use std::sync::{Mutex, MutexGuard, Once};
 use std::time::Duration;
 
 use dmabuf_rt::ffi::capi::dmabuf_rt_status::*;
+
+/// Watchdog limits are multiplied by `DMABUF_RT_STRESS_TIME_SCALE` (the kernel lane, TSan).
+fn time_scale() -> u32 {
+    std::env::var("DMABUF_RT_STRESS_TIME_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1).max(1)
+}
 use dmabuf_rt::ffi::capi::*;
 
 fn setup() -> MutexGuard<'static, ()> {
@@ -77,6 +82,7 @@ fn read(device: c_int, p: usize, len: usize) -> Vec<u8> {
 
 /// Runs `f` on a thread; fails the test naming `what` if it does not finish within `limit`.
 fn watchdog<T: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let limit = limit * time_scale();
     let (tx, rx) = channel();
     std::thread::spawn(move || {
         let _ = tx.send(f());
@@ -176,7 +182,8 @@ fn synchronous_reads_wait_for_copies_other_devices_streams_queued_into_their_mem
         g.open();
         let mut seen: Vec<Vec<u8>> = early.into_iter().collect();
         while seen.len() < 2 {
-            seen.push(rx.recv_timeout(Duration::from_secs(30)).expect("HANG: a synchronous read never returned"));
+            let limit = Duration::from_secs(30) * time_scale();
+            seen.push(rx.recv_timeout(limit).expect("HANG: a synchronous read never returned"));
         }
         for (i, got) in seen.iter().enumerate() {
             assert!(got.iter().all(|&b| b == 0x22), "kind {kind}: reader {i} saw bytes from before the copy");
@@ -263,7 +270,9 @@ fn synchronous_calls_from_a_stream_callback_finish_and_waiting_on_its_own_stream
     let user = Box::into_raw(Box::new(CallbackCalls { dst, results: tx })).cast::<c_void>();
     // SAFETY: the callback takes ownership of `user` and runs once.
     ok(unsafe { dmabuf_rt_stream_add_callback(s, Some(synchronous_work_in_a_callback), user) });
-    let r = rx.recv_timeout(Duration::from_secs(30)).expect("HANG: a callback's synchronous calls deadlocked");
+    let r = rx
+        .recv_timeout(Duration::from_secs(30) * time_scale())
+        .expect("HANG: a callback's synchronous calls deadlocked");
     assert_eq!(r[..3], [DMABUF_RT_OK; 3], "memcpy, memset, device_synchronize from a callback");
     assert_eq!(r[3], DMABUF_RT_WOULD_DEADLOCK, "stream_synchronize of the callback's own stream");
     watchdog("stream synchronize after the callback", Duration::from_secs(30), move || {

@@ -75,3 +75,9 @@ pub fn fd_summary() -> String {
     }
     kinds.iter().map(|(k, n)| format!("{n}x {k}")).collect::<Vec<_>>().join(", ")
 }
+
+/// How much slower than this machine the tests may run (`DMABUF_RT_STRESS_TIME_SCALE`: the
+/// kernel lane's TCG guest and ThreadSanitizer set it); watchdog limits are multiplied by it.
+pub fn time_scale() -> u32 {
+    std::env::var("DMABUF_RT_STRESS_TIME_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1).max(1)
+}
