@@ -144,6 +144,32 @@ unsafe extern "C" fn on_callback_reentrant(stream: u64, status: S, user: *mut c_
     unsafe { on_callback(stream, status, user) };
 }
 
+/// Two callbacks that wait for each other (up to 10 s), then synchronize their device.
+struct Meeting {
+    dev: c_int,
+    arrived: AtomicU64,
+    status: [AtomicU64; 2],
+}
+
+fn meet(i: usize, user: *mut c_void) {
+    // SAFETY: `user` is an `Arc<Meeting>` leaked for this one call (see `cross_callbacks`).
+    let m = unsafe { Arc::from_raw(user as *const Meeting) };
+    m.arrived.fetch_add(1, Ordering::AcqRel);
+    let start = std::time::Instant::now();
+    while m.arrived.load(Ordering::Acquire) < 2 && start.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::yield_now();
+    }
+    m.status[i].store(dmabuf_rt_device_synchronize(m.dev) as u64, Ordering::Release);
+}
+
+unsafe extern "C" fn on_meet_0(_stream: u64, _status: S, user: *mut c_void) {
+    meet(0, user);
+}
+
+unsafe extern "C" fn on_meet_1(_stream: u64, _status: S, user: *mut c_void) {
+    meet(1, user);
+}
+
 // ---- the model of one thread ----
 
 struct Block {
@@ -655,7 +681,7 @@ impl Thread {
 
     fn streams_op(&mut self, input: &mut Input<'_>) {
         let pick = |t: &Self, input: &mut Input<'_>| (!t.streams.is_empty()).then(|| input.below(t.streams.len()));
-        match input.below(7) {
+        match input.below(8) {
             0 | 1 => {
                 if self.streams.iter().filter(|s| s.live).count() >= 4 {
                     return;
@@ -726,6 +752,7 @@ impl Thread {
                     self.streams[i].callbacks.push((rec, reentrant));
                 }
             }
+            6 if !skipped("callback-cross-sync") => self.cross_callbacks(input),
             _ => {
                 // Events: create, record, wait, synchronize, query, destroy.
                 match input.below(5) {
@@ -790,6 +817,43 @@ impl Thread {
                     }
                 }
             }
+        }
+    }
+
+    /// Two new streams of one device whose callbacks run at the same time (they meet before
+    /// going on) and each synchronize the device: each waits for the other stream, which is
+    /// running the other callback. Each may work or be refused as a deadlock; neither may hang.
+    fn cross_callbacks(&mut self, input: &mut Input<'_>) {
+        let (d, _) = self.device(input);
+        let (s1, h1) = stream_create(d);
+        let (s2, h2) = stream_create(d);
+        self.expect("stream-create", s1, S::DMABUF_RT_OK, "stream_create");
+        self.expect("stream-create", s2, S::DMABUF_RT_OK, "stream_create");
+        let meet =
+            Arc::new(Meeting { dev: d, arrived: AtomicU64::new(0), status: [AtomicU64::new(99), AtomicU64::new(99)] });
+        for (i, h) in [h1, h2].into_iter().enumerate() {
+            let user = Arc::into_raw(Arc::clone(&meet)) as *mut c_void;
+            // SAFETY: the callback takes back the `Arc` leaked for it (it runs exactly once).
+            let s = unsafe { dmabuf_rt_stream_add_callback(h, Some(if i == 0 { on_meet_0 } else { on_meet_1 }), user) };
+            self.expect("callback-add", s, S::DMABUF_RT_OK, "stream_add_callback");
+        }
+        for h in [h1, h2] {
+            let s = dmabuf_rt_stream_synchronize(h);
+            self.expect("stream-sync", s, S::DMABUF_RT_OK, "stream_synchronize after crossed callbacks");
+        }
+        for (i, st) in meet.status.iter().enumerate() {
+            let st = st.load(Ordering::Acquire);
+            check!(
+                "callback-cross-sync",
+                st == S::DMABUF_RT_OK as u64 || st == S::DMABUF_RT_WOULD_DEADLOCK as u64,
+                "thread {} step {}: callback {i}'s device_synchronize while the other stream's callback ran \
+                 returned {st}, expected OK or WOULD_DEADLOCK",
+                self.id,
+                self.step
+            );
+        }
+        for h in [h1, h2] {
+            self.expect("stream-destroy", dmabuf_rt_stream_destroy(h), S::DMABUF_RT_OK, "stream_destroy");
         }
     }
 
