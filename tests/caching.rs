@@ -59,6 +59,28 @@ impl MemorySource for Budget {
 
 /// An allocator with seed 003's classic segments (the rules most tests check), unless `cfg`
 /// turns expandable segments on.
+/// Holds a queue at the point where it was closed: a callback that waits on a channel until the
+/// gate is opened. Work queued behind it cannot have run while the gate is closed, however slow
+/// the machine (tests order work with gates and events, never with sleeps). Dropping the gate
+/// opens it too, so a failed assertion's unwinding never leaves a queue's drop waiting: declare
+/// a gate after the queue it holds.
+struct QueueGate {
+    _open: std::sync::mpsc::Sender<()>,
+}
+
+impl QueueGate {
+    fn close(q: &Queue) -> QueueGate {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        q.callback(move |_| {
+            let _ = rx.recv();
+        })
+        .unwrap();
+        QueueGate { _open: tx }
+    }
+
+    fn open(self) {}
+}
+
 fn alloc(cfg: &str, capacity: usize) -> CachingAllocator {
     let cfg =
         if cfg.contains("expandable_segments") { cfg.to_string() } else { format!("expandable_segments:False,{cfg}") };
@@ -209,7 +231,7 @@ fn a_block_used_on_another_queue_returns_only_after_that_queue_is_done() {
     let addr = x.as_ptr();
     x.record_stream(&q2);
     let host = HostBuffer::new(MB).unwrap();
-    q2.callback(|_| std::thread::sleep(Duration::from_millis(100))).unwrap();
+    let gate = QueueGate::close(&q2);
     q2.copy(&host, x.mem()).unwrap();
     drop(x);
     let st = a.stats();
@@ -217,6 +239,7 @@ fn a_block_used_on_another_queue_returns_only_after_that_queue_is_done() {
     assert_eq!(st.active[AGGREGATE].current, 1, "the block stays active while q2 may use it");
     let y = a.allocate(MB, Some(&q1)).unwrap();
     assert_ne!(y.as_ptr(), addr, "the block was reused while q2 still used it");
+    gate.open();
     q2.synchronize().unwrap();
     // The completion hook pushed the free; the next call drains it.
     let st = a.stats();
@@ -621,10 +644,11 @@ fn pinned_host_blocks_are_power_of_two_never_split_and_reused_after_their_queues
     let q = Queue::new().unwrap();
     let mut b = b;
     b.record_stream(&q);
-    q.callback(|_| std::thread::sleep(Duration::from_millis(80))).unwrap();
+    let gate = QueueGate::close(&q);
     drop(b);
     let c = h.allocate(8000).unwrap();
     assert_ne!(c.as_ptr(), seg_addr, "reused while the queue might still use it");
+    gate.open();
     q.synchronize().unwrap();
     let d = h.allocate(8000).unwrap();
     assert_eq!(d.as_ptr(), seg_addr);
@@ -688,13 +712,20 @@ fn a_block_is_not_reused_while_a_dropped_queue_still_drains_work_on_it() {
     let addr = x.as_ptr();
     x.record_stream(&q2);
     let host = HostBuffer::from_slice(&vec![7u8; MB]).unwrap();
-    q2.callback(|_| std::thread::sleep(Duration::from_millis(150))).unwrap();
+    let gate = QueueGate::close(&q2);
     q2.copy(x.mem(), &host).unwrap();
-    let dropper = std::thread::spawn(move || drop(q2)); // drains the callback and the copy
-    std::thread::sleep(Duration::from_millis(30));
+    let (dropping_tx, dropping) = std::sync::mpsc::channel::<()>();
+    let dropper = std::thread::spawn(move || {
+        dropping_tx.send(()).unwrap();
+        drop(q2); // waits for the gate, then drains the copy
+    });
+    // The dropper is at its drop (whether the drop has begun when x is freed or not, the gate
+    // keeps the copy unrun: the block must not come back either way).
+    dropping.recv().unwrap();
     drop(x);
     let y = a.allocate(MB, Some(&q1)).unwrap();
     assert_ne!(y.as_ptr(), addr, "reused while the dropped queue was still writing into it");
+    gate.open();
     dropper.join().unwrap();
     let z = a.allocate(MB, Some(&q1)).unwrap();
     assert_eq!(z.as_ptr(), addr, "the block came back once the queue had drained");
@@ -740,16 +771,37 @@ fn an_impossible_request_fails_at_once_without_emptying_the_cache() {
 
 #[test]
 fn a_free_pending_on_another_queue_is_found_by_the_oom_ladder() {
-    let a = alloc("", 4 * MB);
+    // A pending-wait limit no slow machine reaches: the ladder must wait for the gate.
+    let a = CachingAllocator::builder(ShmemSource::new().reserve(false))
+        .config(Config::parse("expandable_segments:False").unwrap())
+        .capacity(4 * MB as u64)
+        .pending_wait_limit(Duration::from_secs(120))
+        .build()
+        .unwrap();
     let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
     let mut blocks: Vec<_> = (0..4).map(|_| a.allocate(MB, Some(&q1)).unwrap()).collect();
     let mut x = blocks.pop().unwrap();
     let addr = x.as_ptr();
     x.record_stream(&q2);
-    q2.callback(|_| std::thread::sleep(Duration::from_millis(100))).unwrap();
+    let gate = QueueGate::close(&q2);
     drop(x);
     // Full: only the pending free can satisfy this; the ladder waits for it and reuses it.
-    let y = a.allocate(MB, Some(&q1)).unwrap();
+    let y = std::thread::scope(|s| {
+        let (returned_tx, returned) = std::sync::mpsc::channel::<()>();
+        let (a, q1) = (&a, &q1);
+        let taker = s.spawn(move || {
+            let y = a.allocate(MB, Some(q1));
+            let _ = returned_tx.send(());
+            y
+        });
+        // While q2 is held, the request can neither succeed nor fail.
+        if returned.recv_timeout(Duration::from_millis(100)).is_ok() {
+            let r = taker.join().unwrap().map(|y| y.as_ptr());
+            panic!("the request returned while its only memory was pending: {r:?}");
+        }
+        gate.open();
+        taker.join().unwrap().unwrap()
+    });
     assert_eq!(y.as_ptr(), addr);
     assert_eq!(a.stats().num_ooms, 0);
 }

@@ -4,6 +4,7 @@ mod common;
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -14,6 +15,36 @@ use dmabuf_rt::{Access, Error, Segment, SegmentKind};
 
 fn seg(len: usize) -> Arc<Segment> {
     Arc::new(ShmemSource::new().allocate(len).unwrap())
+}
+
+/// Holds a queue at the point where it was closed: a callback that waits on a channel until the
+/// gate is opened. Work queued behind it cannot have run while the gate is closed, however slow
+/// the machine (tests order work with gates and events, never with sleeps). Dropping the gate
+/// opens it too, so a failed assertion's unwinding never leaves a queue's drop waiting: declare
+/// a gate after the queue it holds.
+struct Gate {
+    _open: mpsc::Sender<()>,
+}
+
+impl Gate {
+    fn close(q: &Queue) -> Gate {
+        let (tx, rx) = mpsc::channel::<()>();
+        q.callback(move |_| {
+            let _ = rx.recv();
+        })
+        .unwrap();
+        Gate { _open: tx }
+    }
+
+    fn open(self) {}
+}
+
+/// True if `ev` is still pending after waiting `d` for it. For checks that something has not
+/// happened yet while a gate or fence guarantees it cannot have: a correct run always passes,
+/// and a run that breaks the guarantee is caught unless the machine is too slow to break it
+/// within `d`.
+fn still_pending(ev: &Event, d: Duration) -> bool {
+    matches!(ev.synchronize(Some(d)), Err(Error::Timeout { .. }))
 }
 
 fn queues() -> Vec<(&'static str, Queue)> {
@@ -85,11 +116,16 @@ fn a_cross_queue_wait_orders_work_between_queues() {
     for _ in 0..5 {
         let a = seg(1 << 20);
         let out = HostBuffer::new(1 << 20).unwrap();
-        q1.callback(|_| std::thread::sleep(Duration::from_millis(30))).unwrap();
+        let gate = Gate::close(&q1);
         q1.fill(&a, 7).unwrap();
         let done = q1.record().unwrap();
         q2.wait(&done).unwrap();
         q2.copy(&out, &a).unwrap();
+        let copied = q2.record().unwrap();
+        // q1's fill is held back: q2 must not get past its wait.
+        assert!(still_pending(&copied, Duration::from_millis(50)), "q2 ran past its wait before q1 reached the event");
+        assert!(!done.is_complete());
+        gate.open();
         q2.synchronize().unwrap();
         assert!(done.is_complete());
         assert!(out.to_vec().iter().all(|&b| b == 7), "q2 copied before q1's fill");
@@ -143,16 +179,18 @@ fn a_failing_copy_fails_its_event_and_the_work_after_it() {
         let after = seg(8192);
         let host = HostBuffer::from_slice(&[0xab; 8192]).unwrap();
         let told = Arc::new(Mutex::new(None));
+        let q2 = Queue::new().unwrap();
         // Hold the queue so that a second queue's wait is in place before the failure happens.
-        q.callback(|_| std::thread::sleep(Duration::from_millis(50))).unwrap();
+        let gate = Gate::close(&q);
         q.copy(&bad, &host).unwrap();
         let e = q.record().unwrap();
-        let q2 = Queue::new().unwrap();
         q2.wait(&e).unwrap();
         q2.fill(&after, 5).unwrap();
         q.fill(&after, 9).unwrap();
         let t = told.clone();
         q.callback(move |r| *t.lock().unwrap() = Some(r.is_err())).unwrap();
+        assert!(!e.is_complete(), "the failing copy ran before the gate opened");
+        gate.open();
         let err = q.synchronize().unwrap_err();
         assert!(matches!(err, Error::OperationFailed { .. }), "{err}");
         assert!(err.to_string().contains("Operation not permitted"), "{err}");
@@ -165,11 +203,13 @@ fn a_failing_copy_fails_its_event_and_the_work_after_it() {
         copy_now(&out, &after).unwrap();
         assert!(out.to_vec().iter().all(|&b| b == 0), "work after the failure ran");
 
-        // Work queued before clear_error is still skipped; work after it runs.
-        q.callback(|_| std::thread::sleep(Duration::from_millis(30))).unwrap();
+        // Work queued before clear_error is still skipped, even though it has not run yet when
+        // the error is cleared (the gate holds it); work after it runs.
+        let gate = Gate::close(&q);
         q.fill(&after, 1).unwrap();
         assert!(q.clear_error().is_some());
         q.fill(Mem::from(&after).range(0, 4096).unwrap(), 3).unwrap();
+        gate.open();
         q.synchronize().unwrap();
         copy_now(&out, &after).unwrap();
         let v = out.to_vec();
@@ -191,12 +231,14 @@ fn a_panicking_callback_fails_the_queue_instead_of_hanging_it() {
     let out = HostBuffer::new(4096).unwrap();
     copy_now(&out, &a).unwrap();
     assert!(out.to_vec().iter().all(|&b| b == 2));
-    // A panicking completion hook is contained too.
+    // A panicking completion hook is contained too. (The gate keeps the record pending until
+    // the hook is registered, so the hook runs on the queue's thread, not at once on this one.)
     let ev = q.record().unwrap();
     ev.synchronize(None).unwrap();
-    q.callback(|_| std::thread::sleep(Duration::from_millis(10))).unwrap();
+    let gate = Gate::close(&q);
     q.record_event(&ev).unwrap();
     ev.on_complete(|_| panic!("hook panicked"));
+    gate.open();
     q.synchronize().unwrap();
     q.fill(&a, 3).unwrap();
     q.synchronize().unwrap();
@@ -208,8 +250,10 @@ fn an_event_re_recorded_on_a_faster_queue_does_not_release_earlier_waits() {
     let ev = Event::new();
     let order = Arc::new(Mutex::new(Vec::new()));
     let o = order.clone();
+    // `slow` is held until the test opens the gate (dropping `open` does).
+    let (open, gate) = mpsc::channel::<()>();
     slow.callback(move |_| {
-        std::thread::sleep(Duration::from_millis(60));
+        let _ = gate.recv();
         o.lock().unwrap().push("slow reached the event");
     })
     .unwrap();
@@ -218,6 +262,9 @@ fn an_event_re_recorded_on_a_faster_queue_does_not_release_earlier_waits() {
     let o = order.clone();
     waiter.callback(move |_| o.lock().unwrap().push("waiter ran")).unwrap();
     fast.record_event(&ev).unwrap(); // generation 2 completes at once
+    let waited = waiter.record().unwrap();
+    assert!(still_pending(&waited, Duration::from_millis(100)), "generation 2 released the wait for generation 1");
+    drop(open);
     waiter.synchronize().unwrap();
     slow.synchronize().unwrap();
     assert_eq!(*order.lock().unwrap(), ["slow reached the event", "waiter ran"]);
@@ -290,10 +337,16 @@ fn dropping_a_queue_with_work_in_flight_is_clean() {
     let a = seg(8 << 20);
     let out = HostBuffer::new(8 << 20).unwrap();
     let q = Queue::builder().inline_max(0).build().unwrap();
-    q.callback(|_| std::thread::sleep(Duration::from_millis(20))).unwrap();
+    let gate = Gate::close(&q);
     q.fill(&a, 0x42).unwrap();
     q.copy(&out, &a).unwrap();
     let last = q.record().unwrap();
+    assert!(!last.is_complete());
+    // The drop starts while the 8 MiB fill and copy are still queued: the executor has to wake
+    // from the gate first. (Were they done first, the test would pass without testing the drop;
+    // it cannot fail for that. The drop cannot be made to start behind a closed gate: it would
+    // wait for the gate.)
+    gate.open();
     drop(q);
     assert!(last.query().unwrap());
     assert!(out.to_vec().iter().all(|&b| b == 0x42));
@@ -317,12 +370,19 @@ fn dropping_a_queue_with_work_in_flight_is_clean() {
 #[test]
 fn elapsed_time_between_events() {
     let q = Queue::new().unwrap();
+    let start = Instant::now();
     let e1 = q.record().unwrap();
-    q.callback(|_| std::thread::sleep(Duration::from_millis(25))).unwrap();
+    e1.synchronize(None).unwrap();
+    let gate = Gate::close(&q);
     let e2 = q.record().unwrap();
+    // e2 completes only after the gate opens, at least 25 ms after e1 completed. (This sleep
+    // is the interval measured, not an ordering.)
+    std::thread::sleep(Duration::from_millis(25));
+    gate.open();
     q.synchronize().unwrap();
+    let bound = start.elapsed();
     let dt = e2.elapsed_since(&e1).unwrap();
-    assert!(dt >= Duration::from_millis(25) && dt < Duration::from_secs(5), "{dt:?}");
+    assert!(dt >= Duration::from_millis(25) && dt <= bound, "{dt:?}, both events within {bound:?}");
     assert!(matches!(Event::new().elapsed_since(&e1), Err(Error::NoTiming { .. })));
 }
 
@@ -330,7 +390,7 @@ fn elapsed_time_between_events() {
 fn completion_hooks_run_once_on_completion_without_polling() {
     let q = Queue::builder().inline_max(0).build().unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
-    q.callback(|_| std::thread::sleep(Duration::from_millis(20))).unwrap();
+    let gate = Gate::close(&q);
     let e = q.record().unwrap();
     let r = runs.clone();
     e.on_complete(move |res| {
@@ -338,6 +398,7 @@ fn completion_hooks_run_once_on_completion_without_polling() {
         r.fetch_add(1, Ordering::SeqCst);
     });
     assert_eq!(runs.load(Ordering::SeqCst), 0, "hook ran before the event completed");
+    gate.open();
     q.synchronize().unwrap();
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     // Registered after completion: runs at once.
@@ -347,13 +408,15 @@ fn completion_hooks_run_once_on_completion_without_polling() {
     });
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     // Re-recording starts a new generation; hooks of the old one do not run again.
-    q.callback(|_| std::thread::sleep(Duration::from_millis(20))).unwrap();
+    let gate = Gate::close(&q);
     q.record_event(&e).unwrap();
     assert!(!e.query().unwrap(), "a new generation must be pending until the queue reaches it");
     let r = runs.clone();
     e.on_complete(move |_| {
         r.fetch_add(10, Ordering::SeqCst);
     });
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "a hook ran before its generation completed");
+    gate.open();
     e.synchronize(None).unwrap();
     q.synchronize().unwrap();
     assert_eq!(runs.load(Ordering::SeqCst), 12);
@@ -361,22 +424,34 @@ fn completion_hooks_run_once_on_completion_without_polling() {
 
 #[test]
 fn records_complete_in_order_and_after_the_hooks_of_earlier_records() {
-    // A slow hook on an earlier event: an event recorded later (inline, on an idle queue) must
-    // neither complete before it nor let synchronize return before the hook has run.
+    // A hook on an earlier event, held while it runs: neither that event nor one recorded
+    // later (the queue has nothing else queued; an inline record would complete on this thread
+    // before `record` returns) may complete before the hook has run.
     let q = Queue::builder().inline_max(0).build().unwrap();
     for _ in 0..20 {
         let ran = Arc::new(AtomicUsize::new(0));
-        q.callback(|_| std::thread::sleep(Duration::from_millis(2))).unwrap();
+        let gate = Gate::close(&q);
         let e = q.record().unwrap();
         let r = ran.clone();
+        let (started_tx, started) = mpsc::channel::<()>();
+        let (open_hook, hook_gate) = mpsc::channel::<()>();
         e.on_complete(move |_| {
-            std::thread::sleep(Duration::from_millis(10));
+            let _ = started_tx.send(());
+            let _ = hook_gate.recv();
             r.store(1, Ordering::SeqCst);
         });
-        e.synchronize(None).unwrap();
+        gate.open();
+        started.recv_timeout(Duration::from_secs(60)).expect("the hook started");
+        // The executor is inside e's hook.
         let later = q.record().unwrap();
+        assert!(!later.is_complete(), "a later record completed while an earlier record's hook ran");
+        assert!(!e.is_complete(), "an event completed before its hook ran");
+        assert!(still_pending(&e, Duration::from_millis(20)), "e's synchronize returned before its hook ran");
+        assert!(still_pending(&later, Duration::from_millis(20)), "a later record's synchronize returned first");
+        drop(open_hook);
         later.synchronize(None).unwrap();
         assert_eq!(ran.load(Ordering::SeqCst), 1, "a later record completed before an earlier record's hook ran");
+        assert!(e.is_complete());
         q.synchronize().unwrap();
     }
 }
@@ -394,8 +469,8 @@ fn kernel_lane_a_queue_waits_for_a_vgem_fence() {
     q.wait(&ev).unwrap();
     q.copy(&out, &src).unwrap();
     let copied = q.record().unwrap();
-    std::thread::sleep(Duration::from_millis(150));
-    assert!(!copied.is_complete(), "the copy ran before the fence signalled");
+    // The unsignalled fence is the gate.
+    assert!(still_pending(&copied, Duration::from_millis(150)), "the copy ran before the fence signalled");
     assert!(out.to_vec().iter().all(|&b| b == 0));
     fence.signal().unwrap();
     copied.synchronize(Some(Duration::from_secs(5))).unwrap();

@@ -1,21 +1,18 @@
 //! The parsers of text and bytes from outside the process: `DMABUF_RT_ALLOC_CONF`
-//! (`Config::parse`), `DMABUF_RT_CAPACITY` (`parse_capacity`), allocation traces
-//! (`parse_trace`) and the pipeline's messages (data-channel messages and stage reports).
+//! (`Config::parse`), `DMABUF_RT_CAPACITY` (`parse_capacity`), `DMABUF_RT_DEVICES`
+//! (`parse_device_list`), allocation traces (`parse_trace`) and the pipeline's messages
+//! (data-channel messages and stage reports).
 //!
 //! The first byte picks a parser and whether the rest is taken as raw text (no panic; what is
 //! accepted is sane and survives formatting and parsing again) or as a structured value that
 //! is formatted and must parse back to itself.
-//!
-//! TODO(device list): fuzz `dmabuf_rt::runtime::parse_device_list(s: &str) ->
-//! Result<Vec<String>>` once it exists (the lead is adding it to src/runtime.rs): no empty
-//! names, no surrounding spaces, no commas inside a name; and joining the result with `,` parses
-//! back to the same list.
 #![no_main]
 
+use dmabuf_rt::ErrorKind;
 use dmabuf_rt::caching::Config;
 use dmabuf_rt::caching::replay::{TraceOp, parse_trace};
 use dmabuf_rt::pipeline::fuzzing;
-use dmabuf_rt::runtime::parse_capacity;
+use dmabuf_rt::runtime::{parse_capacity, parse_device_list};
 use fuzz_common::{Input, check};
 use libfuzzer_sys::fuzz_target;
 
@@ -27,7 +24,7 @@ fuzz_target!(|data: &[u8]| {
     let rest = input.rest();
     let text = String::from_utf8_lossy(rest);
     let mut input = Input::new(rest);
-    match mode % 8 {
+    match mode % 10 {
         0 => config_text(&text),
         1 => config_value(&mut input),
         2 => capacity_text(&text),
@@ -35,7 +32,9 @@ fuzz_target!(|data: &[u8]| {
         4 => trace_text(&text),
         5 => trace_value(&mut input),
         6 => message(rest),
-        _ => report(&text, &mut input),
+        7 => report(&text, &mut input),
+        8 => devices_text(&text),
+        _ => devices_value(&mut input),
     }
 });
 
@@ -156,6 +155,106 @@ fn capacity_value(input: &mut Input<'_>) {
     let want = n.checked_mul(1u64 << shift).filter(|&v| v > 0);
     let got = parse_capacity(&text).ok();
     check!("capacity-value", got == want, "{text:?}: got {got:?}, expected {want:?}");
+}
+
+// ---- DMABUF_RT_DEVICES ----
+
+/// Whether one item (already trimmed) is a device in `DMABUF_RT_DEVICES`'s syntax: `shmem`,
+/// `gem`, `heap:NAME` (a plain file name: not empty, no `/`, not `.` or `..`) or `gem:/PATH`.
+fn device_item_ok(item: &str) -> bool {
+    match item.split_once(':') {
+        None => item == "shmem" || item == "gem",
+        Some(("heap", name)) => !name.is_empty() && !name.contains('/') && name != "." && name != "..",
+        Some(("gem", path)) => path.starts_with('/'),
+        Some(_) => false,
+    }
+}
+
+fn devices_text(text: &str) {
+    // Blanks around items and empty items are ignored; the rest are the devices, in order.
+    let items: Vec<&str> = text.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+    let valid = !items.is_empty() && items.iter().all(|i| device_item_ok(i));
+    let list = match parse_device_list(text) {
+        Ok(list) => list,
+        Err(e) => {
+            check!("devices-refused", !valid, "{text:?} refused ({e}), but every item {items:?} is a device");
+            check!(
+                "devices-refused",
+                e.kind() == ErrorKind::InvalidArgument,
+                "{text:?} refused as {:?}: {e}",
+                e.kind()
+            );
+            return;
+        }
+    };
+    check!("devices-sane", valid, "{text:?} accepted as {list:?}, but its items {items:?} are not all devices");
+    check!("devices-sane", !list.is_empty(), "{text:?} accepted as an empty list");
+    check!("devices-sane", list == items, "{text:?} accepted as {list:?}, its items are {items:?}");
+    for item in &list {
+        check!(
+            "devices-sane",
+            !item.is_empty() && item.trim() == item && !item.contains(','),
+            "{text:?}: item {item:?}"
+        );
+        if let Some(name) = item.strip_prefix("heap:") {
+            check!("devices-sane", !name.contains('/'), "{text:?}: heap name {name:?} has a '/'");
+        }
+        if let Some(path) = item.strip_prefix("gem:") {
+            check!("devices-sane", path.starts_with('/'), "{text:?}: gem path {path:?} is not absolute");
+        }
+    }
+    let again = list.join(",");
+    match parse_device_list(&again) {
+        Ok(list2) => check!("devices-roundtrip", list2 == list, "{text:?} -> {list:?}, joined {again:?} -> {list2:?}"),
+        Err(e) => check!("devices-roundtrip", false, "{text:?} -> {list:?}, joined {again:?} refused: {e}"),
+    }
+}
+
+/// A list of well-formed devices, with blanks and empty items the input picks: parsed back
+/// to exactly those devices.
+fn devices_value(input: &mut Input<'_>) {
+    /// A name of 1 to 12 characters from a set with `extra`, trimmed.
+    fn word(input: &mut Input<'_>, extra: &[u8]) -> String {
+        const NAME: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789-_.:+@ ";
+        let n = 1 + input.below(12);
+        let s: String = (0..n)
+            .map(|_| {
+                let i = input.below(NAME.len() + extra.len());
+                char::from(if i < NAME.len() { NAME[i] } else { extra[i - NAME.len()] })
+            })
+            .collect();
+        s.trim().to_string()
+    }
+    let mut want = Vec::new();
+    let mut text = String::new();
+    let n = 1 + input.below(6);
+    for i in 0..n {
+        let item = match input.below(4) {
+            0 => "shmem".to_string(),
+            1 => "gem".to_string(),
+            2 => match word(input, b"") {
+                w if w.is_empty() || w == "." || w == ".." => "heap:system".to_string(),
+                w => format!("heap:{w}"),
+            },
+            _ => format!("gem:/{}", word(input, b"/")),
+        };
+        let blanks = [" ", "", "\t", "  ", "\n"];
+        if i > 0 {
+            text += ",";
+        }
+        if input.below(8) == 0 {
+            text += &format!("{},", blanks[input.below(5)]);
+        }
+        text += &format!("{}{item}{}", blanks[input.below(5)], blanks[input.below(5)]);
+        want.push(item);
+    }
+    if input.bool() {
+        text += ",";
+    }
+    match parse_device_list(&text) {
+        Ok(got) => check!("devices-value", got == want, "{text:?}: got {got:?}, expected {want:?}"),
+        Err(e) => check!("devices-value", false, "{text:?} refused: {e}"),
+    }
 }
 
 // ---- traces ----
