@@ -364,3 +364,47 @@ fn a_copy_of_size_max_is_refused_with_a_plain_reason() {
     }
     ok(dmabuf_rt_device_free(0, p as *mut c_void));
 }
+
+struct Crossed {
+    start: std::sync::Arc<std::sync::Barrier>,
+    results: Sender<dmabuf_rt_status>,
+}
+
+unsafe extern "C" fn synchronize_the_device_once_both_run(
+    _s: dmabuf_rt_stream,
+    _st: dmabuf_rt_status,
+    user: *mut c_void,
+) {
+    // SAFETY: `user` is the leaked Box<Crossed> given with this callback, used once.
+    let c = unsafe { Box::from_raw(user.cast::<Crossed>()) };
+    c.start.wait();
+    let _ = c.results.send(dmabuf_rt_device_synchronize(0));
+}
+
+/// Defect 6, crossed (found by the fuzzer): callbacks on two streams of one device, both
+/// running, both synchronize the device: each waits for the other's stream, which is blocked
+/// in its callback. The wait that would close the cycle is refused with
+/// DMABUF_RT_WOULD_DEADLOCK, and then the other finishes with OK. Never a hang.
+#[test]
+fn callbacks_on_two_streams_synchronizing_their_device_at_once_never_hang() {
+    let _g = setup();
+    for round in 0..50 {
+        let (a, b) = (new_stream(0), new_stream(0));
+        let start = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let (tx, rx) = channel();
+        for s in [a, b] {
+            let user = Box::into_raw(Box::new(Crossed { start: start.clone(), results: tx.clone() })).cast::<c_void>();
+            // SAFETY: the callback takes ownership of `user` and runs once.
+            ok(unsafe { dmabuf_rt_stream_add_callback(s, Some(synchronize_the_device_once_both_run), user) });
+        }
+        let limit = Duration::from_secs(30) * time_scale();
+        let mut got = [
+            rx.recv_timeout(limit).expect("HANG: crossed callbacks synchronizing their device"),
+            rx.recv_timeout(limit).expect("HANG: crossed callbacks synchronizing their device"),
+        ];
+        got.sort_by_key(|s| *s as i32);
+        assert_eq!(got, [DMABUF_RT_OK, DMABUF_RT_WOULD_DEADLOCK], "round {round}");
+        ok(dmabuf_rt_stream_destroy(a));
+        ok(dmabuf_rt_stream_destroy(b));
+    }
+}

@@ -24,6 +24,50 @@ fn run(hooks: Vec<Hook>, result: &Completion) {
     }
 }
 
+/// Which queue each blocked executor waits for: host callbacks that wait (synchronize another
+/// stream, an event, a device) are edges of a wait-for graph, and a wait that would close a
+/// cycle could never end.
+static WAITS: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
+
+/// "Queue `.0`'s executor waits for queue `.1`", for as long as the wait lasts.
+struct WaitEdge(u64);
+
+impl WaitEdge {
+    fn enter(me: u64, on: u64) -> Result<WaitEdge> {
+        let mut waits = WAITS.lock().unwrap_or_else(|p| p.into_inner());
+        // Follow the chain from `on`: each blocked executor waits for one queue.
+        let mut at = on;
+        for _ in 0..=waits.len() {
+            if at == me {
+                return Err(Error::WouldDeadlock {
+                    what: if on == me {
+                        "a host callback waited for work queued on its own queue after it (an event recorded \
+                         there, or a synchronize of that queue)"
+                    } else {
+                        "a host callback waited for another queue whose own callback is waiting, directly or \
+                         through other queues, for this callback's queue"
+                    },
+                });
+            }
+            match waits.iter().find(|w| w.0 == at) {
+                Some(&(_, next)) => at = next,
+                None => break,
+            }
+        }
+        waits.push((me, on));
+        Ok(WaitEdge(me))
+    }
+}
+
+impl Drop for WaitEdge {
+    fn drop(&mut self) {
+        let mut waits = WAITS.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = waits.iter().position(|w| w.0 == self.0) {
+            waits.swap_remove(i);
+        }
+    }
+}
+
 /// A marker in a queue (like a CUDA event) or a kernel fence.
 ///
 /// An event is *recorded* on a queue ([`crate::queue::Queue::record`]) and *completes* when the
@@ -275,18 +319,17 @@ impl Event {
     ) -> Result<()> {
         let start = Instant::now();
         let mut s = self.lock();
+        let mut edge: Option<WaitEdge> = None;
         loop {
             if let Some(r) = s.result_for(generation) {
                 return r.map_err(|reason| Error::OperationFailed { reason });
             }
-            if let Some(&q) = s.owners.get(&generation) {
-                if super::executing_queue() == Some(q) {
-                    // This thread is that queue's executor (a host callback is running): the
-                    // record sits behind the callback, which would wait for it forever.
-                    return Err(Error::WouldDeadlock {
-                        what: "a host callback waited for work queued on its own queue after it (an event recorded \
-                               there, or a synchronize of that queue or of its device's streams)",
-                    });
+            if edge.is_none() {
+                if let (Some(&q), Some(me)) = (s.owners.get(&generation), super::executing_queue()) {
+                    // A host callback (this thread is queue `me`'s executor) is about to wait
+                    // for work on queue `q`: refused if `q` is `me`, or if `q`'s executor is
+                    // itself blocked, directly or through others, waiting for `me`.
+                    edge = Some(WaitEdge::enter(me, q)?);
                 }
             }
             if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
