@@ -235,8 +235,8 @@ enum dmabuf_rt_status dmabuf_rt_unified_alloc(size_t size, void **ptr);
 // from it.
 enum dmabuf_rt_status dmabuf_rt_unified_free(void *ptr);
 
-// Sets `size` bytes of device memory at `ptr` (anywhere inside a block of `device`, the
-// whole range in one segment) to `(unsigned char)value`, as `memset` does, after the work
+// Sets `size` bytes of device memory at `ptr` (anywhere inside a live allocation of
+// `device`, the whole range within the bytes it asked for) to `(unsigned char)value`, as `memset` does, after the work
 // already submitted to the device's streams; returns when done. Size 0 does nothing.
 enum dmabuf_rt_status dmabuf_rt_memset(int device, void *ptr, int value, size_t size);
 
@@ -245,8 +245,8 @@ enum dmabuf_rt_status dmabuf_rt_memset(int device, void *ptr, int value, size_t 
 // `kind` says which sides are device memory: `DMABUF_RT_MEMCPY_HOST_TO_DEVICE`,
 // `_DEVICE_TO_HOST`, `_DEVICE_TO_DEVICE` or `_PEER_TO_PEER`. A device side must lie inside
 // memory `dmabuf_rt_device_alloc` handed out on the device given with it (`dst_device`,
-// `src_device`; pointers into the middle of a block are fine, but the whole range must be
-// inside one segment), else `DMABUF_RT_INVALID_POINTER`. The device argument of a host side
+// `src_device`; pointers into the middle of a block are fine, but the whole range must lie
+// within the bytes that one live allocation asked for), else `DMABUF_RT_INVALID_POINTER`. The device argument of a host side
 // is ignored. The host side may be any memory of the process (pinned host memory from
 // `dmabuf_rt_host_alloc` is not required); it cannot be checked beyond NULL.
 //
@@ -524,7 +524,7 @@ enum dmabuf_rt_status dmabuf_rt_synced_set_host_data(dmabuf_rt_synced synced, vo
 // Lends `size` bytes of device memory at `data` as the device memory (Caffe's
 // `set_gpu_data`): head `AT_DEVICE`, the device view no longer owned. `data` must lie in the
 // memory of this SyncedMemory's device (from `dmabuf_rt_device_alloc`, or another
-// SyncedMemory's device pointer; the whole range inside one segment), else
+// SyncedMemory's device pointer; the whole range within one live allocation), else
 // `DMABUF_RT_INVALID_POINTER`. Device memory the SyncedMemory owned is freed now (when
 // aliased, that is its one buffer, and `data` becomes both views); `data` is never freed by
 // it: it stays allocated until the caller frees it, which it must not do before destroying

@@ -398,7 +398,8 @@ impl Runtime {
     }
 
     /// Copies `len` bytes from `src` to `dst`. Device-side pointers may point anywhere inside
-    /// memory of their device's allocator (and the whole range must lie in one segment).
+    /// one live allocation of their device's allocator (and the whole range must lie within the
+    /// bytes it asked for).
     /// Without a stream the copy is synchronous: it first waits for every stream of the
     /// devices involved (as CUDA's legacy default stream does), then copies. With a stream it
     /// is queued there: host-to-device copies read the host side at once (into a staging
