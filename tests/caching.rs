@@ -3,6 +3,8 @@
 
 mod common;
 
+use common::QueueGate;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -59,27 +61,6 @@ impl MemorySource for Budget {
 
 /// An allocator with seed 003's classic segments (the rules most tests check), unless `cfg`
 /// turns expandable segments on.
-/// Holds a queue at the point where it was closed: a callback that waits on a channel until the
-/// gate is opened. Work queued behind it cannot have run while the gate is closed, however slow
-/// the machine (tests order work with gates and events, never with sleeps). Dropping the gate
-/// opens it too, so a failed assertion's unwinding never leaves a queue's drop waiting: declare
-/// a gate after the queue it holds.
-struct QueueGate {
-    _open: std::sync::mpsc::Sender<()>,
-}
-
-impl QueueGate {
-    fn close(q: &Queue) -> QueueGate {
-        let (tx, rx) = std::sync::mpsc::channel::<()>();
-        q.callback(move |_| {
-            let _ = rx.recv();
-        })
-        .unwrap();
-        QueueGate { _open: tx }
-    }
-
-    fn open(self) {}
-}
 
 fn alloc(cfg: &str, capacity: usize) -> CachingAllocator {
     let cfg =

@@ -2,6 +2,8 @@
 
 mod common;
 
+use common::QueueGate;
+
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -15,28 +17,6 @@ use dmabuf_rt::{Access, Error, Segment, SegmentKind};
 
 fn seg(len: usize) -> Arc<Segment> {
     Arc::new(ShmemSource::new().allocate(len).unwrap())
-}
-
-/// Holds a queue at the point where it was closed: a callback that waits on a channel until the
-/// gate is opened. Work queued behind it cannot have run while the gate is closed, however slow
-/// the machine (tests order work with gates and events, never with sleeps). Dropping the gate
-/// opens it too, so a failed assertion's unwinding never leaves a queue's drop waiting: declare
-/// a gate after the queue it holds.
-struct Gate {
-    _open: mpsc::Sender<()>,
-}
-
-impl Gate {
-    fn close(q: &Queue) -> Gate {
-        let (tx, rx) = mpsc::channel::<()>();
-        q.callback(move |_| {
-            let _ = rx.recv();
-        })
-        .unwrap();
-        Gate { _open: tx }
-    }
-
-    fn open(self) {}
 }
 
 /// True if `ev` is still pending after waiting `d` for it. For checks that something has not
@@ -116,7 +96,7 @@ fn a_cross_queue_wait_orders_work_between_queues() {
     for _ in 0..5 {
         let a = seg(1 << 20);
         let out = HostBuffer::new(1 << 20).unwrap();
-        let gate = Gate::close(&q1);
+        let gate = QueueGate::close(&q1);
         q1.fill(&a, 7).unwrap();
         let done = q1.record().unwrap();
         q2.wait(&done).unwrap();
@@ -181,7 +161,7 @@ fn a_failing_copy_fails_its_event_and_the_work_after_it() {
         let told = Arc::new(Mutex::new(None));
         let q2 = Queue::new().unwrap();
         // Hold the queue so that a second queue's wait is in place before the failure happens.
-        let gate = Gate::close(&q);
+        let gate = QueueGate::close(&q);
         q.copy(&bad, &host).unwrap();
         let e = q.record().unwrap();
         q2.wait(&e).unwrap();
@@ -205,7 +185,7 @@ fn a_failing_copy_fails_its_event_and_the_work_after_it() {
 
         // Work queued before clear_error is still skipped, even though it has not run yet when
         // the error is cleared (the gate holds it); work after it runs.
-        let gate = Gate::close(&q);
+        let gate = QueueGate::close(&q);
         q.fill(&after, 1).unwrap();
         assert!(q.clear_error().is_some());
         q.fill(Mem::from(&after).range(0, 4096).unwrap(), 3).unwrap();
@@ -235,7 +215,7 @@ fn a_panicking_callback_fails_the_queue_instead_of_hanging_it() {
     // the hook is registered, so the hook runs on the queue's thread, not at once on this one.)
     let ev = q.record().unwrap();
     ev.synchronize(None).unwrap();
-    let gate = Gate::close(&q);
+    let gate = QueueGate::close(&q);
     q.record_event(&ev).unwrap();
     ev.on_complete(|_| panic!("hook panicked"));
     gate.open();
@@ -337,7 +317,7 @@ fn dropping_a_queue_with_work_in_flight_is_clean() {
     let a = seg(8 << 20);
     let out = HostBuffer::new(8 << 20).unwrap();
     let q = Queue::builder().inline_max(0).build().unwrap();
-    let gate = Gate::close(&q);
+    let gate = QueueGate::close(&q);
     q.fill(&a, 0x42).unwrap();
     q.copy(&out, &a).unwrap();
     let last = q.record().unwrap();
@@ -373,7 +353,7 @@ fn elapsed_time_between_events() {
     let start = Instant::now();
     let e1 = q.record().unwrap();
     e1.synchronize(None).unwrap();
-    let gate = Gate::close(&q);
+    let gate = QueueGate::close(&q);
     let e2 = q.record().unwrap();
     // e2 completes only after the gate opens, at least 25 ms after e1 completed. (This sleep
     // is the interval measured, not an ordering.)
@@ -390,7 +370,7 @@ fn elapsed_time_between_events() {
 fn completion_hooks_run_once_on_completion_without_polling() {
     let q = Queue::builder().inline_max(0).build().unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
-    let gate = Gate::close(&q);
+    let gate = QueueGate::close(&q);
     let e = q.record().unwrap();
     let r = runs.clone();
     e.on_complete(move |res| {
@@ -408,7 +388,7 @@ fn completion_hooks_run_once_on_completion_without_polling() {
     });
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     // Re-recording starts a new generation; hooks of the old one do not run again.
-    let gate = Gate::close(&q);
+    let gate = QueueGate::close(&q);
     q.record_event(&e).unwrap();
     assert!(!e.query().unwrap(), "a new generation must be pending until the queue reaches it");
     let r = runs.clone();
@@ -430,7 +410,7 @@ fn records_complete_in_order_and_after_the_hooks_of_earlier_records() {
     let q = Queue::builder().inline_max(0).build().unwrap();
     for _ in 0..20 {
         let ran = Arc::new(AtomicUsize::new(0));
-        let gate = Gate::close(&q);
+        let gate = QueueGate::close(&q);
         let e = q.record().unwrap();
         let r = ran.clone();
         let (started_tx, started) = mpsc::channel::<()>();

@@ -81,3 +81,25 @@ pub fn fd_summary() -> String {
 pub fn time_scale() -> u32 {
     std::env::var("DMABUF_RT_STRESS_TIME_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1).max(1)
 }
+
+/// Holds a queue at the point where it was closed: a callback that waits on a channel until the
+/// gate is opened. Work queued behind it cannot have run while the gate is closed, however slow
+/// the machine (tests order work with gates and events, never with sleeps). Dropping the gate
+/// opens it too, so a failed assertion's unwinding never leaves a queue's drop waiting: declare
+/// a gate after the queue it holds.
+pub struct QueueGate {
+    _open: std::sync::mpsc::Sender<()>,
+}
+
+impl QueueGate {
+    pub fn close(q: &dmabuf_rt::queue::Queue) -> QueueGate {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        q.callback(move |_| {
+            let _ = rx.recv();
+        })
+        .unwrap();
+        QueueGate { _open: tx }
+    }
+
+    pub fn open(self) {}
+}
