@@ -61,7 +61,6 @@ impl MemorySource for Budget {
 
 /// An allocator with seed 003's classic segments (the rules most tests check), unless `cfg`
 /// turns expandable segments on.
-
 fn alloc(cfg: &str, capacity: usize) -> CachingAllocator {
     let cfg =
         if cfg.contains("expandable_segments") { cfg.to_string() } else { format!("expandable_segments:False,{cfg}") };
