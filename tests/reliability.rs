@@ -77,7 +77,7 @@ fn pool_invariants_hold_under_random_workloads_in_every_configuration() {
         let a = allocator(conf, 96 * MB as u64);
         let mut raw: Vec<*mut u8> = Vec::new();
         let mut owned = Vec::new();
-        for step in 0..1500 {
+        for step in 0..common::scaled(1500) {
             let q = match rng.below(4) {
                 0 => None,
                 i => Some(&queues[i as usize - 1]),
@@ -140,15 +140,17 @@ fn a_raw_double_free_racing_a_busy_lock_is_refused_every_time() {
         let (a, stop) = (a.clone(), stop.clone());
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
-                // Takes the lock (and walks every block) over and over.
-                let _ = a.check_invariants();
+                // Takes the lock over and over, and allocates: the racing frees find it busy.
                 let _ = a.stats();
+                if let Ok(p) = a.allocate_raw(2 << 20, None) {
+                    a.free_raw(p).unwrap();
+                }
             }
         })
     };
     let barrier = Barrier::new(2);
     let mut live: Vec<*mut u8> = Vec::new();
-    for cycle in 0..3000 {
+    for cycle in 0..common::scaled(3000) {
         let p = a.allocate_raw(4096, None).unwrap() as usize;
         let oks = std::thread::scope(|s| {
             let t = s.spawn(|| {
@@ -195,7 +197,7 @@ fn a_dropped_queues_ring_segments_and_reservations_go_once_its_blocks_are_free()
     // Warm up anything process-wide first.
     drop(Queue::new().unwrap());
     let (fds, vm) = (common::open_fds(), vm_bytes());
-    for _ in 0..300 {
+    for _ in 0..common::scaled(300) {
         let q = Queue::new().unwrap();
         let p = a.allocate_raw(4096, Some(&q)).unwrap();
         let x = a.allocate(3 << 20, Some(&q)).unwrap();
@@ -240,7 +242,7 @@ fn an_allocation_racing_a_deferred_free_completion_never_reports_a_false_oom() {
     // Room for exactly one 2 MiB small-pool segment.
     let a = allocator("expandable_segments:False", 2 * MB as u64);
     let user = Queue::new().unwrap();
-    for round in 0..400 {
+    for round in 0..common::scaled(400) {
         let keep = a.allocate(MB, None).unwrap();
         let mut x = a.allocate(MB, None).unwrap();
         // `user` holds x's deferred free until its callback is released.
@@ -316,7 +318,7 @@ fn dropping_a_queue_while_another_thread_records_on_it_never_hangs() {
     let _serial = serial();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        for _ in 0..1500 {
+        for _ in 0..common::scaled(1500) {
             let q = Queue::new().unwrap();
             let h = q.handle();
             let started = Arc::new(Barrier::new(2));
