@@ -706,11 +706,11 @@ fn pattern(seed: u8) -> Vec<u8> {
     (0..SN).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add((i >> 9) as u8)).collect()
 }
 
-/// Waits (briefly) until the device's live allocations are back to `want`: frees of blocks
-/// used on a stream complete once the stream has passed them.
+/// Waits (up to 20 s, polling) until the device's live allocations are back to `want`: frees
+/// of blocks used on a stream complete once the stream has passed them.
 #[track_caller]
 fn settle_allocations(dev: c_int, want: u64) {
-    for _ in 0..200 {
+    for _ in 0..4000 {
         if stats(dev).allocations == want {
             return;
         }
