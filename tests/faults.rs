@@ -402,7 +402,7 @@ fn rlimit_memlock_zero() {
                     assert_eq!(dmabuf_rt_host_free(p), DMABUF_RT_OK);
                 }
             } else {
-                r.c_err("dmabuf_rt_host_alloc(1 MiB)", s, &[DMABUF_RT_OUT_OF_MEMORY, DMABUF_RT_FAILED], MEMLOCK_WORDS);
+                r.c_err("dmabuf_rt_host_alloc(1 MiB)", s, &[DMABUF_RT_RESOURCE_LIMIT], MEMLOCK_WORDS);
             }
             let (s, h) = c_stream(0);
             if r.c_ok_or_clear("dmabuf_rt_stream_create", s, MEMLOCK_WORDS) {

@@ -76,14 +76,19 @@ impl MemorySource for HostSource {
         let mapping = seg.mapping().expect("memfd segments are always mapped");
         mapping.lock().map_err(|source| {
             let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock).current;
-            Error::OutOfMemory {
-                requested: len as u64,
-                source_name: format!(
-                    "{} (mlock failed; RLIMIT_MEMLOCK is {}; raise it with `ulimit -l` or limits.conf)",
-                    self.name(),
-                    limit.map_or("unlimited".to_string(), |l| format!("{l} bytes"))
-                ),
-                source,
+            match limit {
+                // Under a locked-memory limit, the limit is what ran out (not memory).
+                Some(l) if l < (64 << 40) => Error::ResourceLimit {
+                    op: "mlock of pinned host memory",
+                    resource: "this process's locked memory (RLIMIT_MEMLOCK)",
+                    hint: "raise it with `ulimit -l` or limits.conf, or give the process the system DMA-BUF heap",
+                    source,
+                },
+                _ => Error::OutOfMemory {
+                    requested: len as u64,
+                    source_name: format!("{} (mlock failed; RLIMIT_MEMLOCK is unlimited)", self.name()),
+                    source,
+                },
             }
         })?;
         Ok(seg)
