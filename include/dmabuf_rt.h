@@ -205,9 +205,8 @@ enum dmabuf_rt_status dmabuf_rt_device_alloc(int device, size_t size, void **ptr
 // Free memory only after the streams that use it have finished with it (synchronize them or
 // an event recorded after the work). NULL, a pointer this device never handed out, a pointer
 // into the middle of a block and a second free of the same pointer are refused with
-// `DMABUF_RT_INVALID_POINTER` and change nothing. (The free never waits for the allocator's
-// lock: if another thread holds it at that moment, the free is queued and checked when it is
-// applied, and a bad pointer is then reported on stderr instead of by the status.)
+// `DMABUF_RT_INVALID_POINTER` and change nothing: every free is checked against the live
+// allocations when it is made.
 enum dmabuf_rt_status dmabuf_rt_device_free(int device, void *ptr);
 
 // Allocates `size` bytes of pinned (page-locked) host memory and stores the pointer in
@@ -274,8 +273,9 @@ enum dmabuf_rt_status dmabuf_rt_memcpy(int dst_device, void *dst, int src_device
 enum dmabuf_rt_status dmabuf_rt_stream_create(int device, dmabuf_rt_stream *stream);
 
 // Destroys a stream after the work submitted to it has run (returning that work's failure,
-// if any). The handle is never valid again: a second destroy, or any use, is
-// `DMABUF_RT_INVALID_HANDLE`.
+// if any). Called from a stream callback (of this stream or another) it returns at once, as
+// `cudaStreamDestroy` does, and the stream finishes its work on its own. The handle is never
+// valid again: a second destroy, or any use, is `DMABUF_RT_INVALID_HANDLE`.
 enum dmabuf_rt_status dmabuf_rt_stream_destroy(dmabuf_rt_stream stream);
 
 // Waits until everything submitted to the stream has run; returns `DMABUF_RT_FAILED` if any

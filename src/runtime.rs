@@ -467,8 +467,9 @@ impl Runtime {
         // synchronized, as work on their own streams would be.
         let touched = match kind {
             CopyKind::DeviceToHost => [Some(src_dev), None],
-            CopyKind::HostToDevice | CopyKind::DeviceToDevice => [Some(dst_dev), None],
-            CopyKind::PeerToPeer => [Some(dst_dev), Some(src_dev)],
+            CopyKind::HostToDevice => [Some(dst_dev), None],
+            // A device-to-device copy may also cross devices: both sides' devices wait for it.
+            CopyKind::DeviceToDevice | CopyKind::PeerToPeer => [Some(dst_dev), (src_dev != dst_dev).then_some(src_dev)],
         };
         for dev in touched.into_iter().flatten().filter(|&d| Some(d) != stream_dev) {
             let ev = q.record()?;
@@ -528,6 +529,13 @@ impl Runtime {
         let e = lock(&self.streams).remove(&h).ok_or(Error::UnknownHandle { what: "stream", handle: h })?;
         if let Ok(dev) = self.device(e.device) {
             dev.queues().live.remove(&e.queue.id());
+        }
+        if crate::queue::executing_queue().is_some() {
+            // From a host callback: waiting for the stream could wait for this very callback
+            // (or for a stream blocked on it). As CUDA's cudaStreamDestroy, return at once;
+            // the stream finishes its work and goes on its own.
+            drop(e);
+            return Ok(());
         }
         let r = e.queue.synchronize();
         drop(e); // the queue's executor finishes and exits when the last holder lets go

@@ -698,6 +698,21 @@ impl SyncedMemory {
         if data.len() != self.size {
             return Err(Error::SizeMismatch { dst: self.size, src: data.len() });
         }
+        // Lending this object its own memory would free that memory now and keep using it:
+        // another allocation could then be handed the same bytes.
+        let bufs = match &self.store {
+            Store::Aliased(b) => [b.as_ref(), None],
+            Store::Split { host, device } => [host.as_ref(), device.as_ref()],
+        };
+        let own = bufs.into_iter().flatten().filter(|b| !matches!(b, Buf::Borrowed(_)));
+        if own.into_iter().any(|b| b.mem().overlaps(data)) {
+            return Err(Error::UnknownPointer {
+                what: "lent memory",
+                ptr: data.ptr().map_or(0, |p| p as usize),
+                expected: "memory this SyncedMemory does not own",
+                why: "it lies in the SyncedMemory's own buffer, which lending would free".into(),
+            });
+        }
         Ok(())
     }
 

@@ -245,6 +245,11 @@ impl CachingAllocator {
                     q.handle().on_exit(move || {
                         if let Some(inner) = inner.upgrade() {
                             inner.frees.push(Node::new(FreeMsg::QueueGone(id)));
+                            // Applied now if nobody holds the lock (the next holder applies it
+                            // otherwise), so the memory goes without waiting for another call.
+                            if let Ok(mut pool) = inner.pool.try_lock() {
+                                pool.drain(&inner.frees);
+                            }
                         }
                     });
                 }

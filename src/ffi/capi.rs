@@ -269,6 +269,8 @@ pub extern "C" fn dmabuf_rt_status_name(status: c_int) -> *const c_char {
         4 => c"DMABUF_RT_INVALID_HANDLE",
         5 => c"DMABUF_RT_NOT_SUPPORTED",
         6 => c"DMABUF_RT_FAILED",
+        7 => c"DMABUF_RT_RESOURCE_LIMIT",
+        8 => c"DMABUF_RT_WOULD_DEADLOCK",
         _ => c"unknown status",
     };
     s.as_ptr()
@@ -411,9 +413,8 @@ pub unsafe extern "C" fn dmabuf_rt_device_alloc(device: c_int, size: usize, ptr:
 /// Free memory only after the streams that use it have finished with it (synchronize them or
 /// an event recorded after the work). NULL, a pointer this device never handed out, a pointer
 /// into the middle of a block and a second free of the same pointer are refused with
-/// `DMABUF_RT_INVALID_POINTER` and change nothing. (The free never waits for the allocator's
-/// lock: if another thread holds it at that moment, the free is queued and checked when it is
-/// applied, and a bad pointer is then reported on stderr instead of by the status.)
+/// `DMABUF_RT_INVALID_POINTER` and change nothing: every free is checked against the live
+/// allocations when it is made.
 #[unsafe(no_mangle)]
 pub extern "C" fn dmabuf_rt_device_free(device: c_int, ptr: *mut c_void) -> dmabuf_rt_status {
     call("dmabuf_rt_device_free", || {
@@ -572,8 +573,9 @@ pub unsafe extern "C" fn dmabuf_rt_stream_create(device: c_int, stream: *mut dma
 }
 
 /// Destroys a stream after the work submitted to it has run (returning that work's failure,
-/// if any). The handle is never valid again: a second destroy, or any use, is
-/// `DMABUF_RT_INVALID_HANDLE`.
+/// if any). Called from a stream callback (of this stream or another) it returns at once, as
+/// `cudaStreamDestroy` does, and the stream finishes its work on its own. The handle is never
+/// valid again: a second destroy, or any use, is `DMABUF_RT_INVALID_HANDLE`.
 #[unsafe(no_mangle)]
 pub extern "C" fn dmabuf_rt_stream_destroy(stream: dmabuf_rt_stream) -> dmabuf_rt_status {
     call("dmabuf_rt_stream_destroy", || rt()?.destroy_stream(handle(stream)))

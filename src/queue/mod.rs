@@ -488,6 +488,15 @@ impl Drop for Queue {
         }
         self.shared.work.notify_all();
         if let Some(w) = self.worker.take() {
+            if executing_queue().is_some() {
+                // Dropped on a queue's executor (in a host callback, or by a callback holding
+                // the last reference to its own queue): joining could wait for this very
+                // thread, or for a queue blocked waiting on it. The executor drains what was
+                // submitted and exits on its own, as CUDA's stream destroy lets a stream
+                // finish its work after the call returns.
+                drop(w);
+                return;
+            }
             // The executor drains what was submitted, then exits. If it died, its guard has
             // already failed what was left.
             let _ = w.join();
