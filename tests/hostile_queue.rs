@@ -76,3 +76,30 @@ fn a_dropped_queues_memory_goes_without_another_allocator_call() {
         "dropped queues' memfds still open until the next allocator call: {before} -> {lazy} (-> {after} after stats())"
     );
 }
+
+/// Events made from pollable fds and dropped before the fd becomes readable used to stay
+/// watched forever by the process-wide fence watcher, keeping two fds each. The watcher now
+/// stops watching an event nobody holds whenever it wakes (each new watch wakes it).
+#[test]
+fn dropped_fd_events_stop_being_watched() {
+    let _serial = serial();
+    use dmabuf_rt::queue::Event;
+    use rustix::event::{EventfdFlags, eventfd};
+    // Start the watcher (its own ring and wake-up fd stay).
+    drop(Event::from_readable_fd(eventfd(0, EventfdFlags::CLOEXEC).unwrap()).unwrap());
+    let before = open_fds();
+    for _ in 0..100 {
+        drop(Event::from_readable_fd(eventfd(0, EventfdFlags::CLOEXEC).unwrap()).unwrap());
+    }
+    // One held event: it must stay watched and still complete.
+    let fd = eventfd(0, EventfdFlags::CLOEXEC).unwrap();
+    let signal = fd.try_clone().unwrap();
+    let held = Event::from_readable_fd(fd).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while open_fds() > before + 4 && std::time::Instant::now() < deadline {
+        std::thread::yield_now();
+    }
+    assert!(open_fds() <= before + 4, "100 dropped events: open fds {before} -> {}", open_fds());
+    rustix::io::write(&signal, &1u64.to_ne_bytes()).unwrap();
+    held.synchronize(Some(Duration::from_secs(20))).unwrap();
+}

@@ -215,6 +215,12 @@ impl Event {
         self.complete(generation, Ok(()));
     }
 
+    /// Whether nobody but the caller holds this event, and no completion hook waits for it:
+    /// its completion would reach no one (the fence watcher then stops watching its fd).
+    pub(crate) fn is_unobserved(&self) -> bool {
+        Arc::strong_count(&self.inner) == 1 && self.lock().hooks.is_empty()
+    }
+
     /// Whether the latest record is pending on queue `queue` (its completion then waits for
     /// everything that queue runs before it).
     pub(crate) fn pending_on(&self, queue: u64) -> bool {

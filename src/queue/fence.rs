@@ -126,6 +126,16 @@ fn serve(ring: &mut PollRing, watched: &mut HashMap<u64, Pending>) -> String {
                 if let Err(e) = ring.arm_wake() {
                     return format!("re-arm wake-up: {e}");
                 }
+                // Events dropped by everyone while their fence was pending: stop watching them
+                // (their polls are cancelled and their fds closed), or each would keep two fds
+                // open until its fence signals, perhaps never.
+                let orphans: Vec<u64> =
+                    watched.iter().filter(|(_, p)| p.event.is_unobserved()).map(|(&id, _)| id).collect();
+                for id in orphans {
+                    if ring.cancel(id).is_ok() {
+                        watched.remove(&id);
+                    }
+                }
             } else if let Some(p) = watched.remove(&id) {
                 drop(fd);
                 let result = outcome(&p, res);

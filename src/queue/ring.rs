@@ -333,6 +333,8 @@ pub(crate) struct PollRing {
 
 /// The id completions of the wake-up eventfd carry.
 pub(crate) const WAKE: u64 = 0;
+/// The id completions of poll removals carry.
+pub(crate) const CANCEL: u64 = u64::MAX;
 
 impl PollRing {
     pub(crate) fn new(entries: u32, wake: OwnedFd) -> io::Result<Self> {
@@ -380,6 +382,21 @@ impl PollRing {
         unsafe { self.push(fd.as_raw_fd(), id) }?;
         self.armed.insert(id, fd);
         Ok(())
+    }
+
+    /// Cancels the poll reported with `id` (`POLL_REMOVE`): its own completion then comes with
+    /// `-ECANCELED` (and its fd), the removal's with the id [`CANCEL`].
+    pub(crate) fn cancel(&mut self, id: u64) -> io::Result<()> {
+        let e = opcode::PollRemove::new(id).build().user_data(CANCEL);
+        loop {
+            // SAFETY: a poll removal names no buffer and no fd.
+            match unsafe { self.ring.submission().push(&e) } {
+                Ok(()) => return Ok(()),
+                Err(_) => {
+                    self.ring.submit()?;
+                }
+            }
+        }
     }
 
     /// Submits what is queued, waits for at least one completion, and returns every
