@@ -341,3 +341,26 @@ fn dropping_a_queue_while_another_thread_records_on_it_never_hangs() {
     rx.recv_timeout(std::time::Duration::from_secs(120))
         .expect("HANG: dropping a queue while another thread records on it");
 }
+
+/// Defect 6's wait-for graph must never refuse a wait that ends. Two queues each wait for an
+/// event the other recorded before its own wait (legitimate cross waits, as in a pipeline of
+/// two streams), with work in front so the waits block on the executors, many times: no
+/// `WouldDeadlock`. (An edge of a wait whose event had just completed, its thread not yet
+/// awake, used to close a false cycle under ThreadSanitizer's timing.)
+#[test]
+fn queues_waiting_on_each_others_earlier_events_are_never_refused() {
+    let _serial = serial();
+    let (x, y) = (Queue::new().unwrap(), Queue::new().unwrap());
+    let buf = dmabuf_rt::queue::HostBuffer::new(256 * KB).unwrap();
+    let (bx, by) = (buf.clone(), dmabuf_rt::queue::HostBuffer::new(256 * KB).unwrap());
+    for round in 0..common::scaled(3000) {
+        x.fill(&bx, round as u8).unwrap();
+        y.fill(&by, round as u8).unwrap();
+        let (ex, ey) = (x.record().unwrap(), y.record().unwrap());
+        x.wait(&ey).unwrap();
+        y.wait(&ex).unwrap();
+        let (a, b) = (x.record().unwrap(), y.record().unwrap());
+        a.synchronize(None).unwrap_or_else(|e| panic!("round {round}: {e}"));
+        b.synchronize(None).unwrap_or_else(|e| panic!("round {round}: {e}"));
+    }
+}

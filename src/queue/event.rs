@@ -27,15 +27,29 @@ fn run(hooks: Vec<Hook>, result: &Completion) {
 /// Which queue each blocked executor waits for: host callbacks that wait (synchronize another
 /// stream, an event, a device) are edges of a wait-for graph, and a wait that would close a
 /// cycle could never end.
-static WAITS: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
+static WAITS: Mutex<Vec<Waiting>> = Mutex::new(Vec::new());
 
-/// "Queue `.0`'s executor waits for queue `.1`", for as long as the wait lasts.
+/// Queue `me`'s executor waits for `generation` of `event`, recorded on queue `on`.
+struct Waiting {
+    me: u64,
+    on: u64,
+    event: Event,
+    generation: u64,
+}
+
+/// An entry of [`WAITS`] for as long as a wait lasts.
 struct WaitEdge(u64);
 
 impl WaitEdge {
-    fn enter(me: u64, on: u64) -> Result<WaitEdge> {
+    /// Enters "queue `me` waits for `generation` of `event`, recorded on queue `on`", unless
+    /// that closes a cycle of executors blocked on each other. An edge counts only while its
+    /// generation is pending: one whose generation has completed belongs to a thread about to
+    /// wake, not to a blocked one. With every generation on a cycle pending, each is queued
+    /// behind the wait that blocks its queue, so none can ever complete.
+    ///
+    /// Lock order: `WAITS`, then an event's state; callers hold no event lock.
+    fn enter(me: u64, on: u64, event: &Event, generation: u64) -> Result<WaitEdge> {
         let mut waits = WAITS.lock().unwrap_or_else(|p| p.into_inner());
-        // Follow the chain from `on`: each blocked executor waits for one queue.
         let mut at = on;
         for _ in 0..=waits.len() {
             if at == me {
@@ -44,17 +58,18 @@ impl WaitEdge {
                         "a host callback waited for work queued on its own queue after it (an event recorded \
                          there, or a synchronize of that queue)"
                     } else {
-                        "a host callback waited for another queue whose own callback is waiting, directly or \
-                         through other queues, for this callback's queue"
+                        "a host callback waited for another queue that is itself blocked, directly or through \
+                         other queues, waiting for work queued on this callback's queue after it"
                     },
                 });
             }
-            match waits.iter().find(|w| w.0 == at) {
-                Some(&(_, next)) => at = next,
+            let blocked = waits.iter().find(|w| w.me == at && !w.event.is_generation_complete(w.generation));
+            match blocked {
+                Some(w) => at = w.on,
                 None => break,
             }
         }
-        waits.push((me, on));
+        waits.push(Waiting { me, on, event: event.clone(), generation });
         Ok(WaitEdge(me))
     }
 }
@@ -62,7 +77,7 @@ impl WaitEdge {
 impl Drop for WaitEdge {
     fn drop(&mut self) {
         let mut waits = WAITS.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(i) = waits.iter().position(|w| w.0 == self.0) {
+        if let Some(i) = waits.iter().position(|w| w.me == self.0) {
             waits.swap_remove(i);
         }
     }
@@ -324,18 +339,32 @@ impl Event {
         cancel: Option<&AtomicBool>,
     ) -> Result<()> {
         let start = Instant::now();
+        // Declared before the state guard: dropped after it (WAITS is never taken while an
+        // event's lock is held).
+        let mut _edge: Option<WaitEdge> = None;
+        let mut checked = false;
         let mut s = self.lock();
-        let mut edge: Option<WaitEdge> = None;
         loop {
             if let Some(r) = s.result_for(generation) {
                 return r.map_err(|reason| Error::OperationFailed { reason });
             }
-            if edge.is_none() {
+            if !checked {
+                checked = true;
                 if let (Some(&q), Some(me)) = (s.owners.get(&generation), super::executing_queue()) {
-                    // A host callback (this thread is queue `me`'s executor) is about to wait
-                    // for work on queue `q`: refused if `q` is `me`, or if `q`'s executor is
-                    // itself blocked, directly or through others, waiting for `me`.
-                    edge = Some(WaitEdge::enter(me, q)?);
+                    // A queue's executor (a host callback, or a wait operation) is about to wait
+                    // for work on queue `q`: refused if that can never end. Unbounded waits
+                    // enter the wait-for graph; a bounded one ends anyway, and only the plain
+                    // self-wait is refused.
+                    drop(s);
+                    if timeout.is_none() {
+                        _edge = Some(WaitEdge::enter(me, q, self, generation)?);
+                    } else if q == me && !self.is_generation_complete(generation) {
+                        return Err(Error::WouldDeadlock {
+                            what: "a host callback waited for work queued on its own queue after it",
+                        });
+                    }
+                    s = self.lock();
+                    continue;
                 }
             }
             if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
