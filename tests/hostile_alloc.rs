@@ -1,39 +1,19 @@
 //! From the hostile review of issue 9: the caching allocator under a hostile multi-threaded
 //! Rust caller.
 
+mod common;
+
+use common::{Rng, allocator};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use dmabuf_rt::Access;
 use dmabuf_rt::caching::stats::AGGREGATE;
-use dmabuf_rt::caching::{CachingAllocator, Config};
 use dmabuf_rt::queue::{HostBuffer, Queue};
-use dmabuf_rt::source::ShmemSource;
 
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-fn allocator(conf: &str, capacity: u64) -> CachingAllocator {
-    CachingAllocator::builder(ShmemSource::new().reserve(false))
-        .config(Config::parse(conf).unwrap())
-        .capacity(capacity)
-        .build()
-        .unwrap()
-}
 
 fn size(rng: &mut Rng) -> usize {
     match rng.below(5) {

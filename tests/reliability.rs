@@ -4,13 +4,15 @@
 
 mod common;
 
+use common::{Rng, allocator};
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 
 use dmabuf_rt::caching::stats::AGGREGATE;
 use dmabuf_rt::caching::{CachingAllocator, Config};
 use dmabuf_rt::queue::Queue;
-use dmabuf_rt::source::{MemorySource, ShmemSource};
+use dmabuf_rt::source::MemorySource;
 use dmabuf_rt::{Error, ErrorKind, Segment, SegmentKind};
 
 const KB: usize = 1 << 10;
@@ -20,29 +22,6 @@ const MB: usize = 1 << 20;
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A small deterministic PRNG (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-fn allocator(conf: &str, capacity: u64) -> CachingAllocator {
-    CachingAllocator::builder(ShmemSource::new().reserve(false))
-        .config(Config::parse(conf).unwrap())
-        .capacity(capacity)
-        .build()
-        .unwrap()
 }
 
 /// Sizes as real workloads mix them: tiny, page-ish, odd, around the pool boundaries, large.

@@ -109,3 +109,28 @@ impl QueueGate {
 pub fn scaled(n: usize) -> usize {
     (n / time_scale() as usize).max(n.min(50))
 }
+
+/// A small deterministic PRNG (xorshift64*).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// A caching allocator over sparse shmem with the `DMABUF_RT_ALLOC_CONF`-syntax settings `conf`.
+pub fn allocator(conf: &str, capacity: u64) -> dmabuf_rt::caching::CachingAllocator {
+    dmabuf_rt::caching::CachingAllocator::builder(dmabuf_rt::source::ShmemSource::new().reserve(false))
+        .config(dmabuf_rt::caching::Config::parse(conf).unwrap())
+        .capacity(capacity)
+        .build()
+        .unwrap()
+}
