@@ -49,7 +49,7 @@ fn concurrent_queue_churn_with_empty_cache_keeps_every_live_block_intact() {
             hs.push(std::thread::spawn(move || {
                 let mut rng = Rng(0x1234_5678 + t as u64 * 77);
                 bar.wait();
-                for it in 0..60 {
+                for it in 0..common::scaled(60) {
                     let q = Queue::new().unwrap();
                     let mut live = Vec::new();
                     let mut raws = Vec::new();

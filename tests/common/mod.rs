@@ -107,7 +107,7 @@ impl QueueGate {
 /// `n` iterations of a race, fewer where the machine is `time_scale()` times slower (the race
 /// keeps its full count on the host; the kernel lane's TCG guest runs a share of it).
 pub fn scaled(n: usize) -> usize {
-    (n / time_scale() as usize).max(n.min(50))
+    (n / time_scale() as usize).max(n.min(20))
 }
 
 /// A small deterministic PRNG (xorshift64*).
