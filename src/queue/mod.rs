@@ -376,16 +376,17 @@ impl QueueHandle {
     /// What waiting for everything submitted so far takes: `Ok(None)` when the queue was
     /// dropped and finished all its work, else an event recorded at the queue's current end.
     pub fn record_unless_passed(&self) -> Result<Option<Event>> {
-        {
+        let passed = || {
             let s = self.shared.lock();
-            if s.exited && !s.dead {
-                return Ok(None);
-            }
+            s.exited && !s.dead
+        };
+        if passed() {
+            return Ok(None);
         }
         match self.record() {
             Ok(ev) => Ok(Some(ev)),
             // It exited between the check and the record: its work is all done.
-            Err(_) if self.shared.lock().exited && !self.shared.lock().dead => Ok(None),
+            Err(_) if passed() => Ok(None),
             Err(e) => Err(e),
         }
     }
