@@ -197,15 +197,8 @@ fn reservation_len_within(allowed: u64, floor: usize, room: Option<u64>) -> usiz
 }
 
 /// Bytes of address space left below this process's `RLIMIT_AS`, if it has one.
-#[cfg(miri)]
 fn address_space_room() -> Option<u64> {
-    None
-}
-
-/// Bytes of address space left below this process's `RLIMIT_AS`, if it has one.
-#[cfg(not(miri))]
-fn address_space_room() -> Option<u64> {
-    let limit = rustix::process::getrlimit(rustix::process::Resource::As).current?;
+    let limit = crate::source::address_space_limit()?;
     let pages: u64 = std::fs::read_to_string("/proc/self/statm").ok()?.split_whitespace().next()?.parse().ok()?;
     Some(limit.saturating_sub(pages.saturating_mul(crate::source::page_size() as u64)))
 }
@@ -1791,8 +1784,7 @@ impl Pool {
 
     /// Why a pointer that starts no block is not a live allocation.
     fn classify_foreign(&self, ptr: usize) -> &'static str {
-        let inside = self.segments.iter().flatten().any(|s| ptr >= s.base && ptr < s.base + s.size);
-        if inside {
+        if self.holds(ptr) {
             "not the start of a block (a pointer into an allocation)"
         } else {
             "not a pointer this allocator handed out"

@@ -115,16 +115,13 @@ fn setup_error(e: std::io::Error) -> Error {
     use rustix::io::Errno;
     let errno = e.get_ref().and_then(|i| i.downcast_ref::<ring::SetupRefused>()).and_then(|r| r.errno.raw_os_error());
     let limit = match errno {
-        Some(c) if c == Errno::MFILE.raw_os_error() => {
-            Some(("this process's open files (RLIMIT_NOFILE)", "close fds, or raise `ulimit -n`"))
-        }
-        Some(c) if c == Errno::NFILE.raw_os_error() => {
-            Some(("the system's open files (fs.file-max)", "close fds, or raise the sysctl fs.file-max"))
-        }
+        // A ring's memory is locked memory: here ENOMEM means that limit.
         Some(c) if c == Errno::NOMEM.raw_os_error() => {
             Some(("the locked memory a ring needs (RLIMIT_MEMLOCK)", "raise `ulimit -l`"))
         }
-        _ => None,
+        // Open-file limits, as for every other fd the library makes.
+        Some(c) => crate::error::limit_of(&std::io::Error::from_raw_os_error(c)),
+        None => None,
     };
     match limit {
         Some((resource, hint)) => Error::ResourceLimit { op: "io_uring_setup", resource, hint, source: e },

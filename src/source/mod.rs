@@ -64,6 +64,18 @@ pub fn page_size() -> usize {
     rustix::param::page_size()
 }
 
+/// This process's address-space limit (`RLIMIT_AS`, `ulimit -v`) in bytes, if it has one.
+#[cfg(not(miri))]
+pub(crate) fn address_space_limit() -> Option<u64> {
+    rustix::process::getrlimit(rustix::process::Resource::As).current
+}
+
+/// This process's address-space limit: none under Miri, which cannot ask.
+#[cfg(miri)]
+pub(crate) fn address_space_limit() -> Option<u64> {
+    None
+}
+
 /// Validates a request and rounds it up to whole pages: zero, an overflowing size, and a size
 /// beyond the machine's RAM + swap are refused before the kernel is asked.
 pub(crate) fn checked_len(len: usize, source_name: impl FnOnce() -> String) -> Result<usize> {
