@@ -471,8 +471,13 @@ impl Runtime {
             // A device-to-device copy may also cross devices: both sides' devices wait for it.
             CopyKind::DeviceToDevice | CopyKind::PeerToPeer => [Some(dst_dev), (src_dev != dst_dev).then_some(src_dev)],
         };
+        let mut marker: Option<Event> = None;
         for dev in touched.into_iter().flatten().filter(|&d| Some(d) != stream_dev) {
-            let ev = q.record()?;
+            // One record after the copy serves every device it touched.
+            let ev = match &marker {
+                Some(ev) => ev.clone(),
+                None => marker.insert(q.record()?).clone(),
+            };
             let mut queues = self.device(dev)?.queues();
             queues.foreign.retain(|e| !e.is_complete());
             queues.foreign.push(ev);
