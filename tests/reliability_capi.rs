@@ -13,10 +13,10 @@ use std::time::Duration;
 
 use dmabuf_rt::ffi::capi::dmabuf_rt_status::*;
 
+mod common;
+
 /// Watchdog limits are multiplied by `DMABUF_RT_STRESS_TIME_SCALE` (the kernel lane, TSan).
-fn time_scale() -> u32 {
-    std::env::var("DMABUF_RT_STRESS_TIME_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1).max(1)
-}
+use common::time_scale;
 use dmabuf_rt::ffi::capi::*;
 
 fn setup() -> MutexGuard<'static, ()> {
