@@ -21,13 +21,13 @@
 
 pub mod caching;
 mod copy;
+pub mod device;
 pub mod discovery;
 pub mod error;
 pub mod ffi;
 pub mod mapping;
 pub mod pipeline;
 pub mod queue;
-pub mod runtime;
 pub mod segment;
 pub mod source;
 mod sync;
@@ -37,6 +37,7 @@ mod sys;
 pub mod testing;
 pub mod view;
 
+pub use device::{Device, DeviceBuilder};
 pub use error::{Error, ErrorKind, Result};
 pub use mapping::Mapping;
 pub use segment::{Access, FdKind, Origin, Segment, SegmentKind};

@@ -272,7 +272,7 @@ fn bad_input_gets_an_error_status_and_the_allocator_keeps_working() {
         assert_eq!(i.device_memory_allocate.unwrap()(&mut dev0, &mut q, 1 << 20), C_SUCCESS);
         assert!(!q.is_null());
         assert_eq!(i.device_memory_deallocate.unwrap()(&mut dev0, q, 1 << 20), C_SUCCESS);
-        let st = dmabuf_rt::runtime::Runtime::get().unwrap().device(0).unwrap().allocator().stats();
+        let st = dmabuf_rt::ffi::runtime::Runtime::get().unwrap().device(0).unwrap().allocator().stats();
         assert_eq!(st.allocated_bytes[0].current, 0);
         assert!(st.num_ooms >= 1);
     }

@@ -12,7 +12,7 @@ use dmabuf_rt::ErrorKind;
 use dmabuf_rt::caching::Config;
 use dmabuf_rt::caching::replay::{TraceOp, parse_trace};
 use dmabuf_rt::pipeline::fuzzing;
-use dmabuf_rt::runtime::{parse_capacity, parse_device_list};
+use dmabuf_rt::ffi::runtime::{parse_capacity, parse_device_list};
 use fuzz_common::{Input, check};
 use libfuzzer_sys::fuzz_target;
 

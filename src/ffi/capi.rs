@@ -13,10 +13,10 @@ use std::ffi::{CString, c_char, c_int, c_void};
 use std::fmt::Write as _;
 use std::sync::Mutex;
 
+use super::runtime::{CopyKind, Runtime};
 use super::{null, out, run, store};
 use crate::error::{Error, ErrorKind, Result};
 use crate::queue::Mem;
-use crate::runtime::{CopyKind, Runtime};
 use crate::synced::Head;
 
 /// What a call did. Every function that can fail returns one; on anything but
@@ -182,7 +182,8 @@ fn device_id(rt: &Runtime, device: c_int) -> Result<usize> {
         d if d < 0 => return Err(Error::NoSuchDevice { id: i64::from(d), count: rt.devices().len() }),
         d => d as usize,
     };
-    Ok(rt.device(id)?.id())
+    rt.device(id)?;
+    Ok(id)
 }
 
 fn handle(h: dmabuf_rt_stream) -> usize {
@@ -312,7 +313,7 @@ pub unsafe extern "C" fn dmabuf_rt_device_name(device: c_int, buf: *mut c_char, 
     call("dmabuf_rt_device_name", || {
         let buf = out(buf, "buf")?;
         let rt = rt()?;
-        let name = rt.device(device_id(rt, device)?)?.spec();
+        let name = rt.device(device_id(rt, device)?)?.name();
         if name.len() >= len {
             return Err(invalid(format!(
                 "a buffer of {len} bytes cannot hold the name `{name}` ({} bytes with its NUL)",
@@ -779,13 +780,14 @@ pub unsafe extern "C" fn dmabuf_rt_snapshot_json(device: c_int, json: *mut *mut 
     call("dmabuf_rt_snapshot_json", || {
         let json = out(json, "json")?;
         let rt = rt()?;
-        let dev = rt.device(device_id(rt, device)?)?;
+        let id = device_id(rt, device)?;
+        let dev = rt.device(id)?;
         let (stats, snapshot) = (dev.allocator().stats().to_json(), dev.allocator().snapshot().to_json());
         // `snapshot` is `{"segments":[...]}`: splice its members after ours.
         let s = format!(
             "{{\"device\":{},\"spec\":{},\"stats\":{stats},{}",
-            dev.id(),
-            json_str(dev.spec()),
+            id,
+            json_str(dev.name()),
             snapshot.strip_prefix('{').unwrap_or(&snapshot)
         );
         let p = CString::new(s).map_err(|_| invalid("snapshot JSON with a NUL byte".into()))?.into_raw();

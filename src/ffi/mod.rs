@@ -1,6 +1,6 @@
 //! The C ABI: the library's own C API ([`capi`], declared in `include/dmabuf_rt.h`) and the
 //! PaddlePaddle custom-runtime plugin ([`paddle`]). Both are thin layers over
-//! [`crate::runtime`]: they check every pointer and handle, call the runtime, and turn errors
+//! [`runtime`] (a list of [`crate::Device`]s configured from `DMABUF_RT_*`): they check every pointer and handle, call the runtime, and turn errors
 //! into status codes. A failure's reason is logged on stderr (`dmabuf-rt: <function>: <why>`)
 //! and kept for the calling thread (`dmabuf_rt_last_error`). A panic never crosses the
 //! boundary: it becomes an error status.
@@ -9,6 +9,7 @@
 
 pub mod capi;
 pub mod paddle;
+pub mod runtime;
 
 use std::cell::RefCell;
 use std::ffi::CString;

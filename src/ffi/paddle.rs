@@ -1,6 +1,6 @@
 //! The PaddlePaddle custom-runtime plugin: `InitPlugin` fills Paddle's `C_DeviceInterface`
 //! (custom-device interface 0.1.1, `paddle/phi/backends/device_ext.h`) for device type
-//! `dmabuf`, on the process-wide [`crate::runtime`].
+//! `dmabuf`, on the process-wide [`runtime`](super::runtime).
 //!
 //! Put the cdylib (`libdmabuf_rt.so`) in the directory `CUSTOM_DEVICE_ROOT` names; Paddle
 //! loads every `*.so` there at import and calls `InitPlugin`. Devices are the runtime's.
@@ -17,9 +17,9 @@
 
 use std::ffi::{c_char, c_int, c_uchar, c_void};
 
+use super::runtime::{CopyKind, Runtime};
 use super::{null, out, run, store};
 use crate::error::{Error, ErrorKind, Result};
-use crate::runtime::{CopyKind, Runtime};
 
 /// `C_Status`.
 pub type CStatus = c_int;
@@ -343,11 +343,11 @@ unsafe extern "C" fn get_device_list(list: *mut usize) -> CStatus {
         if list.is_null() {
             return Err(null("list"));
         }
-        for (i, d) in rt().map(Runtime::devices).unwrap_or_default().iter().enumerate() {
+        for i in 0..rt().map_or(0, |r| r.devices().len()) {
             // SAFETY: Paddle sizes the array by get_device_count, so entry `i` is in it.
             let slot = unsafe { list.add(i) };
             // SAFETY: as above; the array is Paddle's and writable.
-            unsafe { slot.write(d.id()) };
+            unsafe { slot.write(i) };
         }
         Ok(())
     }))

@@ -1,6 +1,8 @@
-//! The process-wide runtime behind the C ABI and the Paddle plugin: the device table, the
-//! current device of each thread, and the live streams, events, host and unified blocks, so
-//! that every handle and pointer a C caller passes is checked before it is used.
+//! The process-wide runtime behind the C ABI and the Paddle plugin: a list of
+//! [`Device`](crate::Device)s configured from the environment, the current device of each
+//! thread, and the live streams (a C "stream" is a [`Queue`]), events, host and unified blocks,
+//! so that every handle and pointer a C caller passes is checked before it is used. Rust users
+//! build their [`Device`](crate::Device)s themselves and need none of this.
 //!
 //! Devices: device 0 is the embedded default (shmem: sealed memfds, which udmabuf can export
 //! as dma-bufs); each DMA-BUF heap and each DRM card node this process may
@@ -17,118 +19,21 @@
 
 use std::cell::Cell;
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use crate::caching::{CachingAllocator, Config, HostAllocation, HostCachingAllocator};
+use crate::caching::{Config, HostAllocation, HostCachingAllocator};
+use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::queue::{Event, HostBuffer, Mem, Queue, QueueHandle, copy_now, fill_now};
+use crate::queue::{Event, HostBuffer, Mem, Queue, copy_now, fill_now};
 use crate::segment::Segment;
-use crate::source::{GemSource, HeapSource, MemorySource, ShmemSource};
+use crate::source::{MemorySource, ShmemSource};
 use crate::synced::SyncedMemory;
 
 /// Replaces the discovered device list.
 pub const DEVICES_ENV: &str = "DMABUF_RT_DEVICES";
 /// Caps each device's memory.
 pub const CAPACITY_ENV: &str = "DMABUF_RT_CAPACITY";
-
-/// One device: a memory domain with its caching allocator.
-pub struct Device {
-    id: usize,
-    spec: String,
-    alloc: CachingAllocator,
-    /// Streams created on this device (a synchronous copy waits for them, as CUDA's legacy
-    /// default stream does), and a default stream for asynchronous work given no stream.
-    queues: Mutex<DeviceQueues>,
-}
-
-#[derive(Default)]
-struct DeviceQueues {
-    live: HashMap<u64, QueueHandle>,
-    default: Option<Arc<Queue>>,
-    /// Events recorded after copies that streams of other devices queued on this device's
-    /// memory (peer copies): synchronizing the device waits for them too.
-    foreign: Vec<Event>,
-}
-
-impl std::fmt::Debug for Device {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Device").field("id", &self.id).field("spec", &self.spec).finish()
-    }
-}
-
-impl Device {
-    /// Its index.
-    pub fn id(&self) -> usize {
-        self.id
-    }
-
-    /// What it is: `shmem`, `heap:system`, `gem:/dev/dri/card0`.
-    pub fn spec(&self) -> &str {
-        &self.spec
-    }
-
-    /// Its caching allocator.
-    pub fn allocator(&self) -> &CachingAllocator {
-        &self.alloc
-    }
-
-    fn queues(&self) -> MutexGuard<'_, DeviceQueues> {
-        self.queues.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Waits for the work submitted to every stream of this device, and for the copies that
-    /// streams of other devices queued into its memory. Called from a host callback (on a
-    /// stream's own thread), it waits for everything but that stream, whose work before the
-    /// callback has run and whose work after it cannot run until the callback returns.
-    /// Streams destroyed meanwhile have finished their work and count as passed.
-    pub fn synchronize(&self) -> Result<()> {
-        let own = crate::queue::executing_queue();
-        let (live, foreign): (Vec<QueueHandle>, Vec<Event>) = {
-            let q = self.queues();
-            let default = q.default.as_ref().map(|d| d.handle());
-            (q.live.values().cloned().chain(default).collect(), q.foreign.clone())
-        };
-        let mut first_err = None;
-        for h in live.into_iter().filter(|h| Some(h.id()) != own) {
-            match h.record_unless_passed() {
-                Ok(Some(ev)) => {
-                    if let Err(e) = ev.synchronize(None) {
-                        first_err.get_or_insert(e);
-                    }
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        // Every synchronizer waits for every foreign event it saw (none takes them from
-        // another); completed ones are dropped afterwards.
-        for ev in foreign.iter().filter(|ev| own.is_none_or(|q| !ev.pending_on(q))) {
-            if let Err(e) = ev.synchronize(None) {
-                first_err.get_or_insert(e);
-            }
-        }
-        if !foreign.is_empty() {
-            self.queues().foreign.retain(|e| !e.is_complete());
-        }
-        first_err.map_or(Ok(()), Err)
-    }
-
-    /// The device's default stream (created on first use): the queue synchronous work of the
-    /// runtime runs on, and the one the SyncedMemory objects of the C API copy on.
-    pub(crate) fn default_stream(&self) -> Result<Arc<Queue>> {
-        let mut q = self.queues();
-        if let Some(d) = &q.default {
-            return Ok(Arc::clone(d));
-        }
-        let d = Arc::new(Queue::builder().name(&format!("dmabuf-rt-dev{}", self.id)).build()?);
-        q.default = Some(Arc::clone(&d));
-        Ok(d)
-    }
-}
 
 struct StreamEntry {
     device: usize,
@@ -248,23 +153,6 @@ fn device_specs() -> Result<Vec<String>> {
     Ok(specs)
 }
 
-fn source_for(spec: &str) -> Result<Box<dyn MemorySource>> {
-    let (kind, arg) = spec.split_once(':').map_or((spec, None), |(k, a)| (k, Some(a)));
-    Ok(match (kind, arg) {
-        // Plain sealed memfds: they grow in place (expandable segments), and any of them can
-        // be exported as a dma-buf through udmabuf on demand.
-        ("shmem", None) => Box::new(ShmemSource::new()),
-        ("heap", Some(name)) => Box::new(HeapSource::open(name)?),
-        ("gem", None) => Box::new(GemSource::open_first(None)?),
-        ("gem", Some(path)) => Box::new(GemSource::open(&PathBuf::from(path))?),
-        _ => {
-            return Err(Error::Config {
-                what: format!("{DEVICES_ENV}: `{spec}` is not a device (shmem, heap:NAME, gem or gem:PATH)"),
-            });
-        }
-    })
-}
-
 impl Runtime {
     /// The runtime, built on first use from the environment. Its error, if the environment
     /// names devices that cannot be opened, is the same on every call.
@@ -281,18 +169,25 @@ impl Runtime {
             Ok(s) => Some(parse_capacity(&s)?),
             Err(_) => None,
         };
+        // One pinned-host allocator (one cache) serves every device.
+        let host = HostCachingAllocator::default();
         let mut devices = Vec::new();
-        for (id, spec) in device_specs()?.into_iter().enumerate() {
-            let source = source_for(&spec)?;
-            let mut b = CachingAllocator::builder_boxed(source).config(config.clone());
+        for spec in device_specs()? {
+            let mut b = Device::from_spec(&spec)
+                .map_err(|e| match e {
+                    Error::Config { what } => Error::Config { what: format!("{DEVICES_ENV}: {what}") },
+                    e => e,
+                })?
+                .config(config.clone())
+                .host_allocator(host.clone());
             if let Some(c) = capacity {
                 b = b.capacity(c);
             }
-            devices.push(Device { id, spec, alloc: b.build()?, queues: Mutex::new(DeviceQueues::default()) });
+            devices.push(b.build()?);
         }
         Ok(Runtime {
             devices,
-            host: HostCachingAllocator::default(),
+            host,
             host_live: Mutex::new(HashMap::new()),
             unified: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
@@ -333,19 +228,19 @@ impl Runtime {
 
     /// `size` bytes of device memory on `device`.
     pub fn device_alloc(&self, device: usize, size: usize) -> Result<*mut u8> {
-        self.device(device)?.alloc.allocate_raw(size, None)
+        self.device(device)?.allocator().allocate_raw(size, None)
     }
 
     /// Frees device memory; `size`, when given, must be what was asked for.
     pub fn device_free(&self, device: usize, ptr: *mut u8, size: Option<usize>) -> Result<()> {
         let dev = self.device(device)?;
         if let Some(size) = size {
-            let held = dev.alloc.raw_size(ptr)?;
+            let held = dev.allocator().raw_size(ptr)?;
             if held != size {
                 return Err(Error::SizeMismatch { dst: held, src: size });
             }
         }
-        dev.alloc.free_raw(ptr)
+        dev.allocator().free_raw(ptr)
     }
 
     /// `size` bytes of pinned host memory.
@@ -394,7 +289,7 @@ impl Runtime {
 
     /// `len` bytes at `ptr` inside a device's memory, as a range.
     fn device_mem(&self, device: usize, ptr: *const u8, len: usize) -> Result<Mem> {
-        self.device(device)?.alloc.mem_at(ptr, len)
+        self.device(device)?.allocator().mem_at(ptr, len)
     }
 
     /// Copies `len` bytes from `src` to `dst`. Device-side pointers may point anywhere inside
@@ -478,9 +373,7 @@ impl Runtime {
                 Some(ev) => ev.clone(),
                 None => marker.insert(q.record()?).clone(),
             };
-            let mut queues = self.device(dev)?.queues();
-            queues.foreign.retain(|e| !e.is_complete());
-            queues.foreign.push(ev);
+            self.device(dev)?.track_foreign(ev);
         }
         Ok(())
     }
@@ -499,7 +392,7 @@ impl Runtime {
     /// Total and free bytes of `device` (capacity, and capacity minus what its allocator
     /// holds).
     pub fn memory_stats(&self, device: usize) -> Result<(u64, u64)> {
-        let a = &self.device(device)?.alloc;
+        let a = self.device(device)?.allocator();
         let total = a.capacity();
         let reserved = a.stats().reserved_bytes[crate::caching::stats::AGGREGATE].current.max(0) as u64;
         Ok((total, total.saturating_sub(reserved)))
@@ -510,8 +403,7 @@ impl Runtime {
     /// A new stream on `device`.
     pub fn create_stream(&self, device: usize) -> Result<usize> {
         let dev = self.device(device)?;
-        let q = Arc::new(Queue::builder().name(&format!("dmabuf-rt-dev{device}")).build()?);
-        dev.queues().live.insert(q.id(), q.handle());
+        let q = dev.new_queue()?;
         let h = self.new_handle();
         lock(&self.streams).insert(h, StreamEntry { device, queue: q });
         Ok(h)
@@ -533,7 +425,7 @@ impl Runtime {
     pub fn destroy_stream(&self, h: usize) -> Result<()> {
         let e = lock(&self.streams).remove(&h).ok_or(Error::UnknownHandle { what: "stream", handle: h })?;
         if let Ok(dev) = self.device(e.device) {
-            dev.queues().live.remove(&e.queue.id());
+            dev.untrack_queue(&e.queue);
         }
         if crate::queue::executing_queue().is_some() {
             // From a host callback: waiting for the stream could wait for this very callback
@@ -628,8 +520,10 @@ impl Runtime {
     /// waited for). Returns its handle.
     pub fn create_synced(&self, device: usize, size: usize, alias: bool) -> Result<usize> {
         let dev = self.device(device)?;
-        let mem =
-            SyncedMemory::builder(size, &dev.alloc, &self.host).alias(alias).queue(dev.default_stream()?).build()?;
+        let mem = SyncedMemory::builder(size, dev.allocator(), &self.host)
+            .alias(alias)
+            .queue(dev.default_queue()?)
+            .build()?;
         let h = self.new_handle();
         lock(&self.synced).insert(h, SyncedEntry { device, mem: Arc::new(Mutex::new(mem)) });
         Ok(h)
@@ -682,10 +576,10 @@ impl Runtime {
             }
         }
         for d in &self.devices {
-            if d.alloc.holds(ptr) {
+            if d.allocator().holds(ptr) {
                 // Device memory: the range must lie in one live allocation (the error says
                 // why not: freed, or running past its end).
-                return d.alloc.mem_at(ptr, len).map(Some);
+                return d.allocator().mem_at(ptr, len).map(Some);
             }
         }
         Ok(None)
@@ -696,10 +590,7 @@ impl Runtime {
     /// tensors alive must not crash, and the process is about to exit or unload us.
     pub fn finalize(&self) {
         for d in &self.devices {
-            let default = d.queues().default.take();
-            if let Some(q) = default {
-                let _ = q.synchronize();
-            }
+            let _ = d.release_default_queue();
         }
         let streams: Vec<StreamEntry> = lock(&self.streams).drain().map(|(_, e)| e).collect();
         for e in streams {
