@@ -32,6 +32,7 @@ use crate::caching::{Allocation, CachingAllocator, Config, HostAllocation, HostC
 use crate::error::{Error, Result};
 use crate::queue::{Event, Queue, QueueHandle};
 use crate::source::{GemSource, HeapSource, MemorySource, ShmemSource};
+use crate::synced::{SyncedBuilder, SyncedMemory};
 
 /// Builds a [`Device`]: see [`Device::builder`].
 pub struct DeviceBuilder {
@@ -185,6 +186,13 @@ impl Device {
     /// At least `size` bytes of pinned host memory.
     pub fn allocate_host(&self, size: usize) -> Result<HostAllocation> {
         self.host.allocate(size)
+    }
+
+    /// A [`SyncedMemory`] of `size` bytes on this device (Caffe's host/device mirror): device
+    /// blocks from its caching allocator, host blocks (when not aliased) from its pinned-host
+    /// allocator. Give the builder [`Device::default_queue`] (or another queue) to copy on it.
+    pub fn synced_memory(&self, size: usize) -> SyncedBuilder {
+        SyncedMemory::builder(size, &self.alloc, &self.host)
     }
 
     fn queues(&self) -> MutexGuard<'_, DeviceQueues> {

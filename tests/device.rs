@@ -223,3 +223,24 @@ fn threads_share_one_device() {
     dev.allocator().check_invariants().unwrap();
     assert_eq!(dev.allocator().stats().allocation[AGGREGATE].current, 0);
 }
+
+/// SyncedMemory on a device: written on the host, read on the device after a transition on the
+/// device's default queue, with a separate host buffer (so a copy really runs).
+#[test]
+fn synced_memory_on_a_device_round_trips() {
+    let dev = device(64 * MB as u64);
+    let mut m = dev.synced_memory(MB + 3).alias(false).queue(dev.default_queue().unwrap()).build().unwrap();
+    let want = pattern(MB + 3, 9);
+    m.mutable_host_data().unwrap().write(0, &want).unwrap();
+    let d = m.device_data().unwrap();
+    let mut got = vec![0; want.len()];
+    let staging = dev.allocate_host(want.len()).unwrap();
+    dmabuf_rt::queue::copy_now(staging.mem().range(0, want.len()).unwrap(), d).unwrap();
+    let v = staging.cpu_access(Access::Read).unwrap();
+    v.read(0, &mut got).unwrap();
+    v.end().unwrap();
+    assert!(got == want, "the device side of the SyncedMemory differs from what the host wrote");
+    assert_eq!(m.copies(), 1);
+    drop(m);
+    dev.synchronize().unwrap();
+}
