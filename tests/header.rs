@@ -1,15 +1,22 @@
-//! `include/dmabuf_rt.h` is what cbindgen generates from `src/ffi/capi.rs` with `cbindgen.toml`,
+//! `include/dmabuf_rt.h` is what cbindgen generates from `src/ffi/capi/` (its `mod.rs` and the files it declares) with `cbindgen.toml`,
 //! byte for byte. `DMABUF_RT_BLESS=1 cargo test --test header` rewrites it.
 //!
 //! The inputs are compiled in (`include_str!`), and cbindgen reads them from a temporary
 //! directory, so this test also runs where the source tree is absent (the kernel lane's
-//! guest). Only `capi.rs` is parsed: the C API is declared there alone, and cbindgen need not
+//! guest). Only the C API's files are parsed: the C API is declared there alone, and cbindgen need not
 //! understand the rest of the crate.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-const CAPI_RS: &str = include_str!("../src/ffi/capi.rs");
+/// The C API's files, as they lie under `src/ffi/capi/`.
+const CAPI: &[(&str, &str)] = &[
+    ("mod.rs", include_str!("../src/ffi/capi/mod.rs")),
+    ("device.rs", include_str!("../src/ffi/capi/device.rs")),
+    ("stats.rs", include_str!("../src/ffi/capi/stats.rs")),
+    ("stream.rs", include_str!("../src/ffi/capi/stream.rs")),
+    ("synced.rs", include_str!("../src/ffi/capi/synced.rs")),
+];
 const CONFIG: &str = include_str!("../cbindgen.toml");
 const HEADER: &str = include_str!("../include/dmabuf_rt.h");
 const HEADER_PATH: &str = "include/dmabuf_rt.h";
@@ -20,12 +27,17 @@ fn generate() -> String {
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!("dmabuf-rt-header-{}-{n}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("create temp dir");
-    let (src, cfg) = (dir.join("capi.rs"), dir.join("cbindgen.toml"));
-    std::fs::write(&src, CAPI_RS).expect("write capi.rs");
+    let (src, cfg) = (dir.join("mod.rs"), dir.join("cbindgen.toml"));
+    for (name, text) in CAPI {
+        std::fs::write(dir.join(name), text).unwrap_or_else(|e| panic!("write {name}: {e}"));
+    }
     std::fs::write(&cfg, CONFIG).expect("write cbindgen.toml");
     let config = cbindgen::Config::from_file(&cfg).expect("cbindgen.toml");
-    let bindings =
-        cbindgen::Builder::new().with_config(config).with_src(&src).generate().expect("cbindgen cannot parse capi.rs");
+    let bindings = cbindgen::Builder::new()
+        .with_config(config)
+        .with_src(&src)
+        .generate()
+        .expect("cbindgen cannot parse the C API");
     let mut out = Vec::new();
     bindings.write(&mut out);
     let _ = std::fs::remove_dir_all(&dir);
@@ -53,7 +65,7 @@ fn header_is_current() {
     }
     assert!(
         generated == HEADER,
-        "{HEADER_PATH} is not what cbindgen generates from src/ffi/capi.rs ({}).\n\
+        "{HEADER_PATH} is not what cbindgen generates from src/ffi/capi/ ({}).\n\
          Regenerate it with:\n    {BLESS_ENV}=1 cargo test --test header\nand commit it.",
         first_difference(HEADER, &generated)
     );
@@ -61,15 +73,16 @@ fn header_is_current() {
 
 #[test]
 fn header_declares_the_whole_api() {
-    // Every exported function of capi.rs appears in the header (a guard against a cbindgen
-    // setting that silently drops items).
-    let exported: Vec<&str> = CAPI_RS
-        .lines()
+    // Every exported function of the C API's files appears in the header (a guard against a
+    // cbindgen setting, or a file left out of `CAPI`, that silently drops items).
+    let exported: Vec<&str> = CAPI
+        .iter()
+        .flat_map(|(_, text)| text.lines())
         .filter_map(|l| l.split("extern \"C\" fn ").nth(1))
         .filter_map(|rest| rest.split('(').next())
         .filter(|name| name.starts_with("dmabuf_rt_"))
         .collect();
-    assert!(exported.len() >= 30, "found only {} exported functions in capi.rs", exported.len());
+    assert!(exported.len() >= 30, "found only {} exported functions in src/ffi/capi/", exported.len());
     let header = generate();
     for name in exported {
         let declared = [" ", "*"].iter().any(|before| header.contains(&format!("{before}{name}(")));
