@@ -20,7 +20,7 @@
 //! let q = dev.new_queue()?;
 //! let a = dev.allocate_on(4 << 20, &q)?;
 //! let staging = dev.allocate_host(4 << 20)?;
-//! q.copy(&a, staging.mem())?;
+//! q.copy(a.mem(), staging.mem())?;
 //! dev.synchronize()?;
 //! # Ok::<(), dmabuf_rt::Error>(())
 //! ```
