@@ -244,3 +244,28 @@ fn synced_memory_on_a_device_round_trips() {
     drop(m);
     dev.synchronize().unwrap();
 }
+
+/// Devices over the kernel's sources (the kernel lane has both; elsewhere each skips, saying
+/// why): the system heap and the first DRM card node, each allocating, copying through a
+/// queue and reading back, by spec as the C runtime opens them.
+#[test]
+fn devices_over_the_kernels_sources_allocate_and_copy() {
+    use dmabuf_rt::testing::or_skip;
+    for spec in ["heap:system", "gem"] {
+        let Some(b) = or_skip(&format!("devices_over_the_kernels_sources ({spec})"), Device::from_spec(spec)) else {
+            continue;
+        };
+        let dev = b.capacity(64 * MB as u64).build().unwrap();
+        assert_eq!(dev.name(), spec);
+        let q = dev.new_queue().unwrap();
+        let want = pattern(MB + 5, 3);
+        let src = dev.allocate(want.len()).unwrap();
+        let dst = dev.allocate_on(want.len(), &q).unwrap();
+        write(&src, &want);
+        q.copy(dst.mem(), src.mem()).unwrap();
+        dev.synchronize().unwrap();
+        let mut got = vec![0; want.len()];
+        read(&dst, &mut got);
+        assert!(got == want, "{spec}: the copy's bytes differ");
+    }
+}
