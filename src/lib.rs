@@ -25,6 +25,7 @@ pub mod discovery;
 pub mod error;
 pub mod ffi;
 pub mod mapping;
+mod node;
 pub mod pipeline;
 pub mod queue;
 pub mod runtime;

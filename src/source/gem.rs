@@ -14,8 +14,8 @@ use super::{MemorySource, alloc_error, checked_len};
 use crate::discovery;
 use crate::error::{Error, Result};
 use crate::mapping::Mapping;
+use crate::node::open_node;
 use crate::segment::{Backing, FdKind, Origin, Segment, SegmentKind};
-use crate::source::shmem::open_node;
 use crate::sys;
 
 /// Dumb buffers are `width * bpp/8` bytes a row; this makes one row exactly 4 KiB.
