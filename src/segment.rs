@@ -1,5 +1,6 @@
 //! [`Segment`]: one buffer of shareable memory, its fd, its mapping, and where it came from.
 
+use std::any::Any;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;
@@ -9,7 +10,6 @@ use rustix::fs::{OFlags, SeekFrom};
 
 use crate::error::{Error, Result};
 use crate::mapping::Mapping;
-use crate::source::gem::GemHandle;
 use crate::sys;
 use crate::sys::memfd::SealFlags;
 use crate::view::CpuView;
@@ -69,13 +69,25 @@ pub(crate) enum Backing {
     Memfds(
         #[expect(dead_code, reason = "held so every range stays reachable by fd as long as the segment")] Vec<OwnedFd>,
     ),
-    /// The GEM handle behind a PRIME export, closed when the last user drops it.
-    Gem(Arc<GemHandle>),
+    /// An object of the source that made the segment (the GEM handle behind a PRIME export,
+    /// closed when the last user drops it), opaque to the segment.
+    KeepAlive(Arc<dyn KeepAlive>),
+}
+
+/// An object a source keeps alive as long as a segment it made: the segment holds it, reports
+/// its handle number, and hands it back to the source that made it ([`Segment::keep_alive`]),
+/// which alone knows its type.
+pub(crate) trait KeepAlive: Any + Send + Sync + fmt::Debug {
+    /// The object's number on the source's own fd (a GEM handle), if it has one.
+    fn handle(&self) -> Option<u32>;
+
+    /// Itself, for the source that made it to downcast.
+    fn as_any(&self) -> &dyn Any;
 }
 
 /// A buffer of shareable memory: an fd (dma-buf or memfd), its length, a shared mapping, its
-/// kind and its origin. Dropping it unmaps, releases any GEM handle and closes the fd, in that
-/// order.
+/// kind and its origin. Dropping it unmaps, releases what its source keeps alive with it (a GEM
+/// handle) and closes the fd, in that order.
 pub struct Segment {
     // Field order is drop order: mapping, then backing objects, then the fd.
     mapping: Option<Mapping>,
@@ -278,15 +290,16 @@ impl Segment {
 
     /// The GEM handle on the creating DRM fd, for GEM segments.
     pub fn gem_handle(&self) -> Option<u32> {
-        match &self.backing {
-            Backing::Gem(h) => Some(h.handle()),
+        match (&self.backing, &self.origin) {
+            (Backing::KeepAlive(k), Origin::Gem { .. }) => k.handle(),
             _ => None,
         }
     }
 
-    pub(crate) fn gem(&self) -> Option<&Arc<GemHandle>> {
+    /// What the source that made the segment keeps alive with it, if anything.
+    pub(crate) fn keep_alive(&self) -> Option<&dyn KeepAlive> {
         match &self.backing {
-            Backing::Gem(h) => Some(h),
+            Backing::KeepAlive(k) => Some(k.as_ref()),
             _ => None,
         }
     }

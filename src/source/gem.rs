@@ -15,7 +15,7 @@ use crate::discovery;
 use crate::error::{Error, Result};
 use crate::mapping::Mapping;
 use crate::node::open_node;
-use crate::segment::{Backing, FdKind, Origin, Segment, SegmentKind};
+use crate::segment::{Backing, FdKind, KeepAlive, Origin, Segment, SegmentKind};
 use crate::sys;
 
 /// Dumb buffers are `width * bpp/8` bytes a row; this makes one row exactly 4 KiB.
@@ -41,6 +41,18 @@ impl GemHandle {
     /// The handle's number on its DRM fd.
     pub fn handle(&self) -> u32 {
         self.handle
+    }
+}
+
+/// A segment exported from a GEM object holds its handle, so the handle stays open as long as
+/// the dma-buf mapping and fd the segment owns.
+impl KeepAlive for GemHandle {
+    fn handle(&self) -> Option<u32> {
+        Some(self.handle)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
@@ -184,7 +196,8 @@ impl GemSource {
     /// The segment's GEM handle if it belongs to this source's DRM fd. Handles are per fd,
     /// so a segment from another source, even on the same node, is refused.
     fn own_handle(&self, seg: &Segment) -> Result<u32> {
-        seg.gem()
+        seg.keep_alive()
+            .and_then(|k| k.as_any().downcast_ref::<GemHandle>())
             .filter(|h| Arc::ptr_eq(&h.dev, &self.dev))
             .map(|h| h.handle)
             .ok_or_else(|| Error::Unsupported { what: "segment is not a GEM object of this source's DRM fd".into() })
@@ -247,7 +260,7 @@ impl MemorySource for GemSource {
         // The driver's rounded size; below 4 GiB (checked above), so it fits.
         let size = usize::try_from(dumb.size).map_err(|_| Error::Unsupported { what: "dumb buffer size".into() })?;
         let origin = Origin::Gem { node: self.node.clone(), driver: self.driver.clone() };
-        Segment::new(fd, size, FdKind::DmaBuf, SegmentKind::Device, origin, Backing::Gem(handle), true)
+        Segment::new(fd, size, FdKind::DmaBuf, SegmentKind::Device, origin, Backing::KeepAlive(handle), true)
     }
 }
 
