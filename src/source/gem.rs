@@ -23,8 +23,9 @@ const ROW_WIDTH: u32 = 1024;
 const ROW_BPP: u32 = 32;
 const ROW_BYTES: u64 = (ROW_WIDTH * ROW_BPP / 8) as u64;
 
+/// An open DRM node: its fd, and the GEM handles live on it (handles are numbers per fd).
 #[derive(Debug)]
-struct Device {
+struct DrmDevice {
     fd: OwnedFd,
     /// Live handles, each shared by every holder of it.
     handles: Mutex<HashMap<u32, Weak<GemHandle>>>,
@@ -33,7 +34,7 @@ struct Device {
 /// A GEM handle on a DRM fd; `DRM_IOCTL_GEM_CLOSE` runs when the last holder drops it.
 #[derive(Debug)]
 pub struct GemHandle {
-    dev: Arc<Device>,
+    dev: Arc<DrmDevice>,
     handle: u32,
 }
 
@@ -69,7 +70,7 @@ impl Drop for GemHandle {
     }
 }
 
-impl Device {
+impl DrmDevice {
     /// Returns the live holder of `handle`, or registers a new one.
     fn hold(self: &Arc<Self>, handle: u32) -> Arc<GemHandle> {
         let mut handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
@@ -98,7 +99,7 @@ impl Device {
 /// dumb buffers) and exports them as dma-bufs.
 #[derive(Debug)]
 pub struct GemSource {
-    dev: Arc<Device>,
+    dev: Arc<DrmDevice>,
     node: PathBuf,
     driver: String,
 }
@@ -126,7 +127,7 @@ impl GemSource {
             why: "not a DRM node (DRM_IOCTL_VERSION failed)".into(),
             source: e,
         })?;
-        let dev = Arc::new(Device { fd, handles: Mutex::new(HashMap::new()) });
+        let dev = Arc::new(DrmDevice { fd, handles: Mutex::new(HashMap::new()) });
         Ok(Self { dev, node: node.to_path_buf(), driver })
     }
 
@@ -267,7 +268,7 @@ impl MemorySource for GemSource {
 /// A vgem fence attached to a GEM object; signalled by [`VgemFence::signal`] or on drop.
 #[derive(Debug)]
 pub struct VgemFence {
-    dev: Arc<Device>,
+    dev: Arc<DrmDevice>,
     id: Option<u32>,
 }
 
