@@ -12,7 +12,6 @@ use crate::error::{Error, Result};
 use crate::mapping::Mapping;
 use crate::sys;
 use crate::sys::memfd::SealFlags;
-use crate::view::CpuView;
 
 /// What a segment's memory is for, from the runtime's point of view.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -86,7 +85,8 @@ pub(crate) trait KeepAlive: Any + Send + Sync + fmt::Debug {
 }
 
 /// A buffer of shareable memory: an fd (dma-buf or memfd), its length, a shared mapping, its
-/// kind and its origin. Dropping it unmaps, releases what its source keeps alive with it (a GEM
+/// kind and its origin. CPU access to its bytes is a [`CpuView`](crate::view::CpuView)
+/// ([`Segment::cpu_access`], defined with the view so that the segment does not depend on it). Dropping it unmaps, releases what its source keeps alive with it (a GEM
 /// handle) and closes the fd, in that order.
 pub struct Segment {
     // Field order is drop order: mapping, then backing objects, then the fd.
@@ -310,8 +310,8 @@ impl Segment {
     }
 
     /// A second, independent mapping of the same buffer. It follows the same access rules and
-    /// unmaps itself on drop; CPU access to a dma-buf still belongs inside a [`CpuView`]'s
-    /// bracket ([`Segment::cpu_access`]).
+    /// unmaps itself on drop; CPU access to a dma-buf still belongs inside a
+    /// [`CpuView`](crate::view::CpuView)'s bracket ([`Segment::cpu_access`]).
     pub fn map(&self) -> Result<Mapping> {
         Mapping::map_shared(self.fd.as_fd(), 0, self.len, self.is_writable()).map_err(Error::io("mmap segment"))
     }
@@ -346,14 +346,6 @@ impl Segment {
         } else {
             Err(Error::Unsupported { what: format!("cannot {what}: the segment is a memfd, not a dma-buf") })
         }
-    }
-
-    /// CPU access to the whole mapped segment: a [`CpuView`] of `[0, mapped_len())`, inside
-    /// the `DMA_BUF_IOCTL_SYNC` bracket for a dma-buf (start now, end when the view drops).
-    /// For a block of the caching allocator use the block's own view
-    /// ([`Allocation::cpu_access`](crate::caching::Allocation::cpu_access)).
-    pub fn cpu_access(&self, access: Access) -> Result<CpuView<'_>> {
-        CpuView::new(self, 0, self.mapped_len(), access)
     }
 }
 
