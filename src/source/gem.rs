@@ -142,7 +142,10 @@ impl GemSource {
             }
             match Self::open(&n.node.path) {
                 Ok(s) => return Ok(s),
-                Err(e) => last = Some(e),
+                Err(e) => {
+                    log::debug!("GEM source: skipping {}: {e}", n.node.path.display());
+                    last = Some(e);
+                }
             }
         }
         Err(last.unwrap_or(Error::NoDevice {
