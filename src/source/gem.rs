@@ -297,3 +297,51 @@ impl Drop for VgemFence {
         let _ = self.signal_now();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A GEM source over an fd that is not a DRM node (a memfd): enough to check which
+    /// segments it recognises as its own, without a DRM driver. Closing a handle on it fails
+    /// (ENOTTY), which `GemHandle`'s drop ignores.
+    fn fake_source() -> GemSource {
+        let fd = sys::memfd::create_sealed("not-drm", 0).unwrap();
+        let dev = Arc::new(DrmDevice { fd, handles: Mutex::new(HashMap::new()) });
+        GemSource { dev, node: PathBuf::from("/dev/dri/card-test"), driver: "test".into() }
+    }
+
+    fn segment_holding(handle: Arc<GemHandle>, origin: Origin) -> Segment {
+        let len = crate::source::page_size();
+        let fd = sys::memfd::create_sealed("gem-test", len as u64).unwrap();
+        Segment::new(fd, len, FdKind::Memfd, SegmentKind::Device, origin, Backing::KeepAlive(handle), true).unwrap()
+    }
+
+    #[test]
+    fn a_segment_is_recognised_by_the_source_holding_its_handle_only() {
+        let (a, b) = (fake_source(), fake_source());
+        let origin = Origin::Gem { node: a.node.clone(), driver: a.driver.clone() };
+        let seg = segment_holding(a.dev.hold(7), origin);
+        assert_eq!(seg.gem_handle(), Some(7));
+        assert_eq!(a.own_handle(&seg).unwrap(), 7);
+        // The same number on another DRM fd is another object.
+        assert!(b.own_handle(&seg).is_err());
+        // A segment of another source holds no GEM handle.
+        let shmem = crate::source::ShmemSource::new().allocate(1).unwrap();
+        assert_eq!(shmem.gem_handle(), None);
+        assert!(a.own_handle(&shmem).is_err());
+    }
+
+    #[test]
+    fn a_handle_is_shared_while_held_and_forgotten_after() {
+        let src = fake_source();
+        let origin = Origin::Gem { node: src.node.clone(), driver: src.driver.clone() };
+        let seg = segment_holding(src.dev.hold(3), origin);
+        let import = GemImport { handle: src.dev.hold(3) };
+        assert!(Arc::ptr_eq(&import.handle, &src.dev.hold(3)));
+        drop(seg);
+        assert_eq!(import.handle(), 3);
+        drop(import);
+        assert!(src.dev.handles.lock().unwrap().is_empty());
+    }
+}
