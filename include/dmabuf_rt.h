@@ -18,8 +18,8 @@
 #define DMABUF_RT_CURRENT_DEVICE -1
 
 // What a call did. Every function that can fail returns one; on anything but
-// `DMABUF_RT_OK`, `dmabuf_rt_last_error()` says why (and the reason was logged on stderr as
-// `dmabuf-rt: <function>: <why>`). A call refused for bad input (a NULL, foreign or freed
+// `DMABUF_RT_OK`, `dmabuf_rt_last_error()` says why (and the reason was logged, on stderr as
+// `dmabuf-rt: <function>: <why>` unless `DMABUF_RT_LOG=off`). A call refused for bad input (a NULL, foreign or freed
 // pointer, a dead handle, a device out of range, size 0, too much memory, a call the
 // object's state does not allow) changes nothing and writes no out-pointer.
 typedef enum dmabuf_rt_status {

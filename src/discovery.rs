@@ -3,30 +3,13 @@
 
 use std::fmt;
 use std::fs;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+
+pub use crate::node::{NodeAccess, check_access};
+use crate::node::{check_access_mode, list_dir, read_param};
 
 /// Where DRM nodes appear.
 pub const DRI_DIR: &str = "/dev/dri";
-
-/// Whether this process may open a node read-write.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum NodeAccess {
-    /// It may.
-    Allowed,
-    /// The node exists but this process may not open it; the reason names owner, mode and
-    /// this process's credentials.
-    Denied(String),
-    /// The node does not exist.
-    Missing,
-}
-
-impl NodeAccess {
-    /// True for [`NodeAccess::Allowed`].
-    pub fn allowed(&self) -> bool {
-        *self == NodeAccess::Allowed
-    }
-}
 
 /// One device node.
 #[derive(Debug, Clone)]
@@ -99,7 +82,7 @@ pub fn discover_at(dev: &Path, sys: &Path) -> Inventory {
             .or_else(|| node.access.allowed().then(|| driver_by_ioctl(&node.path)).flatten());
         drm.push(DrmNode { node, kind, driver });
     }
-    let udmabuf_limit_mb = crate::source::shmem::read_param(sys.join("module/udmabuf/parameters/size_limit_mb"));
+    let udmabuf_limit_mb = read_param(sys.join("module/udmabuf/parameters/size_limit_mb"));
     Inventory { heaps, drm, udmabuf: node_info(dev.join("udmabuf")), udmabuf_limit_mb }
 }
 
@@ -115,78 +98,6 @@ fn node_info(path: PathBuf) -> NodeInfo {
 fn node_info_mode(path: PathBuf, write: bool) -> NodeInfo {
     let access = check_access_mode(&path, write);
     NodeInfo { path, access }
-}
-
-/// Whether this process (its effective credentials) may open `path` read-write.
-pub fn check_access(path: &Path) -> NodeAccess {
-    check_access_mode(path, true)
-}
-
-fn check_access_mode(path: &Path, write: bool) -> NodeAccess {
-    use rustix::fs::{Access, AtFlags, CWD, accessat};
-    if fs::symlink_metadata(path).is_err() {
-        return NodeAccess::Missing;
-    }
-    let mode = if write { Access::READ_OK | Access::WRITE_OK } else { Access::READ_OK };
-    match accessat(CWD, path, mode, AtFlags::EACCESS) {
-        Ok(()) => NodeAccess::Allowed,
-        Err(_) => NodeAccess::Denied(why_denied(path)),
-    }
-}
-
-/// Sorted entry names of a directory (empty when it is missing or unreadable).
-pub(crate) fn list_dir(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = fs::read_dir(dir)
-        .map(|rd| rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
-        .unwrap_or_default();
-    names.sort();
-    names
-}
-
-/// Explains why this process may not open `path`: owner, group, mode, and our credentials.
-pub(crate) fn why_denied(path: &Path) -> String {
-    let euid = rustix::process::geteuid().as_raw();
-    let egid = rustix::process::getegid().as_raw();
-    let groups: Vec<u32> = rustix::process::getgroups().unwrap_or_default().iter().map(|g| g.as_raw()).collect();
-    let Ok(md) = fs::metadata(path) else {
-        return format!("{} cannot be examined by uid {euid}", path.display());
-    };
-    let (uid, gid, mode) = (md.uid(), md.gid(), md.mode() & 0o7777);
-    let in_group = gid == egid || groups.contains(&gid);
-    let who = if uid == euid {
-        "this process owns it"
-    } else if in_group {
-        "this process is in its group"
-    } else {
-        "this process is neither its owner nor in its group"
-    };
-    format!(
-        "{} is {}:{} mode {:04o} and {who} (uid {euid}, gid {egid}, groups {:?}); \
-         install udev/60-dmabuf-rt.rules and add the user to group `render`",
-        path.display(),
-        user_name(uid),
-        group_name(gid),
-        mode,
-        groups
-    )
-}
-
-fn lookup(file: &str, id: u32) -> Option<String> {
-    let text = fs::read_to_string(file).ok()?;
-    text.lines().find_map(|l| {
-        let mut f = l.split(':');
-        let name = f.next()?;
-        f.next()?;
-        (f.next()?.parse::<u32>().ok()? == id).then(|| name.to_string())
-    })
-}
-
-fn user_name(uid: u32) -> String {
-    lookup("/etc/passwd", uid).unwrap_or_else(|| uid.to_string())
-}
-
-fn group_name(gid: u32) -> String {
-    lookup("/etc/group", gid).unwrap_or_else(|| gid.to_string())
 }
 
 impl fmt::Display for Inventory {

@@ -344,7 +344,7 @@ impl Error {
 /// Whether this process runs under an address-space limit (`RLIMIT_AS`), which makes mapping
 /// failures a limit rather than a lack of memory.
 fn address_space_limited() -> bool {
-    crate::source::address_space_limit().is_some()
+    crate::sys::limits::address_space_limit().is_some()
 }
 
 /// The limit an errno means, if it means one that is not a lack of memory.

@@ -26,6 +26,7 @@ pub mod discovery;
 pub mod error;
 pub mod ffi;
 pub mod mapping;
+mod node;
 pub mod pipeline;
 pub mod queue;
 pub mod segment;

@@ -1,5 +1,6 @@
 //! [`Segment`]: one buffer of shareable memory, its fd, its mapping, and where it came from.
 
+use std::any::Any;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;
@@ -9,10 +10,8 @@ use rustix::fs::{OFlags, SeekFrom};
 
 use crate::error::{Error, Result};
 use crate::mapping::Mapping;
-use crate::source::gem::GemHandle;
 use crate::sys;
 use crate::sys::memfd::SealFlags;
-use crate::view::CpuView;
 
 /// What a segment's memory is for, from the runtime's point of view.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -69,13 +68,26 @@ pub(crate) enum Backing {
     Memfds(
         #[expect(dead_code, reason = "held so every range stays reachable by fd as long as the segment")] Vec<OwnedFd>,
     ),
-    /// The GEM handle behind a PRIME export, closed when the last user drops it.
-    Gem(Arc<GemHandle>),
+    /// An object of the source that made the segment (the GEM handle behind a PRIME export,
+    /// closed when the last user drops it), opaque to the segment.
+    KeepAlive(Arc<dyn KeepAlive>),
+}
+
+/// An object a source keeps alive as long as a segment it made: the segment holds it, reports
+/// its handle number, and hands it back to the source that made it ([`Segment::keep_alive`]),
+/// which alone knows its type.
+pub(crate) trait KeepAlive: Any + Send + Sync + fmt::Debug {
+    /// The object's number on the source's own fd (a GEM handle), if it has one.
+    fn handle(&self) -> Option<u32>;
+
+    /// Itself, for the source that made it to downcast.
+    fn as_any(&self) -> &dyn Any;
 }
 
 /// A buffer of shareable memory: an fd (dma-buf or memfd), its length, a shared mapping, its
-/// kind and its origin. Dropping it unmaps, releases any GEM handle and closes the fd, in that
-/// order.
+/// kind and its origin. CPU access to its bytes is a [`CpuView`](crate::view::CpuView)
+/// ([`Segment::cpu_access`], defined with the view so that the segment does not depend on it). Dropping it unmaps, releases what its source keeps alive with it (a GEM
+/// handle) and closes the fd, in that order.
 pub struct Segment {
     // Field order is drop order: mapping, then backing objects, then the fd.
     mapping: Option<Mapping>,
@@ -278,15 +290,16 @@ impl Segment {
 
     /// The GEM handle on the creating DRM fd, for GEM segments.
     pub fn gem_handle(&self) -> Option<u32> {
-        match &self.backing {
-            Backing::Gem(h) => Some(h.handle()),
+        match (&self.backing, &self.origin) {
+            (Backing::KeepAlive(k), Origin::Gem { .. }) => k.handle(),
             _ => None,
         }
     }
 
-    pub(crate) fn gem(&self) -> Option<&Arc<GemHandle>> {
+    /// What the source that made the segment keeps alive with it, if anything.
+    pub(crate) fn keep_alive(&self) -> Option<&dyn KeepAlive> {
         match &self.backing {
-            Backing::Gem(h) => Some(h),
+            Backing::KeepAlive(k) => Some(k.as_ref()),
             _ => None,
         }
     }
@@ -297,8 +310,8 @@ impl Segment {
     }
 
     /// A second, independent mapping of the same buffer. It follows the same access rules and
-    /// unmaps itself on drop; CPU access to a dma-buf still belongs inside a [`CpuView`]'s
-    /// bracket ([`Segment::cpu_access`]).
+    /// unmaps itself on drop; CPU access to a dma-buf still belongs inside a
+    /// [`CpuView`](crate::view::CpuView)'s bracket ([`Segment::cpu_access`]).
     pub fn map(&self) -> Result<Mapping> {
         Mapping::map_shared(self.fd.as_fd(), 0, self.len, self.is_writable()).map_err(Error::io("mmap segment"))
     }
@@ -333,14 +346,6 @@ impl Segment {
         } else {
             Err(Error::Unsupported { what: format!("cannot {what}: the segment is a memfd, not a dma-buf") })
         }
-    }
-
-    /// CPU access to the whole mapped segment: a [`CpuView`] of `[0, mapped_len())`, inside
-    /// the `DMA_BUF_IOCTL_SYNC` bracket for a dma-buf (start now, end when the view drops).
-    /// For a block of the caching allocator use the block's own view
-    /// ([`Allocation::cpu_access`](crate::caching::Allocation::cpu_access)).
-    pub fn cpu_access(&self, access: Access) -> Result<CpuView<'_>> {
-        CpuView::new(self, 0, self.mapped_len(), access)
     }
 }
 

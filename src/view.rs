@@ -188,6 +188,18 @@ impl<'a> CpuView<'a> {
     }
 }
 
+/// Views of a whole segment. Defined here, above the segment, so that `segment` knows nothing
+/// of the view type built on it.
+impl Segment {
+    /// CPU access to the whole mapped segment: a [`CpuView`] of `[0, mapped_len())`, inside
+    /// the `DMA_BUF_IOCTL_SYNC` bracket for a dma-buf (start now, end when the view drops).
+    /// For a block of the caching allocator use the block's own view
+    /// ([`Allocation::cpu_access`](crate::caching::Allocation::cpu_access)).
+    pub fn cpu_access(&self, access: Access) -> Result<CpuView<'_>> {
+        CpuView::new(self, 0, self.mapped_len(), access)
+    }
+}
+
 impl AsFd for CpuView<'_> {
     /// The fd of the buffer the view lies in, at [`CpuView::offset`].
     fn as_fd(&self) -> BorrowedFd<'_> {

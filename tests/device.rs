@@ -196,7 +196,7 @@ fn threads_share_one_device() {
             std::thread::spawn(move || {
                 let mut rng = Rng(0x9e37_79b9 + t as u64);
                 start.wait();
-                for i in 0..scaled(150) {
+                for i in 0..scaled(60) {
                     let q = dev.new_queue().unwrap();
                     let len = 1 + rng.below(3 * MB as u64) as usize;
                     let want = pattern(len, (t * 31 + i) as u8);

@@ -1,19 +1,21 @@
 //! The C ABI: the library's own C API ([`capi`], declared in `include/dmabuf_rt.h`) and the
 //! PaddlePaddle custom-runtime plugin ([`paddle`]). Both are thin layers over
-//! [`runtime`] (a list of [`crate::Device`]s configured from `DMABUF_RT_*`): they check every pointer and handle, call the runtime, and turn errors
-//! into status codes. A failure's reason is logged on stderr (`dmabuf-rt: <function>: <why>`)
-//! and kept for the calling thread (`dmabuf_rt_last_error`). A panic never crosses the
+//! [`runtime`] (a list of [`crate::Device`]s configured from `DMABUF_RT_*`): they check every
+//! pointer and handle, call the runtime, and turn errors into status codes. A failure's reason
+//! is logged (target `dmabuf_rt::ffi`; without a host logger, a small built-in one writes
+//! `dmabuf-rt: <function>: <why>` on stderr) and kept for the calling thread
+//! (`dmabuf_rt_last_error`). A panic never crosses the
 //! boundary: it becomes an error status.
 
 #![allow(unsafe_code)]
 
 pub mod capi;
+mod logger;
 pub mod paddle;
 pub mod runtime;
 
 use std::cell::RefCell;
 use std::ffi::CString;
-use std::io::Write;
 
 use crate::error::{Error, Result};
 
@@ -24,7 +26,7 @@ thread_local! {
 /// Records and logs why `func` failed.
 pub(crate) fn report(func: &str, e: &Error) {
     let msg = format!("{func}: {e}");
-    let _ = writeln!(std::io::stderr(), "dmabuf-rt: {msg}");
+    log::warn!(target: "dmabuf_rt::ffi", "{msg}");
     let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
     // The thread-local may be gone while the thread exits (a framework finalizing): then
     // only the log line remains.
@@ -39,6 +41,7 @@ pub(crate) fn last_error() -> *const std::ffi::c_char {
 
 /// Runs `f` for the C function `func`: a panic becomes an error, and an error is reported.
 pub(crate) fn run<T>(func: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    logger::install();
     let r = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(r) => r,
         Err(p) => {

@@ -1,7 +1,6 @@
 //! Events: points in a queue's work, or kernel fences, that complete once.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -19,7 +18,7 @@ fn run(hooks: Vec<Hook>, result: &Completion) {
     for hook in hooks {
         let r = result.clone();
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(r))).is_err() {
-            let _ = writeln!(std::io::stderr(), "dmabuf-rt: an event completion hook panicked");
+            log::error!("an event completion hook panicked");
         }
     }
 }

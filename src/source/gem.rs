@@ -14,8 +14,8 @@ use super::{MemorySource, alloc_error, checked_len};
 use crate::discovery;
 use crate::error::{Error, Result};
 use crate::mapping::Mapping;
-use crate::segment::{Backing, FdKind, Origin, Segment, SegmentKind};
-use crate::source::shmem::open_node;
+use crate::node::open_node;
+use crate::segment::{Backing, FdKind, KeepAlive, Origin, Segment, SegmentKind};
 use crate::sys;
 
 /// Dumb buffers are `width * bpp/8` bytes a row; this makes one row exactly 4 KiB.
@@ -23,8 +23,9 @@ const ROW_WIDTH: u32 = 1024;
 const ROW_BPP: u32 = 32;
 const ROW_BYTES: u64 = (ROW_WIDTH * ROW_BPP / 8) as u64;
 
+/// An open DRM node: its fd, and the GEM handles live on it (handles are numbers per fd).
 #[derive(Debug)]
-struct Device {
+struct DrmDevice {
     fd: OwnedFd,
     /// Live handles, each shared by every holder of it.
     handles: Mutex<HashMap<u32, Weak<GemHandle>>>,
@@ -33,7 +34,7 @@ struct Device {
 /// A GEM handle on a DRM fd; `DRM_IOCTL_GEM_CLOSE` runs when the last holder drops it.
 #[derive(Debug)]
 pub struct GemHandle {
-    dev: Arc<Device>,
+    dev: Arc<DrmDevice>,
     handle: u32,
 }
 
@@ -41,6 +42,18 @@ impl GemHandle {
     /// The handle's number on its DRM fd.
     pub fn handle(&self) -> u32 {
         self.handle
+    }
+}
+
+/// A segment exported from a GEM object holds its handle, so the handle stays open as long as
+/// the dma-buf mapping and fd the segment owns.
+impl KeepAlive for GemHandle {
+    fn handle(&self) -> Option<u32> {
+        Some(self.handle)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
@@ -57,7 +70,7 @@ impl Drop for GemHandle {
     }
 }
 
-impl Device {
+impl DrmDevice {
     /// Returns the live holder of `handle`, or registers a new one.
     fn hold(self: &Arc<Self>, handle: u32) -> Arc<GemHandle> {
         let mut handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
@@ -86,7 +99,7 @@ impl Device {
 /// dumb buffers) and exports them as dma-bufs.
 #[derive(Debug)]
 pub struct GemSource {
-    dev: Arc<Device>,
+    dev: Arc<DrmDevice>,
     node: PathBuf,
     driver: String,
 }
@@ -114,7 +127,7 @@ impl GemSource {
             why: "not a DRM node (DRM_IOCTL_VERSION failed)".into(),
             source: e,
         })?;
-        let dev = Arc::new(Device { fd, handles: Mutex::new(HashMap::new()) });
+        let dev = Arc::new(DrmDevice { fd, handles: Mutex::new(HashMap::new()) });
         Ok(Self { dev, node: node.to_path_buf(), driver })
     }
 
@@ -129,7 +142,10 @@ impl GemSource {
             }
             match Self::open(&n.node.path) {
                 Ok(s) => return Ok(s),
-                Err(e) => last = Some(e),
+                Err(e) => {
+                    log::debug!("GEM source: skipping {}: {e}", n.node.path.display());
+                    last = Some(e);
+                }
             }
         }
         Err(last.unwrap_or(Error::NoDevice {
@@ -184,7 +200,8 @@ impl GemSource {
     /// The segment's GEM handle if it belongs to this source's DRM fd. Handles are per fd,
     /// so a segment from another source, even on the same node, is refused.
     fn own_handle(&self, seg: &Segment) -> Result<u32> {
-        seg.gem()
+        seg.keep_alive()
+            .and_then(|k| k.as_any().downcast_ref::<GemHandle>())
             .filter(|h| Arc::ptr_eq(&h.dev, &self.dev))
             .map(|h| h.handle)
             .ok_or_else(|| Error::Unsupported { what: "segment is not a GEM object of this source's DRM fd".into() })
@@ -247,14 +264,14 @@ impl MemorySource for GemSource {
         // The driver's rounded size; below 4 GiB (checked above), so it fits.
         let size = usize::try_from(dumb.size).map_err(|_| Error::Unsupported { what: "dumb buffer size".into() })?;
         let origin = Origin::Gem { node: self.node.clone(), driver: self.driver.clone() };
-        Segment::new(fd, size, FdKind::DmaBuf, SegmentKind::Device, origin, Backing::Gem(handle), true)
+        Segment::new(fd, size, FdKind::DmaBuf, SegmentKind::Device, origin, Backing::KeepAlive(handle), true)
     }
 }
 
 /// A vgem fence attached to a GEM object; signalled by [`VgemFence::signal`] or on drop.
 #[derive(Debug)]
 pub struct VgemFence {
-    dev: Arc<Device>,
+    dev: Arc<DrmDevice>,
     id: Option<u32>,
 }
 
@@ -278,5 +295,53 @@ impl Drop for VgemFence {
     fn drop(&mut self) {
         // Never leave a fence pending for vgem's 10 s timeout; Drop cannot report failure.
         let _ = self.signal_now();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A GEM source over an fd that is not a DRM node (a memfd): enough to check which
+    /// segments it recognises as its own, without a DRM driver. Closing a handle on it fails
+    /// (ENOTTY), which `GemHandle`'s drop ignores.
+    fn fake_source() -> GemSource {
+        let fd = sys::memfd::create_sealed("not-drm", 0).unwrap();
+        let dev = Arc::new(DrmDevice { fd, handles: Mutex::new(HashMap::new()) });
+        GemSource { dev, node: PathBuf::from("/dev/dri/card-test"), driver: "test".into() }
+    }
+
+    fn segment_holding(handle: Arc<GemHandle>, origin: Origin) -> Segment {
+        let len = crate::source::page_size();
+        let fd = sys::memfd::create_sealed("gem-test", len as u64).unwrap();
+        Segment::new(fd, len, FdKind::Memfd, SegmentKind::Device, origin, Backing::KeepAlive(handle), true).unwrap()
+    }
+
+    #[test]
+    fn a_segment_is_recognised_by_the_source_holding_its_handle_only() {
+        let (a, b) = (fake_source(), fake_source());
+        let origin = Origin::Gem { node: a.node.clone(), driver: a.driver.clone() };
+        let seg = segment_holding(a.dev.hold(7), origin);
+        assert_eq!(seg.gem_handle(), Some(7));
+        assert_eq!(a.own_handle(&seg).unwrap(), 7);
+        // The same number on another DRM fd is another object.
+        assert!(b.own_handle(&seg).is_err());
+        // A segment of another source holds no GEM handle.
+        let shmem = crate::source::ShmemSource::new().allocate(1).unwrap();
+        assert_eq!(shmem.gem_handle(), None);
+        assert!(a.own_handle(&shmem).is_err());
+    }
+
+    #[test]
+    fn a_handle_is_shared_while_held_and_forgotten_after() {
+        let src = fake_source();
+        let origin = Origin::Gem { node: src.node.clone(), driver: src.driver.clone() };
+        let seg = segment_holding(src.dev.hold(3), origin);
+        let import = GemImport { handle: src.dev.hold(3) };
+        assert!(Arc::ptr_eq(&import.handle, &src.dev.hold(3)));
+        drop(seg);
+        assert_eq!(import.handle(), 3);
+        drop(import);
+        assert!(src.dev.handles.lock().unwrap().is_empty());
     }
 }

@@ -3,10 +3,9 @@
 use std::path::{Path, PathBuf};
 
 use super::{MemorySource, alloc_error, checked_len};
-use crate::discovery;
 use crate::error::{Error, Result};
+use crate::node::{list_dir, node_error};
 use crate::segment::{Backing, FdKind, Origin, Segment, SegmentKind};
-use crate::source::shmem::node_error;
 use crate::sys;
 
 /// The directory DMA-BUF heaps appear in.
@@ -69,7 +68,7 @@ impl HeapSource {
 }
 
 fn available(dir: &Path) -> String {
-    let names: Vec<String> = discovery::list_dir(dir);
+    let names: Vec<String> = list_dir(dir);
     if names.is_empty() { "none".into() } else { names.join(", ") }
 }
 

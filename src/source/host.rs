@@ -36,7 +36,10 @@ impl HostSource {
     pub fn new() -> Self {
         match HeapSource::open("system") {
             Ok(h) => Self::from_parts(Some(h.with_kind(SegmentKind::PinnedHost)), HostBacking::SystemHeap),
-            Err(e) => Self::from_parts(None, HostBacking::MlockedMemfd { reason: e.to_string() }),
+            Err(e) => {
+                log::debug!("pinned host memory from mlocked memfds: the system heap is not usable: {e}");
+                Self::from_parts(None, HostBacking::MlockedMemfd { reason: e.to_string() })
+            }
         }
     }
 

@@ -24,6 +24,9 @@ pub use sparse::SparseSource;
 
 use crate::error::{Error, Result};
 use crate::segment::{Segment, SegmentKind};
+/// Where the caching allocator reads `RLIMIT_AS` (defined in `sys`, below `error`, which
+/// also reads it).
+pub(crate) use crate::sys::limits::address_space_limit;
 
 /// A provider of [`Segment`]s. Implementations are cheap to share between threads; each
 /// `allocate` asks the kernel for a new buffer (caching is the allocator's job, not the source's).
@@ -62,18 +65,6 @@ pub(crate) fn memfd_expandable(len: usize, kind: SegmentKind) -> Result<Segment>
 /// The system page size.
 pub fn page_size() -> usize {
     rustix::param::page_size()
-}
-
-/// This process's address-space limit (`RLIMIT_AS`, `ulimit -v`) in bytes, if it has one.
-#[cfg(not(miri))]
-pub(crate) fn address_space_limit() -> Option<u64> {
-    rustix::process::getrlimit(rustix::process::Resource::As).current
-}
-
-/// This process's address-space limit: none under Miri, which cannot ask.
-#[cfg(miri)]
-pub(crate) fn address_space_limit() -> Option<u64> {
-    None
 }
 
 /// Validates a request and rounds it up to whole pages: zero, an overflowing size, and a size

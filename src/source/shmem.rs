@@ -1,14 +1,12 @@
 //! The shmem source: sealed memfds, optionally exported as dma-bufs through `/dev/udmabuf`.
 //! It works on every Linux and is the embedded default.
 
-use std::fs::{File, OpenOptions};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use super::{MemorySource, alloc_error, checked_len};
-use crate::discovery;
 use crate::error::{Error, Result};
+use crate::node::{open_node, read_param};
 use crate::segment::{Backing, FdKind, Origin, Segment, SegmentKind};
 use crate::sys;
 
@@ -221,36 +219,10 @@ impl Udmabuf {
     }
 }
 
-/// A numeric module parameter from sysfs.
-pub(crate) fn read_param(path: impl AsRef<Path>) -> Option<u64> {
-    std::fs::read_to_string(path).ok()?.trim().parse().ok()
-}
-
 /// Faults in every page of a memfd segment through its mapping.
 fn populate(seg: &Segment) -> std::io::Result<()> {
     match seg.mapping() {
         Some(m) => m.populate(),
         None => Ok(()),
-    }
-}
-
-/// Opens a device node read-write, close-on-exec, with errors that say what is missing or
-/// why this process may not open it.
-pub(crate) fn open_node(path: &Path, provider: &'static str) -> Result<File> {
-    OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(rustix::fs::OFlags::CLOEXEC.bits() as i32)
-        .open(path)
-        .map_err(|e| node_error(path, provider, e))
-}
-
-pub(crate) fn node_error(path: &Path, provider: &'static str, e: std::io::Error) -> Error {
-    match e.kind() {
-        std::io::ErrorKind::NotFound => Error::NoDevice { path: path.to_path_buf(), hint: provider },
-        std::io::ErrorKind::PermissionDenied => {
-            Error::Open { path: path.to_path_buf(), why: discovery::why_denied(path), source: e }
-        }
-        _ => Error::Open { path: path.to_path_buf(), why: "the driver refused the open".into(), source: e },
     }
 }

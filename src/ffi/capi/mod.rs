@@ -4,7 +4,7 @@
 //!
 //! Every function returns a [`dmabuf_rt_status`] (or, for the few that cannot fail, a plain
 //! value), checks every pointer and handle it is given, and never unwinds: a failure is
-//! logged on stderr and kept for the calling thread ([`dmabuf_rt_last_error`]).
+//! logged (see [`crate::ffi`]) and kept for the calling thread ([`dmabuf_rt_last_error`]).
 
 #![allow(non_camel_case_types)]
 
@@ -30,8 +30,8 @@ use crate::queue::Mem;
 use crate::synced::Head;
 
 /// What a call did. Every function that can fail returns one; on anything but
-/// `DMABUF_RT_OK`, `dmabuf_rt_last_error()` says why (and the reason was logged on stderr as
-/// `dmabuf-rt: <function>: <why>`). A call refused for bad input (a NULL, foreign or freed
+/// `DMABUF_RT_OK`, `dmabuf_rt_last_error()` says why (and the reason was logged, on stderr as
+/// `dmabuf-rt: <function>: <why>` unless `DMABUF_RT_LOG=off`). A call refused for bad input (a NULL, foreign or freed
 /// pointer, a dead handle, a device out of range, size 0, too much memory, a call the
 /// object's state does not allow) changes nothing and writes no out-pointer.
 #[repr(C)]
