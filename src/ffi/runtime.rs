@@ -183,6 +183,7 @@ impl Runtime {
             if let Some(c) = capacity {
                 b = b.capacity(c);
             }
+            log::debug!(target: "dmabuf_rt::ffi", "device {}: {spec}", devices.len());
             devices.push(b.build()?);
         }
         Ok(Runtime {
