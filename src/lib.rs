@@ -29,6 +29,7 @@ pub mod pipeline;
 pub mod queue;
 pub mod runtime;
 pub mod segment;
+pub mod share;
 pub mod source;
 mod sync;
 pub mod synced;
