@@ -220,6 +220,12 @@ impl Channel {
         Self { fd, name: name.to_owned(), bytes_sent: AtomicU64::new(0), fds_sent: AtomicU64::new(0) }
     }
 
+    /// The socket, to hand to another process (as a child's stdin, or sent over another
+    /// channel); the other process makes it a channel again with [`Channel::from_fd`].
+    pub fn into_fd(self) -> OwnedFd {
+        self.fd
+    }
+
     /// The name given at creation, e.g. `producer->transform`.
     pub fn name(&self) -> &str {
         &self.name

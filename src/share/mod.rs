@@ -19,6 +19,24 @@
 //! bytes only through [`CpuView`](crate::CpuView)s; buffers go back to their owner as
 //! returns, and a buffer's memory is freed when the last process holding its fd drops it.
 //!
+//! ```
+//! use dmabuf_rt::share::{Channel, Expect};
+//! use dmabuf_rt::source::{MemorySource, ShmemSource};
+//! use dmabuf_rt::{Access, SegmentKind};
+//!
+//! // One end stays here, the other goes to another process (`Channel::into_fd`).
+//! let (here, there) = Channel::pair("example")?;
+//! let seg = ShmemSource::new().allocate(4096)?;
+//! seg.cpu_access(Access::Write)?.write(0, b"hi")?;
+//! here.send_segment(&7u32.to_le_bytes(), &seg)?;
+//! // The other side: the segment comes back from the fd, its length from the fd itself.
+//! let (tag, got) = there.recv_segment::<[u8; 4]>(&Expect::new(SegmentKind::Unified).min_len(4096))?;
+//! let mut hi = [0u8; 2];
+//! got.cpu_access(Access::Read)?.read(0, &mut hi)?;
+//! assert_eq!((u32::from_le_bytes(tag), &hi), (7, b"hi"));
+//! # Ok::<(), dmabuf_rt::Error>(())
+//! ```
+//!
 //! - [`Channel`] (`channel.rs`): typed messages ([`Wire`]) and fds over a seqpacket socket.
 //! - [`PoolMessage`] (`message.rs`): the pool protocol's 32-byte message.
 //! - [`Ledger`] (`ledger.rs`): which ids are free, held by the owner, or out with a frame.
