@@ -2,8 +2,8 @@
 //!
 //! Every buffer is an fd any DMA-BUF importer can take. The layers: memory [`source`]s and
 //! [`Segment`]s, reached from the CPU only through bounded [`view`]s; [`queue`]s and events on
-//! io_uring; the [`caching`] allocator; [`synced`] memory (Caffe's SyncedMemory); zero-copy
-//! [`pipeline`]s between processes; and the C ABI ([`ffi`]: the C API and the PaddlePaddle
+//! io_uring; the [`caching`] allocator; [`synced`] memory (Caffe's SyncedMemory); segments
+//! and buffer pools [`share`]d between processes; and the C ABI ([`ffi`]: the C API and the PaddlePaddle
 //! plugin) over the process-wide [`runtime`].
 //!
 //! ```no_run
@@ -25,7 +25,6 @@ pub mod discovery;
 pub mod error;
 pub mod ffi;
 pub mod mapping;
-pub mod pipeline;
 pub mod queue;
 pub mod runtime;
 pub mod segment;
