@@ -244,6 +244,25 @@ pub enum Error {
         what: &'static str,
     },
 
+    /// The process at the other end of a sharing channel closed it (it exited or crashed)
+    /// while this side still expected a message, or before this side could send one.
+    #[error("{channel}: the peer hung up before the end of the stream")]
+    PeerGone {
+        /// The channel, e.g. `producer->transform`.
+        channel: String,
+    },
+
+    /// A message on a sharing channel that breaks its protocol: the wrong size, truncated,
+    /// missing or extra fds, an unknown kind, a buffer id the receiver does not know or does not
+    /// have out. Any fds it carried are closed.
+    #[error("{channel}: malformed message: {why}")]
+    Protocol {
+        /// The channel it came on.
+        channel: String,
+        /// What is wrong with it.
+        why: String,
+    },
+
     /// A system call failed.
     #[error("{op}: {source}")]
     Io {
@@ -279,7 +298,8 @@ pub enum ErrorKind {
     Timeout,
     /// A wait refused because it could never end.
     WouldDeadlock,
-    /// Anything else: a failed system call, a queue whose earlier work failed.
+    /// Anything else: a failed system call, a queue whose earlier work failed, a sharing
+    /// peer that hung up or broke the protocol.
     Failed,
 }
 
@@ -309,7 +329,11 @@ impl Error {
             Error::Unsupported { .. } => ErrorKind::NotSupported,
             Error::Timeout { .. } => ErrorKind::Timeout,
             Error::WouldDeadlock { .. } => ErrorKind::WouldDeadlock,
-            Error::Open { .. } | Error::OperationFailed { .. } | Error::Io { .. } => ErrorKind::Failed,
+            Error::Open { .. }
+            | Error::OperationFailed { .. }
+            | Error::PeerGone { .. }
+            | Error::Protocol { .. }
+            | Error::Io { .. } => ErrorKind::Failed,
         }
     }
 

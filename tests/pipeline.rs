@@ -1,4 +1,4 @@
-//! The process pipeline (`dmabuf_rt::pipeline`) end to end: frames checked word by word in
+//! The process pipeline (the demo of `examples/zero_copy_pipeline/`, on `dmabuf_rt::share`) end to end: frames checked word by word in
 //! zero-copy and pipes mode, exact byte, fd and buffer counts, every injected fault (a crash
 //! of each stage, a malformed message on each channel, a corrupt frame) failing the pipeline
 //! with the right stage named while the others exit on their own, the timeout, and no fd,
@@ -6,19 +6,21 @@
 //!
 //! The stage processes are this test binary: `run` re-executes it with libtest arguments
 //! that select `stage_entry` alone, then `--` and the role arguments, which `stage_entry`
-//! hands to `pipeline::stage_process`. That works wherever the test binary runs, the kernel
+//! hands to `demo::stage_process`. That works wherever the test binary runs, the kernel
 //! lane included. Tests that need `/dev/dma_heap/system` or `/dev/udmabuf` print
 //! `SKIP <test>: <why>` without them (and fail under DMABUF_RT_REQUIRE_DEVICES=1).
 //! Every test takes `common::serial()`: several count the process's fds.
 
 mod common;
+#[path = "../examples/zero_copy_pipeline/demo/mod.rs"]
+mod demo;
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::{open_fds, or_skip};
-use dmabuf_rt::pipeline::{self, Fault, Mode, Options, PipelineError, PipelineSource, Report, Stage, StageOutcome};
+use demo::{Fault, Mode, Options, PipelineError, PipelineSource, Report, Stage, StageOutcome};
 
 /// libtest arguments that run `stage_entry` alone; the role arguments follow `--`.
 const STAGE_PREFIX: &[&str] = &["stage_entry", "--exact", "--nocapture", "--test-threads=1", "--"];
@@ -28,8 +30,8 @@ const STAGE_PREFIX: &[&str] = &["stage_entry", "--exact", "--nocapture", "--test
 fn stage_entry() {
     let args: Vec<String> = std::env::args().collect();
     if let Some(pos) = args.iter().position(|a| a == "--") {
-        if args.get(pos + 1).map(String::as_str) == Some(pipeline::STAGE_FLAG) {
-            pipeline::stage_process(&args[pos + 1..]);
+        if args.get(pos + 1).map(String::as_str) == Some(demo::STAGE_FLAG) {
+            demo::stage_process(&args[pos + 1..]);
         }
     }
 }
@@ -39,7 +41,7 @@ fn exe() -> PathBuf {
 }
 
 fn run(o: &Options) -> Result<Report, PipelineError> {
-    pipeline::run(o, &exe(), STAGE_PREFIX)
+    demo::run(o, &exe(), STAGE_PREFIX)
 }
 
 fn small(mode: Mode) -> Options {
@@ -134,7 +136,7 @@ fn pipes_baseline_copies_every_frame_byte_and_checks_them_too() {
 fn compare_runs_both_modes_with_the_same_options() {
     let _serial = common::serial();
     let o = Options { frames: 10, frame_size: 64 << 10, ..Options::default() };
-    let c = pipeline::compare(&o, &exe(), STAGE_PREFIX).unwrap();
+    let c = demo::compare(&o, &exe(), STAGE_PREFIX).unwrap();
     check_report(&c.zero_copy, &Options { mode: Mode::ZeroCopy, ..o.clone() });
     check_report(&c.pipes, &Options { mode: Mode::Pipes, ..o });
     assert!(c.speedup() > 0.0);
@@ -235,15 +237,15 @@ fn bad_options_and_a_missing_program_start_nothing() {
     ] {
         assert!(matches!(run(&o), Err(PipelineError::Options(_))), "{o:?}");
     }
-    match pipeline::run(&base, std::path::Path::new("/nonexistent/stage"), &[]) {
+    match demo::run(&base, std::path::Path::new("/nonexistent/stage"), &[]) {
         Err(PipelineError::Spawn { stage: Stage::Producer, .. }) => {}
         other => panic!("{other:?}"),
     }
     // Role arguments are checked before anything else (fd 0 is not touched).
     let args: Vec<String> = ["--stage", "sorter"].map(String::from).to_vec();
-    assert!(pipeline::stage_main(&args).is_err());
+    assert!(demo::stage_main(&args).is_err());
     let args: Vec<String> = ["--stage", "consumer", "--size", "12"].map(String::from).to_vec();
-    assert!(pipeline::stage_main(&args).is_err());
+    assert!(demo::stage_main(&args).is_err());
     assert_eq!(open_fds(), fds);
 }
 

@@ -1,7 +1,8 @@
 //! The parsers of text and bytes from outside the process: `DMABUF_RT_ALLOC_CONF`
 //! (`Config::parse`), `DMABUF_RT_CAPACITY` (`parse_capacity`), `DMABUF_RT_DEVICES`
 //! (`parse_device_list`), allocation traces (`parse_trace`) and the pipeline's messages
-//! (data-channel messages and stage reports).
+//! (`dmabuf_rt::share::PoolMessage`, and the stage reports of the pipeline demo in
+//! `examples/zero_copy_pipeline/`).
 //!
 //! The first byte picks a parser and whether the rest is taken as raw text (no panic; what is
 //! accepted is sane and survives formatting and parsing again) or as a structured value that
@@ -11,12 +12,30 @@
 use dmabuf_rt::ErrorKind;
 use dmabuf_rt::caching::Config;
 use dmabuf_rt::caching::replay::{TraceOp, parse_trace};
-use dmabuf_rt::pipeline::fuzzing;
 use dmabuf_rt::ffi::runtime::{parse_capacity, parse_device_list};
 use fuzz_common::{Input, check};
 use libfuzzer_sys::fuzz_target;
 
 const MB: usize = 1 << 20;
+
+/// The stage reports of the pipeline demo (std only, so it is included by path).
+#[path = "../../examples/zero_copy_pipeline/demo/stats.rs"]
+mod stats;
+
+/// The pipeline's parsers, each parsing and formatting again (`None`: refused).
+mod fuzzing {
+    use dmabuf_rt::share::{PoolMessage, Wire};
+
+    /// A pool message decoded and encoded again.
+    pub fn message(b: &[u8]) -> Option<[u8; 32]> {
+        PoolMessage::decode(b).ok().map(|m| m.to_bytes())
+    }
+
+    /// A stage's report parsed and formatted again.
+    pub fn report(text: &str) -> Option<String> {
+        super::stats::StageStats::parse(text).map(|s| s.to_message())
+    }
+}
 
 fuzz_target!(|data: &[u8]| {
     let mut input = Input::new(data);
@@ -327,6 +346,13 @@ fn message(bytes: &[u8]) {
     for (i, &b) in bytes.iter().skip(1).take(20).enumerate() {
         let at = [8, 9, 10, 11, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31][i];
         m[at] = b;
+    }
+    // An end has no buffer id and no length; a return no length.
+    if m[4] == 2 {
+        m[8..12].fill(0);
+    }
+    if m[4] != 1 {
+        m[24..32].fill(0);
     }
     let again = fuzzing::message(&m);
     check!("message-value", again == Some(m), "{m:02x?} decoded and encoded again as {again:02x?}");

@@ -1,6 +1,10 @@
 //! `dmabuf-rt`: command-line front end.
 
 mod bench;
+// The zero-copy pipeline of `bench` is the example's demo, built on `dmabuf_rt::share`: one
+// copy of the code for the example, this CLI (`pipeline-stage`) and tests/pipeline.rs.
+#[path = "../../../examples/zero_copy_pipeline/demo/mod.rs"]
+mod demo;
 
 use std::process::ExitCode;
 
@@ -22,7 +26,7 @@ commands:
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some(PIPELINE_STAGE) {
-        dmabuf_rt::pipeline::stage_process(&args[1..]);
+        demo::stage_process(&args[1..]);
     }
     match args.first().map(String::as_str) {
         Some("devices") => {
@@ -109,14 +113,14 @@ const PIPELINE_STAGE: &str = "pipeline-stage";
 /// bytes the zero-copy run copied. The source is the best this machine offers (udmabuf-exported
 /// shmem or the system heap where they exist, else sealed memfds).
 fn pipeline_rows(quick: bool) -> Result<(f64, f64, u64), String> {
-    use dmabuf_rt::pipeline::{self, Options, PipelineSource};
+    use demo::{Options, PipelineSource};
     let opts = Options {
         frames: if quick { 100 } else { 600 },
         source: PipelineSource::best_available(),
         ..Options::default()
     };
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this program to re-execute: {e}"))?;
-    let cmp = pipeline::compare(&opts, &exe, &[PIPELINE_STAGE]).map_err(|e| e.to_string())?;
+    let cmp = demo::compare(&opts, &exe, &[PIPELINE_STAGE]).map_err(|e| e.to_string())?;
     eprintln!("{cmp}");
     Ok((cmp.zero_copy.frames_per_sec, cmp.pipes.frames_per_sec, cmp.zero_copy.bytes_copied))
 }

@@ -11,11 +11,17 @@
 //!
 //! `--size` takes bytes, or `K`/`M` suffixes (4M). The default source is the system heap, else
 //! udmabuf, else sealed memfds, whichever this process may use. The stages are this program,
-//! re-executed with `--stage ROLE ...` (see `dmabuf_rt::pipeline`).
+//! re-executed with `--stage ROLE ...`.
+//!
+//! The pipeline itself is the `demo` module next to this file (its docs tell the protocol),
+//! built on `dmabuf_rt::share`; `dmabuf-rt bench` and `tests/pipeline.rs` include the same
+//! module.
+
+mod demo;
 
 use std::process::ExitCode;
 
-use dmabuf_rt::pipeline::{self, Options, PipelineSource, STAGE_FLAG};
+use demo::{Options, PipelineSource, STAGE_FLAG};
 
 const USAGE: &str =
     "usage: zero_copy_pipeline [--frames N] [--size BYTES|NK|NM] [--pool N] [--source memfd|udmabuf|heap:NAME]";
@@ -23,7 +29,7 @@ const USAGE: &str =
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some(STAGE_FLAG) {
-        pipeline::stage_process(&args);
+        demo::stage_process(&args);
     }
     match parse(&args).and_then(|o| run(&o)) {
         Ok(()) => ExitCode::SUCCESS,
@@ -45,7 +51,7 @@ fn parse(args: &[String]) -> Result<Options, String> {
                 o.frame_size = parse_size(value()?).ok_or(format!("--size takes bytes (or 64K, 4M)\n{USAGE}"))?
             }
             "--pool" => o.pool_size = value()?.parse().map_err(|_| format!("--pool takes a number\n{USAGE}"))?,
-            "--source" => o.source = value()?.parse().map_err(|e: pipeline::PipelineError| e.to_string())?,
+            "--source" => o.source = value()?.parse().map_err(|e: demo::PipelineError| e.to_string())?,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -67,7 +73,7 @@ fn parse_size(s: &str) -> Option<usize> {
 
 fn run(o: &Options) -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this program to re-execute: {e}"))?;
-    let cmp = pipeline::compare(o, &exe, &[]).map_err(|e| e.to_string())?;
+    let cmp = demo::compare(o, &exe, &[]).map_err(|e| e.to_string())?;
     println!(
         "zero-copy pipeline: 3 processes, dma-buf fds over Unix sockets (SCM_RIGHTS), against the same pipeline \
          through pipes"

@@ -1,0 +1,90 @@
+//! One packet of a `SOCK_SEQPACKET` Unix socket with its `SCM_RIGHTS` fds: the only place
+//! that calls `sendmsg`/`recvmsg`. No unsafe here: rustix owns the control-message encoding,
+//! and every received fd is an [`OwnedFd`] (close-on-exec) from the moment it exists.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{BorrowedFd, OwnedFd};
+
+use rustix::io::Errno;
+use rustix::net::{
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, SocketFlags, SocketType,
+};
+
+/// The most fds one packet may carry. The receive buffer holds this many and its alignment
+/// slack (a couple more): a packet with more than fit is received truncated (`MSG_CTRUNC`)
+/// and the kernel closes the fds that did not fit, so a hostile peer cannot make this process
+/// hold more than a handful of its fds per packet (and those that come are `OwnedFd`s).
+pub(crate) const MAX_FDS: usize = 4;
+
+/// A received packet.
+#[derive(Debug)]
+pub(crate) enum Packet {
+    /// The peer closed its end (a zero-length read with no fds).
+    Eof,
+    /// Bytes and fds.
+    Data {
+        /// Bytes received (at most the buffer's length).
+        len: usize,
+        /// The fds it carried, already owned.
+        fds: Vec<OwnedFd>,
+        /// The bytes or the fds did not fit (the kernel dropped and closed the excess).
+        truncated: bool,
+    },
+}
+
+/// A connected pair of close-on-exec `SOCK_SEQPACKET` Unix sockets.
+pub(crate) fn seqpacket_pair() -> rustix::io::Result<(OwnedFd, OwnedFd)> {
+    rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)
+}
+
+/// Whether `fd` is a `SOCK_SEQPACKET` socket (`ENOTSOCK` if it is no socket at all).
+pub(crate) fn is_seqpacket(fd: BorrowedFd<'_>) -> rustix::io::Result<bool> {
+    Ok(rustix::net::sockopt::socket_type(fd)? == SocketType::SEQPACKET)
+}
+
+/// Sends one packet with `fds` attached. Never raises `SIGPIPE` (a peer that is gone is
+/// `EPIPE`). A short send cannot happen on a seqpacket socket; it is reported as `EMSGSIZE`.
+pub(crate) fn send(sock: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>]) -> rustix::io::Result<()> {
+    if fds.len() > MAX_FDS {
+        return Err(Errno::TOOMANYREFS);
+    }
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(Errno::TOOMANYREFS);
+    }
+    loop {
+        match rustix::net::sendmsg(sock, &[IoSlice::new(data)], &mut control, SendFlags::NOSIGNAL) {
+            Ok(n) if n == data.len() => return Ok(()),
+            Ok(_) => return Err(Errno::MSGSIZE),
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Receives one packet into `buf`. A packet longer than `buf` comes back `truncated` (make
+/// `buf` one byte longer than the longest valid packet to see an oversized one).
+pub(crate) fn recv(sock: BorrowedFd<'_>, buf: &mut [u8]) -> rustix::io::Result<Packet> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let msg = loop {
+        match rustix::net::recvmsg(sock, &mut [IoSliceMut::new(&mut *buf)], &mut control, RecvFlags::CMSG_CLOEXEC) {
+            Err(Errno::INTR) => continue,
+            r => break r?,
+        }
+    };
+    let mut fds = Vec::new();
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(rights) = m {
+            fds.extend(rights);
+        }
+    }
+    let truncated = msg.flags.intersects(ReturnFlags::TRUNC | ReturnFlags::CTRUNC);
+    if msg.bytes == 0 && fds.is_empty() && !truncated {
+        return Ok(Packet::Eof);
+    }
+    Ok(Packet::Data { len: msg.bytes.min(buf.len()), fds, truncated })
+}
