@@ -106,24 +106,34 @@ impl PoolBorrower {
 
     /// Sends a frame that is here on to `to` (the next stage), with the buffer's fd if `to`
     /// does not have it yet; the buffer is no longer here. Returns whether the fd went.
+    /// If the send fails (the next stage hung up), the buffer is still here: give it back.
     pub fn forward(&mut self, to: &mut Peer, frame: Frame) -> Result<bool> {
-        let seg = self.leave(frame.id)?;
-        to.send_frame(frame, seg)
+        let sent_fd = to.send_frame(frame, self.here_segment(frame.id)?)?;
+        self.leave(frame.id);
+        Ok(sent_fd)
     }
 
-    /// Returns a frame's buffer to its owner on `to`: the frame is done.
+    /// Returns a frame's buffer to its owner on `to`: the frame is done. If the send fails, the
+    /// buffer is still here.
     pub fn give_back(&mut self, to: &Channel, frame: Frame) -> Result<()> {
-        self.leave(frame.id)?;
-        to.send(&PoolMessage::Return { id: frame.id, seq: frame.seq })
+        self.here_segment(frame.id)?;
+        to.send(&PoolMessage::Return { id: frame.id, seq: frame.seq })?;
+        self.leave(frame.id);
+        Ok(())
     }
 
-    fn leave(&mut self, id: BufferId) -> Result<&Segment> {
+    fn here_segment(&self, id: BufferId) -> Result<&Segment> {
+        let not_here = || Error::InvalidArgument { what: format!("buffer {id} is not here") };
         if !self.is_here(id) {
-            return Err(Error::InvalidArgument { what: format!("buffer {id} is not here") });
+            return Err(not_here());
         }
+        self.segments[id as usize].as_ref().ok_or_else(not_here)
+    }
+
+    /// The buffer has gone. Only after its message went: a buffer whose send failed (the next
+    /// stage died) stays here, so it can still go back to its owner instead of being lost to
+    /// the pool for good (the owner would wait for it forever).
+    fn leave(&mut self, id: BufferId) {
         self.here[id as usize] = false;
-        self.segments[id as usize]
-            .as_ref()
-            .ok_or_else(|| Error::InvalidArgument { what: format!("buffer {id} is not here") })
     }
 }
