@@ -346,10 +346,12 @@ impl Channel {
 
     /// Receives one packet into `buf` and the fds it carried (a handful at most): for protocols of
     /// their own above a channel. End of file is [`Error::PeerGone`]; a packet longer than
-    /// `buf`, or with more fds than fit, is refused ([`Error::Protocol`]) and its fds closed.
+    /// `buf`, or with more fds than fit, or empty, is refused ([`Error::Protocol`]) and its fds
+    /// closed.
     pub fn recv_bytes(&self, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>)> {
         match packet::recv(self.fd.as_fd(), buf).map_err(|e| self.io_error("recvmsg on a share channel", e))? {
             Packet::Eof => Err(Error::PeerGone { channel: self.name.clone() }),
+            Packet::Empty => Err(self.protocol_error("an empty packet (0 bytes, no fds) from a peer still connected")),
             Packet::Data { truncated: true, .. } => Err(self.protocol_error(format!(
                 "message or its fds truncated (more than {} bytes, or too many fds)",
                 buf.len()

@@ -21,8 +21,10 @@ pub(crate) const MAX_FDS: usize = 4;
 /// A received packet.
 #[derive(Debug)]
 pub(crate) enum Packet {
-    /// The peer closed its end (a zero-length read with no fds).
+    /// The peer closed its end (a zero-length read with no fds, the socket shut down).
     Eof,
+    /// A zero-length packet with no fds from a peer that is still there.
+    Empty,
     /// Bytes and fds.
     Data {
         /// Bytes received (at most the buffer's length).
@@ -84,7 +86,19 @@ pub(crate) fn recv(sock: BorrowedFd<'_>, buf: &mut [u8]) -> rustix::io::Result<P
     }
     let truncated = msg.flags.intersects(ReturnFlags::TRUNC | ReturnFlags::CTRUNC);
     if msg.bytes == 0 && fds.is_empty() && !truncated {
-        return Ok(Packet::Eof);
+        // `recvmsg` says 0 bytes both at end of file and for an empty packet, which any peer
+        // may send: only a hang-up leaves the socket shut down for reading. (A peer that
+        // sent an empty packet and then hung up is seen as gone: it is.)
+        return Ok(if shut_down_for_reading(sock)? { Packet::Eof } else { Packet::Empty });
     }
     Ok(Packet::Data { len: msg.bytes.min(buf.len()), fds, truncated })
+}
+
+/// Whether the socket's reading side is shut down (the peer closed its end or shut down its
+/// writing side, or this side shut down its reading side): `POLLRDHUP`, without waiting.
+fn shut_down_for_reading(sock: BorrowedFd<'_>) -> rustix::io::Result<bool> {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let mut p = [PollFd::new(&sock, PollFlags::RDHUP)];
+    rustix::event::poll(&mut p, Some(&Timespec { tv_sec: 0, tv_nsec: 0 }))?;
+    Ok(p[0].revents().intersects(PollFlags::RDHUP | PollFlags::HUP))
 }
