@@ -203,16 +203,23 @@ impl Channel {
     }
 
     /// A channel over an fd received from elsewhere (inherited, passed by a parent). It must
-    /// be a `SOCK_SEQPACKET` socket: a stream socket would split and merge messages.
-    /// `name` appears in every error of the channel.
+    /// be a connected `SOCK_SEQPACKET` socket: a stream socket would split and merge messages,
+    /// and nothing ever arrives on a socket that is not connected (a listening one, say).
+    /// `name` appears in every error of the channel. The channel turns off `SO_PASSCRED` on
+    /// the socket (as a service manager may set it): the credentials it adds to every packet
+    /// would take the room of the fds, and every message with an fd would come truncated.
     pub fn from_fd(fd: OwnedFd, name: &str) -> Result<Channel> {
+        let invalid = |why: &str| Error::InvalidArgument { what: format!("{name}: {why}") };
         match packet::is_seqpacket(fd.as_fd()) {
-            Ok(true) => Ok(Self::wrap(fd, name)),
-            Ok(false) => {
-                Err(Error::InvalidArgument { what: format!("{name}: the fd is a socket, but not SOCK_SEQPACKET") })
-            }
-            Err(Errno::NOTSOCK) => Err(Error::InvalidArgument { what: format!("{name}: the fd is not a socket") }),
-            Err(e) => Err(Error::io_rustix("getsockopt(SO_TYPE)")(e)),
+            Ok(true) => {}
+            Ok(false) => return Err(invalid("the fd is a socket, but not SOCK_SEQPACKET")),
+            Err(Errno::NOTSOCK) => return Err(invalid("the fd is not a socket")),
+            Err(e) => return Err(Error::io_rustix("getsockopt(SO_TYPE)")(e)),
+        }
+        match packet::prepare_inherited(fd.as_fd()) {
+            Ok(()) => Ok(Self::wrap(fd, name)),
+            Err(Errno::NOTCONN) => Err(invalid("the socket is not connected (connect it, or accept on it, first)")),
+            Err(e) => Err(Error::io_rustix("getpeername, setsockopt(SO_PASSCRED) on a share channel")(e)),
         }
     }
 

@@ -46,6 +46,17 @@ pub(crate) fn is_seqpacket(fd: BorrowedFd<'_>) -> rustix::io::Result<bool> {
     Ok(rustix::net::sockopt::socket_type(fd)? == SocketType::SEQPACKET)
 }
 
+/// Readies a seqpacket socket made elsewhere for [`recv`]: `ENOTCONN` if it is not connected;
+/// otherwise turns off `SO_PASSCRED` (credentials in every packet would crowd the fds out of
+/// the control buffer, which holds [`MAX_FDS`] fds and no more).
+pub(crate) fn prepare_inherited(fd: BorrowedFd<'_>) -> rustix::io::Result<()> {
+    rustix::net::getpeername(fd)?;
+    if rustix::net::sockopt::socket_passcred(fd)? {
+        rustix::net::sockopt::set_socket_passcred(fd, false)?;
+    }
+    Ok(())
+}
+
 /// Sends one packet with `fds` attached. Never raises `SIGPIPE` (a peer that is gone is
 /// `EPIPE`). A short send cannot happen on a seqpacket socket; it is reported as `EMSGSIZE`.
 pub(crate) fn send(sock: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>]) -> rustix::io::Result<()> {
