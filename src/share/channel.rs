@@ -118,6 +118,14 @@ impl Expect {
         let protocol = |why: String| Error::Protocol { channel: channel.to_owned(), why };
         let seg = Segment::import(fd, self.kind).map_err(|e| match e {
             Error::BadImport { reason } => protocol(format!("{what}: {reason}")),
+            // The import checked the fd and took the size from it, so a mapping that fails now
+            // is the sender's doing (a sparse memfd of exabytes, an fd opened write-only), not a
+            // lack of memory here: the peer's protocol error, with the size and the kernel's
+            // answer. (Under RLIMIT_AS the failure is a ResourceLimit and stays one.)
+            Error::Io { op, source } if op.starts_with("mmap") => {
+                let size = rustix::fs::fstat(fd).map_or_else(|_| "?".into(), |st| st.st_size.to_string());
+                protocol(format!("{what}: a buffer of {size} bytes that cannot be mapped ({source})"))
+            }
             other => other,
         })?;
         if let Some(want) = self.fd_kind {
