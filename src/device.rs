@@ -240,10 +240,23 @@ impl Device {
     }
 
     /// Lets go of the default queue after its work (the executor thread exits when the last
-    /// holder drops it). A later [`Device::default_queue`] makes a new one.
+    /// holder drops it). A later [`Device::default_queue`] makes a new one. The released queue
+    /// stays one that [`Device::synchronize`] waits for, as a queue from
+    /// [`Device::new_queue`] does, until it is gone.
     pub fn release_default_queue(&self) -> Result<()> {
-        let default = self.queues().default.take();
-        default.map_or(Ok(()), |q| q.synchronize())
+        let default = {
+            let mut q = self.queues();
+            let default = q.default.take();
+            // Taken and waited for in two steps: a synchronize that snapshots the queues in
+            // between (while work queued on the default queue before it was called has not
+            // run) would otherwise see no default queue and return before that work.
+            if let Some(d) = &default {
+                q.live.retain(|h| !h.is_gone());
+                q.live.push(d.handle());
+            }
+            default
+        };
+        default.map_or(Ok(()), |d| d.synchronize())
     }
 
     /// Waits for the work submitted to every queue of this device (its default queue and
