@@ -242,7 +242,9 @@ impl Device {
     /// Lets go of the default queue after its work (the executor thread exits when the last
     /// holder drops it). A later [`Device::default_queue`] makes a new one. The released queue
     /// stays one that [`Device::synchronize`] waits for, as a queue from
-    /// [`Device::new_queue`] does, until it is gone.
+    /// [`Device::new_queue`] does, until it is gone. Called from a host callback of the
+    /// default queue itself, it returns without waiting (the queue's work before the callback
+    /// has run; its work after cannot run until the callback returns).
     pub fn release_default_queue(&self) -> Result<()> {
         let default = {
             let mut q = self.queues();
@@ -256,7 +258,12 @@ impl Device {
             }
             default
         };
-        default.map_or(Ok(()), |d| d.synchronize())
+        match default {
+            // Waiting for its own queue from its callback would wait for itself (WouldDeadlock),
+            // after the queue was already released.
+            Some(d) if crate::queue::executing_queue() != Some(d.id()) => d.synchronize(),
+            _ => Ok(()),
+        }
     }
 
     /// Waits for the work submitted to every queue of this device (its default queue and
