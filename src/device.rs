@@ -214,11 +214,6 @@ impl Device {
         q.live.push(queue);
     }
 
-    /// Stops waiting for `queue` (the C runtime's stream destroy).
-    pub(crate) fn untrack_queue(&self, queue: &Queue) {
-        self.queues().live.retain(|h| h.id() != queue.id() && !h.is_gone());
-    }
-
     /// Makes [`Device::synchronize`] wait for `event` too: work a queue of another device did
     /// on this device's memory.
     pub(crate) fn track_foreign(&self, event: Event) {

@@ -674,3 +674,54 @@ mod hostile_review {
         ok(dmabuf_rt_synced_destroy(a));
     }
 }
+
+unsafe extern "C" fn destroy_the_stream_in_user_data(
+    _s: dmabuf_rt_stream,
+    _status: dmabuf_rt_status,
+    user: *mut c_void,
+) {
+    let _ = dmabuf_rt_stream_destroy(user as usize as dmabuf_rt_stream);
+}
+
+/// A stream destroyed from a callback returns at once and drains on its own: until it has, a
+/// device synchronize must still wait for its work (the runtime used to stop tracking it
+/// first, so the synchronize returned before that work ran).
+#[test]
+fn a_stream_destroyed_from_a_callback_is_still_waited_for_by_device_synchronize() {
+    let _g = setup();
+    const N: usize = 64 << 10;
+    for round in 0..8 {
+        let x = device_alloc(0, N);
+        ok(dmabuf_rt_memset(0, x as *mut c_void, 0x11, N));
+        let (s, killer) = (new_stream(0), new_stream(0));
+        let g = gate(s);
+        let new = vec![0x33u8; N];
+        ok(memcpy((0, x), (0, new.as_ptr() as usize), N, DMABUF_RT_MEMCPY_HOST_TO_DEVICE, s));
+        // SAFETY: the callback only passes the handle back to the C API.
+        ok(unsafe {
+            dmabuf_rt_stream_add_callback(killer, Some(destroy_the_stream_in_user_data), s as usize as *mut c_void)
+        });
+        ok(dmabuf_rt_stream_synchronize(killer));
+        assert_eq!(dmabuf_rt_stream_synchronize(s), DMABUF_RT_INVALID_HANDLE, "the stream was not destroyed");
+        let (tx, rx) = channel();
+        std::thread::spawn(move || {
+            let r = dmabuf_rt_device_synchronize(0);
+            tx.send((r, read(0, x, N))).unwrap();
+        });
+        // A synchronize that did not wait answers at once, before the gate opens.
+        let early = rx.recv_timeout(Duration::from_millis(300)).ok();
+        g.open();
+        let (r, got) = match early {
+            Some(v) => v,
+            None => rx.recv_timeout(Duration::from_secs(30) * time_scale()).expect("HANG: device synchronize"),
+        };
+        ok(r);
+        assert!(
+            got.iter().all(|&b| b == 0x33),
+            "round {round}: device synchronize returned before the destroyed stream's copy"
+        );
+        ok(dmabuf_rt_stream_destroy(killer));
+        ok(dmabuf_rt_device_free(0, x as *mut c_void));
+        drop(new);
+    }
+}

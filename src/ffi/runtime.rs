@@ -425,9 +425,9 @@ impl Runtime {
     /// Destroys a stream after its submitted work has run.
     pub fn destroy_stream(&self, h: usize) -> Result<()> {
         let e = lock(&self.streams).remove(&h).ok_or(Error::UnknownHandle { what: "stream", handle: h })?;
-        if let Ok(dev) = self.device(e.device) {
-            dev.untrack_queue(&e.queue);
-        }
+        // The device keeps the stream on its list until the queue is gone (its handle does
+        // not keep it alive): a destroy from a callback returns before the stream drains, and
+        // a device synchronize meanwhile must still wait for that work.
         if crate::queue::executing_queue().is_some() {
             // From a host callback: waiting for the stream could wait for this very callback
             // (or for a stream blocked on it). As CUDA's cudaStreamDestroy, return at once;
