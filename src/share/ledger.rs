@@ -113,6 +113,27 @@ impl Ledger {
         Ok(())
     }
 
+    /// Takes back every buffer that is out, as if each had been returned; returns their ids.
+    /// For when every process a buffer went to is gone (a crashed consumer, a pipeline torn
+    /// down): without it the pool would stay short of those buffers for good. Only the caller
+    /// knows that no process still uses them: a buffer reclaimed while a live peer holds it may
+    /// be overwritten under that peer, and that peer's late return is refused (the buffer is
+    /// no longer out).
+    pub fn reclaim_out(&mut self) -> Vec<BufferId> {
+        let mut ids = Vec::new();
+        for (id, slot) in self.slots.iter_mut().enumerate() {
+            if let Slot::Out { .. } = slot {
+                *slot = Slot::Free;
+                ids.push(id as BufferId);
+            }
+        }
+        // Lowest id last, as `free` keeps them (taken first).
+        self.free.extend(&ids);
+        self.free.sort_unstable_by(|a, b| b.cmp(a));
+        self.out = 0;
+        ids
+    }
+
     fn check_return(&self, id: BufferId, seq: u64) -> std::result::Result<(), String> {
         match self.slots.get(id as usize) {
             None => Err(format!("return of buffer {id}, outside the pool of {}", self.len())),

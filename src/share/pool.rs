@@ -87,6 +87,12 @@ impl PoolOwner {
         Ok(sent_fd)
     }
 
+    /// Takes back every buffer that is out, once every process they went to is gone; returns
+    /// their ids. See [`Ledger::reclaim_out`].
+    pub fn reclaim_out(&mut self) -> Vec<BufferId> {
+        self.ledger.reclaim_out()
+    }
+
     /// Receives one return on `from` and takes the buffer back; returns its id and frame.
     /// See [`Ledger::recv_return`].
     pub fn recv_return(&mut self, from: &Channel) -> Result<(BufferId, u64)> {

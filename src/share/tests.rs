@@ -389,6 +389,40 @@ fn the_owner_refuses_bogus_and_double_returns() {
     assert!(matches!(owner.recv_return(&from), Err(Error::PeerGone { .. })));
 }
 
+/// A borrower that dies with buffers out: once the owner knows every peer is gone it takes
+/// them back, they go out again (to a new peer, with their fds), and a late return of a
+/// reclaimed buffer is refused.
+#[test]
+fn buffers_out_with_a_dead_peer_are_reclaimed_and_go_out_again() {
+    let mut owner = PoolOwner::allocate(&ShmemSource::new(), 3, 4096).unwrap();
+    let (to, gone) = pair();
+    let (late, from) = pair();
+    let mut peer = Peer::new(to);
+    for seq in 0..3 {
+        let id = owner.take().unwrap();
+        owner.send(&mut peer, Frame { id, seq, len: 8 }).unwrap();
+    }
+    assert_eq!(owner.take(), None);
+    late.send(&PoolMessage::Return { id: 1, seq: 1 }).unwrap();
+    assert_eq!(owner.recv_return(&from).unwrap(), (1, 1));
+    drop(gone);
+    let mut back = owner.reclaim_out();
+    back.sort_unstable();
+    assert_eq!(back, vec![0, 2]);
+    assert_eq!((owner.ledger().free_count(), owner.ledger().out_count()), (3, 0));
+    assert!(owner.reclaim_out().is_empty(), "nothing is out any more");
+    late.send(&PoolMessage::Return { id: 2, seq: 2 }).unwrap();
+    assert!(is_protocol(&owner.recv_return(&from), "which is not out"), "a late return of a reclaimed buffer");
+    // Taken lowest id first, and each goes to the new peer with its fd.
+    let (to, _rx) = pair();
+    let mut fresh = Peer::new(to);
+    for want in 0..3 {
+        let id = owner.take().unwrap();
+        assert_eq!(id, want);
+        assert!(owner.send(&mut fresh, Frame { id, seq: 10 + u64::from(id), len: 8 }).unwrap(), "the fd goes again");
+    }
+}
+
 #[test]
 fn the_borrower_refuses_frames_that_break_the_protocol() {
     let (a, b) = pair();
