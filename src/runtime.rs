@@ -45,7 +45,7 @@ pub struct Device {
 
 #[derive(Default)]
 struct DeviceQueues {
-    live: HashMap<u64, QueueHandle>,
+    live: HashMap<crate::queue::QueueId, QueueHandle>,
     default: Option<Arc<Queue>>,
     /// Events recorded after copies that streams of other devices queued on this device's
     /// memory (peer copies): synchronizing the device waits for them too.

@@ -16,9 +16,9 @@ use std::sync::Arc;
 
 use super::free_list::Node;
 use super::pool::BlockId;
-use super::{FreeMsg, Inner};
+use super::{AllocatorShared, FreeMsg};
 use crate::error::Result;
-use crate::queue::{Mem, Queue, QueueHandle};
+use crate::queue::{Mem, Queue, QueueHandle, QueueId};
 use crate::segment::{Access, Segment};
 use crate::view::CpuView;
 
@@ -26,7 +26,7 @@ use crate::view::CpuView;
 /// (lock-free); if it was used on other queues, the memory returns to the pool only after those
 /// queues finish with it.
 pub struct Allocation {
-    pub(super) inner: Arc<Inner>,
+    pub(super) inner: Arc<AllocatorShared>,
     /// The free-list node the free travels in; taken by `Drop` (the block is freed then).
     pub(super) node: Option<Box<Node<FreeMsg>>>,
     pub(super) id: BlockId,
@@ -34,7 +34,8 @@ pub struct Allocation {
     pub(super) seg: SegRef,
     pub(super) offset: usize,
     pub(super) size: usize,
-    pub(super) stream: u64,
+    /// The queue the block is bound to.
+    pub(super) queue: Option<QueueId>,
     /// Other queues that used the block. Not dropped by the drop glue: `Drop` takes it when
     /// it is not empty, so the usual free pays nothing for it.
     pub(super) uses: ManuallyDrop<Vec<QueueHandle>>,
@@ -99,15 +100,16 @@ impl Allocation {
         self.seg().mapping().map_or(std::ptr::null_mut(), |m| m.as_ptr().wrapping_add(self.offset))
     }
 
-    /// The queue the block is bound to (0: none).
-    pub fn stream(&self) -> u64 {
-        self.stream
+    /// The queue the block is bound to (`None`: allocated for host-side use, on no queue).
+    pub fn queue(&self) -> Option<QueueId> {
+        self.queue
     }
 
     /// Records that `queue` uses this memory: when it is freed, the block waits for the work
     /// submitted to `queue` until then before anyone can reuse it (PyTorch's `recordStream`).
-    pub fn record_stream(&mut self, queue: &Queue) {
-        if queue.id() != self.stream && !self.uses.iter().any(|h| h.id() == queue.id()) {
+    #[doc(alias = "record_stream")]
+    pub fn record_queue(&mut self, queue: &Queue) {
+        if Some(queue.id()) != self.queue && !self.uses.iter().any(|h| h.id() == queue.id()) {
             self.uses.push(queue.handle());
         }
     }

@@ -691,7 +691,7 @@ impl Pool {
                 self.free_now(id);
                 self.after_free(id);
             }
-            FreeMsg::QueueGone(stream) => self.queue_gone(stream),
+            FreeMsg::QueueGone(queue) => self.queue_gone(queue.get()),
             FreeMsg::Requested(id) => {
                 self.account_free_request(id);
                 let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
@@ -1203,7 +1203,7 @@ impl Pool {
     /// Returns true the first time.
     pub(crate) fn register_queue(&mut self, queue: &Queue) -> bool {
         let mut new = false;
-        self.queues.entry(queue.id()).or_insert_with(|| {
+        self.queues.entry(queue.id().get()).or_insert_with(|| {
             new = true;
             queue.handle()
         });
@@ -1728,9 +1728,9 @@ impl Pool {
     }
 
     /// Records that `queue` uses the raw allocation at `addr`.
-    pub(crate) fn record_stream_raw(&mut self, addr: usize, queue: &Queue) -> std::result::Result<(), &'static str> {
+    pub(crate) fn record_queue_raw(&mut self, addr: usize, queue: &Queue) -> std::result::Result<(), &'static str> {
         let id = self.raw_at(addr)?;
-        if queue.id() == self.blocks[id as usize].stream {
+        if queue.id().get() == self.blocks[id as usize].stream {
             return Ok(());
         }
         self.blocks[id as usize].raw_used = true;
