@@ -39,6 +39,7 @@
 
 mod addrs;
 mod allocation;
+mod block;
 pub mod config;
 pub mod free_list;
 mod host;
@@ -52,11 +53,12 @@ mod tests;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use allocation::Allocation;
+use block::BlockId;
 pub use config::Config;
 use free_list::{FreeList, Node, Pending};
 pub use host::{HostAllocation, HostCachingAllocator, HostStats};
-use pool::{BlockId, Outcome, Pool};
 pub use pool::{BlockState, HistoryEvent, HistoryKind, SegmentSnapshot, Snapshot};
+use pool::{Outcome, Pool};
 pub use stats::{DeviceStats, SimpleStats, Stat};
 
 use crate::error::{Error, Result};

@@ -8,67 +8,27 @@ use std::time::Instant;
 
 use super::FreeMsg;
 use super::addrs::BlockAddrs;
-use super::allocation::SegRef;
+use super::block::{
+    Block, BlockId, LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, PoolKind, ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE, SegRef,
+};
 use super::config::Config;
 use super::free_list::{FreeList, Node};
 use super::quick::{FxBuild, Quick};
-use super::stats::{self, DeviceStats, HotStats, LARGE_POOL, SMALL_POOL, Stat, StatArray};
+use super::stats::{self, DeviceStats, HotStats, Stat, StatArray};
 use crate::error::{Error, Result};
 use crate::queue::{Queue, QueueHandle};
 use crate::segment::Segment;
 use crate::source::MemorySource;
 
-pub(crate) type BlockId = u32;
-
-/// Smallest block, and the rounding unit.
-pub(crate) const MIN_BLOCK: usize = 512;
-/// Largest request served by the small pool.
-pub(crate) const SMALL_SIZE: usize = 1 << 20;
-/// Small-pool segment size.
-pub(crate) const SMALL_BUFFER: usize = 2 << 20;
-/// Large-pool segment size for 1–10 MiB requests.
-pub(crate) const LARGE_BUFFER: usize = 20 << 20;
-/// Requests from this size get their own segment.
-pub(crate) const MIN_LARGE_ALLOC: usize = 10 << 20;
-/// Large segments are rounded to this.
-pub(crate) const ROUND_LARGE: usize = 2 << 20;
 /// Bounded history length.
 const HISTORY: usize = 10_000;
-
-#[derive(Debug, Clone)]
-struct Block {
-    seg: u32,
-    offset: usize,
-    size: usize,
-    requested: usize,
-    stream: u64,
-    /// Handed out (or its free is waiting for events).
-    allocated: bool,
-    prev: Option<BlockId>,
-    next: Option<BlockId>,
-    pool: usize,
-    /// The allocation-miss count when the block was last cached (for GC age).
-    cached_at: u64,
-    /// In the quick cache (free, unmerged, not in a pool).
-    in_quick: bool,
-    /// Handed out through the raw API.
-    raw: bool,
-    /// A raw block that other queues used: its handles are in `Pool::raw_uses`.
-    raw_used: bool,
-}
-
-impl Block {
-    fn is_split(&self) -> bool {
-        self.prev.is_some() || self.next.is_some()
-    }
-}
 
 struct SegEntry {
     seg: Arc<Segment>,
     base: usize,
     /// Bytes of the segment (for an expandable segment: bytes mapped so far).
     size: usize,
-    pool: usize,
+    pool: PoolKind,
     stream: u64,
     /// Set for expandable segments.
     exp: Option<ExpState>,
@@ -375,7 +335,8 @@ pub(crate) struct Pool {
     free_ids: Vec<BlockId>,
     segments: Vec<Option<SegEntry>>,
     free_segs: Vec<u32>,
-    pools: [BTreeSet<Key>; 3],
+    /// The free blocks of each pool (`PoolKind::slot`).
+    pools: [BTreeSet<Key>; 2],
     /// Every stat but those in `hot` and `active`/`active_bytes`, which [`Pool::stats`]
     /// derives (see there).
     stats: DeviceStats,
@@ -413,7 +374,7 @@ pub(crate) struct Pool {
     /// periodic workloads. Flushed into the pools (with merging) on a miss.
     quick: Quick,
     /// The expandable segment of each (stream, pool).
-    expandable: HashMap<(u64, usize), u32>,
+    expandable: HashMap<(u64, PoolKind), u32>,
     /// The source cannot make expandable segments: classic segments are used instead.
     expandable_unsupported: bool,
     /// The latest failure of the source during the current request that was not a lack of
@@ -425,10 +386,6 @@ pub(crate) struct Pool {
 
 /// How many freed blocks the quick cache holds before it is flushed into the pools.
 const QUICK_MAX: usize = 1024;
-
-fn pool_name(pool: usize) -> &'static str {
-    if pool == SMALL_POOL { "small" } else { "large" }
-}
 
 impl Pool {
     pub(crate) fn new(source: Box<dyn MemorySource>, config: Config, capacity: u64) -> Self {
@@ -591,10 +548,6 @@ impl Pool {
         }
     }
 
-    fn pool_for(size: usize) -> usize {
-        if size <= SMALL_SIZE { SMALL_POOL } else { LARGE_POOL }
-    }
-
     // ---- pool membership, keeping inactive_split stats ----
 
     /// A free block starts (`entering`) or stops counting as inactive split memory.
@@ -610,13 +563,13 @@ impl Pool {
 
     fn pool_insert(&mut self, id: BlockId) {
         let key = self.key(id);
-        self.pools[self.blocks[id as usize].pool].insert(key);
+        self.pools[self.blocks[id as usize].pool.slot()].insert(key);
         self.account_inactive(id, true);
     }
 
     fn pool_remove(&mut self, id: BlockId) {
         let key = self.key(id);
-        let removed = self.pools[self.blocks[id as usize].pool].remove(&key);
+        let removed = self.pools[self.blocks[id as usize].pool.slot()].remove(&key);
         debug_assert!(removed, "block {id} was not in its pool");
         self.account_inactive(id, false);
     }
@@ -628,7 +581,7 @@ impl Pool {
         seg: u32,
         (offset, size): (usize, usize),
         stream: u64,
-        pool: usize,
+        pool: PoolKind,
         prev: Option<BlockId>,
         next: Option<BlockId>,
     ) -> BlockId {
@@ -826,11 +779,10 @@ impl Pool {
 
     /// Puts a free block into its pool, merged with its free (pooled) neighbours.
     fn pool_free(&mut self, id: BlockId) {
-        let mergeable = |b: &Block| !b.allocated && !b.in_quick;
-        if let Some(p) = self.blocks[id as usize].prev.filter(|&p| mergeable(&self.blocks[p as usize])) {
+        if let Some(p) = self.blocks[id as usize].prev.filter(|&p| self.blocks[p as usize].is_pooled_free()) {
             self.merge(id, p);
         }
-        if let Some(n) = self.blocks[id as usize].next.filter(|&n| mergeable(&self.blocks[n as usize])) {
+        if let Some(n) = self.blocks[id as usize].next.filter(|&n| self.blocks[n as usize].is_pooled_free()) {
             self.merge(id, n);
         }
         self.pool_insert(id);
@@ -892,7 +844,7 @@ impl Pool {
         &mut self,
         alloc_size: usize,
         rounded: usize,
-        pool: usize,
+        pool: PoolKind,
         stream: u64,
         cause: &mut String,
     ) -> Option<BlockId> {
@@ -914,7 +866,7 @@ impl Pool {
     /// free pages elsewhere if they would go past its bound or the allowed memory. Making the
     /// reservation and each growth (one `mmap` of more of the memfd) are calls to the memory
     /// source, counted in `num_device_alloc`.
-    fn grow_expandable(&mut self, rounded: usize, pool: usize, stream: u64, cause: &mut String) -> Option<BlockId> {
+    fn grow_expandable(&mut self, rounded: usize, pool: PoolKind, stream: u64, cause: &mut String) -> Option<BlockId> {
         let idx = match self.expandable.get(&(stream, pool)) {
             Some(&i) => i,
             None => {
@@ -957,10 +909,7 @@ impl Pool {
             let exp = e.exp.as_ref().expect("expandable");
             (e.size, exp.reserved_len, exp.tail)
         };
-        let tail_free = tail.filter(|&t| {
-            let b = &self.blocks[t as usize];
-            !b.allocated && !b.in_quick
-        });
+        let tail_free = tail.filter(|&t| self.blocks[t as usize].is_pooled_free());
         let have = tail_free.map_or(0, |t| self.blocks[t as usize].size);
         let grow = rounded.saturating_sub(have).next_multiple_of(CHUNK);
         if mapped + grow > reserved_len {
@@ -1156,12 +1105,11 @@ impl Pool {
     fn punch_largest(&mut self, mut excess: u64, keep: Option<BlockId>) -> u64 {
         let mut below: [Option<Key>; 2] = [None, None];
         let mut done = [false; 2];
-        let pools = [SMALL_POOL, LARGE_POOL];
         loop {
             let mut peek = [None, None];
             for i in 0..2 {
                 if !done[i] {
-                    let set = &self.pools[pools[i]];
+                    let set = &self.pools[i];
                     peek[i] = match below[i] {
                         None => set.iter().next_back().copied(),
                         Some(k) => set.range(..k).next_back().copied(),
@@ -1246,13 +1194,13 @@ impl Pool {
         if !expandable {
             return first.is_some_and(|id| {
                 let b = &self.blocks[id as usize];
-                !b.allocated && !b.in_quick && !b.is_split() && self.release_block(id)
+                b.is_pooled_free() && !b.is_split() && self.release_block(id)
             });
         }
         if size > 0 {
             let whole = first.filter(|&id| {
                 let b = &self.blocks[id as usize];
-                !b.allocated && !b.in_quick && b.next.is_none()
+                b.is_pooled_free() && b.next.is_none()
             });
             let Some(id) = whole else { return false };
             self.pool_remove(id);
@@ -1317,7 +1265,7 @@ impl Pool {
             return Ok(Outcome::Got(self.hand_out(id, size, stream)));
         }
         let alloc_size = self.allocation_size(rounded).ok_or_else(too_large)?;
-        let pool = Self::pool_for(rounded);
+        let pool = PoolKind::for_size(rounded);
         let mut found = self.find_cached(rounded, stream, pool);
         let mut cause = String::new();
         let needs = if self.uses_expandable() { rounded.next_multiple_of(CHUNK) } else { alloc_size };
@@ -1408,7 +1356,7 @@ impl Pool {
 
     /// A cached block for the request: best fit in the pool, after merging the quick cache if
     /// that is what it takes.
-    fn find_cached(&mut self, rounded: usize, stream: u64, pool: usize) -> Option<BlockId> {
+    fn find_cached(&mut self, rounded: usize, stream: u64, pool: PoolKind) -> Option<BlockId> {
         if self.config.no_caching {
             return None;
         }
@@ -1446,7 +1394,7 @@ impl Pool {
         let (bsize, bpool) = (self.blocks[id as usize].size, self.blocks[id as usize].pool);
         if self.pending[stats::AGGREGATE].current > 0 {
             let (allocation, bytes) = (self.hot.current(stats::ALLOCATION), self.hot.current(stats::ALLOCATED_BYTES));
-            for i in [stats::AGGREGATE, bpool] {
+            for i in [stats::AGGREGATE, bpool.index()] {
                 self.active_peak[i] = self.active_peak[i].max(allocation[i] + self.pending[i].current);
                 self.active_bytes_peak[i] = self.active_bytes_peak[i].max(bytes[i] + self.pending_bytes[i].current);
             }
@@ -1461,8 +1409,8 @@ impl Pool {
     }
 
     /// Best fit in `pool` for `size` on `stream`, honouring the oversize rules.
-    fn get_free_block(&mut self, size: usize, stream: u64, pool: usize) -> Option<BlockId> {
-        let key = *self.pools[pool].range((stream, size, 0, 0)..).next()?;
+    fn get_free_block(&mut self, size: usize, stream: u64, pool: PoolKind) -> Option<BlockId> {
+        let key = *self.pools[pool.slot()].range((stream, size, 0, 0)..).next()?;
         if key.0 != stream {
             return None;
         }
@@ -1484,7 +1432,7 @@ impl Pool {
         }
         let b = &self.blocks[id as usize];
         let remaining = b.size - size;
-        if b.pool == SMALL_POOL || self.is_expandable(id) {
+        if b.pool == PoolKind::Small || self.is_expandable(id) {
             remaining >= MIN_BLOCK
         } else {
             size < self.config.max_split_size && remaining > SMALL_SIZE
@@ -1492,7 +1440,7 @@ impl Pool {
     }
 
     /// Gets a segment from the source, within the allowed memory; returns its single block.
-    fn alloc_segment(&mut self, size: usize, pool: usize, stream: u64, cause: &mut String) -> Option<BlockId> {
+    fn alloc_segment(&mut self, size: usize, pool: PoolKind, stream: u64, cause: &mut String) -> Option<BlockId> {
         let reserved = self.stats.reserved_bytes[stats::AGGREGATE].current as u64;
         if reserved.saturating_add(size as u64) > self.allowed {
             *cause = format!(
@@ -1579,7 +1527,7 @@ impl Pool {
         }
         let max_split = self.config.max_split_size;
         let want = size.max(max_split);
-        let candidates: Vec<Key> = self.pools[LARGE_POOL]
+        let candidates: Vec<Key> = self.pools[PoolKind::Large.slot()]
             .range((stream, max_split, 0, 0)..(stream, usize::MAX, usize::MAX, BlockId::MAX))
             .copied()
             .filter(|k| !self.blocks[k.3 as usize].is_split() && !self.is_expandable(k.3))
@@ -1616,9 +1564,9 @@ impl Pool {
         for si in idle {
             let _ = self.release_segment_if_free(si);
         }
-        for pool in [SMALL_POOL, LARGE_POOL] {
+        for pool in PoolKind::BOTH {
             let ids: Vec<BlockId> =
-                self.pools[pool].iter().filter(|k| stream.is_none_or(|s| k.0 == s)).map(|k| k.3).collect();
+                self.pools[pool.slot()].iter().filter(|k| stream.is_none_or(|s| k.0 == s)).map(|k| k.3).collect();
             for id in ids {
                 if self.is_expandable(id) {
                     // Expandable segments in use give the pages of their free parts back.
@@ -1823,7 +1771,7 @@ impl Pool {
                 segments.push(SegmentSnapshot {
                     address: s.base,
                     size: s.size,
-                    pool: pool_name(s.pool),
+                    pool: s.pool.name(),
                     stream: s.stream,
                     blocks,
                 });
@@ -1886,7 +1834,7 @@ impl Pool {
                 }
                 if b.pool != e.pool || b.stream != e.stream {
                     return Err(format!(
-                        "block {id} has pool/queue {}/{}, its segment {}/{}",
+                        "block {id} has pool/queue {:?}/{}, its segment {:?}/{}",
                         b.pool, b.stream, e.pool, e.stream
                     ));
                 }
@@ -1921,9 +1869,9 @@ impl Pool {
                 }
             }
             reserved[0] += bytes;
-            reserved[e.pool] += bytes;
+            reserved[e.pool.index()] += bytes;
             segments[0] += 1;
-            segments[e.pool] += 1;
+            segments[e.pool.index()] += 1;
         }
         if by_addr != self.by_addr.len() {
             return Err(format!("the address table has {} entries for {by_addr} blocks", self.by_addr.len()));
@@ -1951,7 +1899,7 @@ impl Pool {
         for (p, set) in self.pools.iter().enumerate() {
             for &k in set {
                 let id = k.3;
-                if dead.contains(&id) || self.key(id) != k || self.blocks[id as usize].pool != p {
+                if dead.contains(&id) || self.key(id) != k || self.blocks[id as usize].pool.slot() != p {
                     return Err(format!("pool {p} holds a stale key {k:?}"));
                 }
                 pooled += 1;
@@ -1965,13 +1913,13 @@ impl Pool {
             if dead.contains(&id) {
                 continue;
             }
-            let in_pool = self.pools[b.pool].contains(&self.key(id));
+            let in_pool = self.pools[b.pool.slot()].contains(&self.key(id));
             if b.in_quick != quick.contains(&id) {
                 return Err(format!("block {id}: in_quick {} but the quick cache says {}", b.in_quick, !b.in_quick));
             }
             let add = |a: &mut [i64; 3], v: i64| {
                 a[0] += v;
-                a[b.pool] += v;
+                a[b.pool.index()] += v;
             };
             if b.allocated {
                 if in_pool || b.in_quick {
@@ -1998,7 +1946,7 @@ impl Pool {
                     free_pooled += 1;
                     for n in [b.prev, b.next].into_iter().flatten() {
                         let nb = &self.blocks[n as usize];
-                        if !nb.allocated && !nb.in_quick {
+                        if nb.is_pooled_free() {
                             return Err(format!("free pooled neighbours {id} and {n} were not merged"));
                         }
                     }

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use super::pool::{BlockId, MIN_BLOCK, SMALL_SIZE};
+use super::block::{BlockId, MIN_BLOCK, SMALL_SIZE};
 
 /// No block.
 const NONE: BlockId = BlockId::MAX;

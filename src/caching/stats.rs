@@ -2,6 +2,8 @@
 
 use std::fmt::Write;
 
+use super::block::PoolKind;
+
 /// One counter: its current value, its peak, and the totals added and removed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stat {
@@ -54,17 +56,22 @@ pub const SMALL_POOL: usize = 1;
 /// Index of the large-pool entry.
 pub const LARGE_POOL: usize = 2;
 
-/// The aggregate entry and `pool`'s entry, without bounds checks (any pool but the small one
-/// counts as large).
+/// The aggregate entry and `pool`'s entry, without bounds checks.
 #[inline(always)]
-fn pair(a: &mut StatArray, pool: usize) -> (&mut Stat, &mut Stat) {
+fn pair(a: &mut StatArray, pool: PoolKind) -> (&mut Stat, &mut Stat) {
     let [all, small, large] = a;
-    (all, if pool == SMALL_POOL { small } else { large })
+    (
+        all,
+        match pool {
+            PoolKind::Small => small,
+            PoolKind::Large => large,
+        },
+    )
 }
 
 /// Adds `amount` (>= 0) to the aggregate and the pool's entry.
 #[inline(always)]
-pub(crate) fn inc_array(a: &mut StatArray, pool: usize, amount: i64) {
+pub(crate) fn inc_array(a: &mut StatArray, pool: PoolKind, amount: i64) {
     let (all, p) = pair(a, pool);
     all.inc(amount);
     p.inc(amount);
@@ -72,7 +79,7 @@ pub(crate) fn inc_array(a: &mut StatArray, pool: usize, amount: i64) {
 
 /// Subtracts `amount` (>= 0) from the aggregate and the pool's entry.
 #[inline(always)]
-pub(crate) fn dec_array(a: &mut StatArray, pool: usize, amount: i64) {
+pub(crate) fn dec_array(a: &mut StatArray, pool: PoolKind, amount: i64) {
     let (all, p) = pair(a, pool);
     all.dec(amount);
     p.dec(amount);
@@ -121,18 +128,20 @@ const FIELDS: [fn(&Hot) -> &Stat; 5] = [
 ];
 
 impl HotStats {
-    /// `pool`'s counters, the other pool's, and the aggregate peaks (any pool but the small
-    /// one counts as large).
+    /// `pool`'s counters, the other pool's, and the aggregate peaks.
     #[inline(always)]
-    fn split(&mut self, pool: usize) -> (&mut Hot, &Hot, &mut [i64; 5]) {
+    fn split(&mut self, pool: PoolKind) -> (&mut Hot, &Hot, &mut [i64; 5]) {
         let [small, large] = &mut self.pools;
-        let (mine, other) = if pool == SMALL_POOL { (small, &*large) } else { (large, &*small) };
+        let (mine, other) = match pool {
+            PoolKind::Small => (small, &*large),
+            PoolKind::Large => (large, &*small),
+        };
         (mine, other, &mut self.peaks)
     }
 
     /// A block of `size` bytes handed out for a request of `requested`.
     #[inline(always)]
-    pub(crate) fn on_alloc(&mut self, pool: usize, size: i64, requested: i64) {
+    pub(crate) fn on_alloc(&mut self, pool: PoolKind, size: i64, requested: i64) {
         let (h, o, peaks) = self.split(pool);
         h.allocation.inc(1);
         h.allocated_bytes.inc(size);
@@ -144,7 +153,7 @@ impl HotStats {
 
     /// The caller let go of a block of `size` bytes asked for as `requested`.
     #[inline(always)]
-    pub(crate) fn on_free_request(&mut self, pool: usize, size: i64, requested: i64) {
+    pub(crate) fn on_free_request(&mut self, pool: PoolKind, size: i64, requested: i64) {
         let (h, _, _) = self.split(pool);
         h.allocation.dec(1);
         h.allocated_bytes.dec(size);
@@ -153,7 +162,7 @@ impl HotStats {
 
     /// A free block of `size` bytes starts (`entering`) or stops counting as inactive split.
     #[inline(always)]
-    pub(crate) fn inactive(&mut self, pool: usize, size: i64, entering: bool) {
+    pub(crate) fn inactive(&mut self, pool: PoolKind, size: i64, entering: bool) {
         let (h, o, peaks) = self.split(pool);
         if entering {
             h.inactive_split.inc(1);
@@ -374,7 +383,7 @@ mod tests {
     #[test]
     fn json_has_pytorch_key_names() {
         let mut d = DeviceStats::default();
-        inc_array(&mut d.allocated_bytes, SMALL_POOL, 512);
+        inc_array(&mut d.allocated_bytes, PoolKind::Small, 512);
         let j = d.to_json();
         assert!(j.contains("\"allocated_bytes.all.current\":512"));
         assert!(j.contains("\"allocated_bytes.small_pool.peak\":512"));
