@@ -46,6 +46,7 @@ mod host;
 mod pool;
 mod quick;
 pub mod replay;
+mod snapshot;
 pub mod stats;
 #[cfg(test)]
 mod tests;
@@ -57,8 +58,8 @@ use block::BlockId;
 pub use config::Config;
 use free_list::{FreeList, Node, Pending};
 pub use host::{HostAllocation, HostCachingAllocator, HostStats};
-pub use pool::{BlockState, HistoryEvent, HistoryKind, SegmentSnapshot, Snapshot};
 use pool::{Outcome, Pool};
+pub use snapshot::{BlockSnapshot, BlockState, HistoryEvent, HistoryKind, SegmentSnapshot, Snapshot};
 pub use stats::{DeviceStats, SimpleStats, Stat};
 
 use crate::error::{Error, Result};

@@ -1,10 +1,8 @@
 //! The allocator's state, guarded by its lock: segments, blocks, the two pools, stats, and
 //! the history. All of seed 003's rules live here.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::fmt::Write;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Instant;
 
 use super::FreeMsg;
 use super::addrs::BlockAddrs;
@@ -14,14 +12,12 @@ use super::block::{
 use super::config::Config;
 use super::free_list::{FreeList, Node};
 use super::quick::{FxBuild, Quick};
+use super::snapshot::{BlockSnapshot, BlockState, History, HistoryEvent, HistoryKind, Snapshot};
 use super::stats::{self, DeviceStats, HotStats, Stat, StatArray};
 use crate::error::{Error, Result};
 use crate::queue::{Queue, QueueHandle};
 use crate::segment::Segment;
 use crate::source::MemorySource;
-
-/// Bounded history length.
-const HISTORY: usize = 10_000;
 
 struct SegEntry {
     seg: Arc<Segment>,
@@ -192,140 +188,6 @@ pub(crate) struct Handed {
 /// A raw free that must wait for other queues: the block and those queues.
 pub(crate) type RawDeferred = (BlockId, Vec<QueueHandle>);
 
-/// A block's state in a [`Snapshot`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BlockState {
-    /// Handed out.
-    Allocated,
-    /// Freed by the caller, waiting for other queues' events.
-    PendingFree,
-    /// Cached, free.
-    Free,
-}
-
-/// One block in a [`SegmentSnapshot`].
-#[derive(Debug, Clone)]
-pub struct BlockSnapshot {
-    /// Offset in the segment.
-    pub offset: usize,
-    /// Rounded size.
-    pub size: usize,
-    /// Size asked for (0 when free).
-    pub requested: usize,
-    /// State.
-    pub state: BlockState,
-}
-
-/// One segment with its blocks, in address order.
-#[derive(Debug, Clone)]
-pub struct SegmentSnapshot {
-    /// Base address of its mapping.
-    pub address: usize,
-    /// Size.
-    pub size: usize,
-    /// "small" or "large".
-    pub pool: &'static str,
-    /// The queue it is bound to (0: none).
-    pub stream: u64,
-    /// Blocks, by offset.
-    pub blocks: Vec<BlockSnapshot>,
-}
-
-/// Every segment the allocator holds.
-#[derive(Debug, Clone, Default)]
-pub struct Snapshot {
-    /// Segments, by address.
-    pub segments: Vec<SegmentSnapshot>,
-}
-
-impl Snapshot {
-    /// As JSON.
-    pub fn to_json(&self) -> String {
-        let mut s = String::from("{\"segments\":[");
-        for (i, seg) in self.segments.iter().enumerate() {
-            if i > 0 {
-                s.push(',');
-            }
-            let _ = write!(
-                s,
-                "{{\"address\":{},\"total_size\":{},\"pool\":\"{}\",\"stream\":{},\"blocks\":[",
-                seg.address, seg.size, seg.pool, seg.stream
-            );
-            for (j, b) in seg.blocks.iter().enumerate() {
-                if j > 0 {
-                    s.push(',');
-                }
-                let state = match b.state {
-                    BlockState::Allocated => "active_allocated",
-                    BlockState::PendingFree => "active_pending_free",
-                    BlockState::Free => "inactive",
-                };
-                let _ = write!(
-                    s,
-                    "{{\"offset\":{},\"size\":{},\"requested_size\":{},\"state\":\"{state}\"}}",
-                    b.offset, b.size, b.requested
-                );
-            }
-            s.push_str("]}");
-        }
-        s.push_str("]}");
-        s
-    }
-}
-
-/// What happened, for the bounded history.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HistoryKind {
-    /// A block was handed out.
-    Alloc,
-    /// The caller freed a block used on other queues; it waits for their events.
-    FreeRequested,
-    /// A block returned to its pool.
-    FreeCompleted,
-    /// A segment was obtained from the source.
-    SegmentAlloc,
-    /// A segment was returned to the source.
-    SegmentFree,
-    /// A request failed with out-of-memory.
-    Oom,
-    /// A raw free of a pointer that is not a live raw allocation was refused.
-    InvalidFree,
-}
-
-/// One history entry.
-#[derive(Debug, Clone, Copy)]
-pub struct HistoryEvent {
-    /// Nanoseconds since the allocator was created.
-    pub t_ns: u64,
-    /// What happened.
-    pub kind: HistoryKind,
-    /// Address of the block or segment (0 for an OOM).
-    pub addr: usize,
-    /// Its size (the request's, for an OOM).
-    pub size: usize,
-    /// The queue (0: none).
-    pub stream: u64,
-}
-
-impl HistoryEvent {
-    /// As one JSON object.
-    pub fn to_json(&self) -> String {
-        let kind = match self.kind {
-            HistoryKind::Alloc => "alloc",
-            HistoryKind::FreeRequested => "free_requested",
-            HistoryKind::FreeCompleted => "free_completed",
-            HistoryKind::SegmentAlloc => "segment_alloc",
-            HistoryKind::SegmentFree => "segment_free",
-            HistoryKind::Oom => "oom",
-            HistoryKind::InvalidFree => "invalid_free",
-        };
-        format!(
-            "{{\"t\":{},\"action\":\"{kind}\",\"addr\":{},\"size\":{},\"stream\":{}}}",
-            self.t_ns, self.addr, self.size, self.stream
-        )
-    }
-}
-
 pub(crate) struct Pool {
     source: Box<dyn MemorySource>,
     config: Config,
@@ -351,10 +213,7 @@ pub(crate) struct Pool {
     active_bytes_peak: [i64; 3],
     /// Allocation misses so far (the GC clock).
     misses: u64,
-    history: VecDeque<HistoryEvent>,
-    /// Record alloc/free events too (segment events and OOMs are always recorded).
-    record_all: bool,
-    started: Instant,
+    history: History,
     /// Free-list nodes kept for reuse, so the hot path does not allocate.
     #[allow(
         clippy::vec_box,
@@ -408,9 +267,7 @@ impl Pool {
             active_peak: [0; 3],
             active_bytes_peak: [0; 3],
             misses: 0,
-            history: VecDeque::new(),
-            record_all: false,
-            started: Instant::now(),
+            history: History::new(),
             nodes: Vec::new(),
             scratch: Vec::new(),
             queues: HashMap::default(),
@@ -482,27 +339,15 @@ impl Pool {
     }
 
     pub(crate) fn history(&self) -> Vec<HistoryEvent> {
-        self.history.iter().copied().collect()
+        self.history.events()
     }
 
     pub(crate) fn set_record_all(&mut self, on: bool) {
-        self.record_all = on;
+        self.history.record_all = on;
     }
 
     fn log(&mut self, kind: HistoryKind, addr: usize, size: usize, stream: u64) {
-        let always = matches!(kind, HistoryKind::SegmentAlloc | HistoryKind::SegmentFree | HistoryKind::Oom);
-        if !always && !self.record_all {
-            return;
-        }
-        self.log_always(kind, addr, size, stream);
-    }
-
-    fn log_always(&mut self, kind: HistoryKind, addr: usize, size: usize, stream: u64) {
-        if self.history.len() == HISTORY {
-            self.history.pop_front();
-        }
-        let t_ns = self.started.elapsed().as_nanos() as u64;
-        self.history.push_back(HistoryEvent { t_ns, kind, addr, size, stream });
+        self.history.log(kind, addr, size, stream);
     }
 
     fn addr(&self, id: BlockId) -> usize {
@@ -679,7 +524,7 @@ impl Pool {
     /// the quick cache with the fewest stat updates.
     #[inline(always)]
     fn free_now(&mut self, id: BlockId) {
-        let quick_ok = !self.record_all && !self.config.no_caching && self.quick.len() < QUICK_MAX;
+        let quick_ok = !self.history.record_all && !self.config.no_caching && self.quick.len() < QUICK_MAX;
         let b = &mut self.blocks[id as usize];
         if !quick_ok || b.size >= self.config.max_split_size {
             self.account_free_request(id);
@@ -727,7 +572,7 @@ impl Pool {
             let b = &self.blocks[id as usize];
             (b.size, b.stream)
         };
-        if self.record_all {
+        if self.history.record_all {
             let addr = self.addr(id);
             self.log(HistoryKind::FreeCompleted, addr, size, stream);
         }
@@ -1380,7 +1225,8 @@ impl Pool {
         // No punched pages to count here: only pooled free blocks are punched, they leave
         // their pool only through `allocate`'s slow path, which counts their pages again
         // (`back_chunks`), and the quick cache holds only blocks that were handed out.
-        if self.pending[stats::AGGREGATE].current > 0 || bsize >= self.config.max_split_size || self.record_all {
+        if self.pending[stats::AGGREGATE].current > 0 || bsize >= self.config.max_split_size || self.history.record_all
+        {
             self.hand_out_rare(id, stream);
         }
         let segment = SegRef::new(&self.segments[bseg as usize].as_ref().expect("live segment").seg);
@@ -1402,7 +1248,7 @@ impl Pool {
         if bsize >= self.config.max_split_size {
             self.stats.oversize_allocations.update(1);
         }
-        if self.record_all {
+        if self.history.record_all {
             let addr = self.addr(id);
             self.log(HistoryKind::Alloc, addr, bsize, stream);
         }
@@ -1659,7 +1505,7 @@ impl Pool {
         let id = match self.raw_at(addr) {
             Ok(id) => id,
             Err(why) => {
-                self.log_always(HistoryKind::InvalidFree, addr, 0, 0);
+                self.history.log_always(HistoryKind::InvalidFree, addr, 0, 0);
                 return Err(why);
             }
         };
@@ -1739,46 +1585,24 @@ impl Pool {
         }
     }
 
+    /// Segments with their blocks (see [`Snapshot`]).
     pub(crate) fn snapshot(&self) -> Snapshot {
-        let mut segments: Vec<SegmentSnapshot> = Vec::new();
-        let mut by_seg: Vec<Vec<BlockSnapshot>> = vec![Vec::new(); self.segments.len()];
-        let free: std::collections::HashSet<BlockId> =
+        let free: HashSet<BlockId> =
             self.pools.iter().flat_map(|p| p.iter()).map(|k| k.3).chain(self.quick.ids()).collect();
-        let dead: std::collections::HashSet<BlockId> = self.free_ids.iter().copied().collect();
-        for (id, b) in self.blocks.iter().enumerate() {
-            let live = self.segments.get(b.seg as usize).is_some_and(Option::is_some) && !dead.contains(&(id as u32));
-            if !live {
-                continue;
-            }
-            let state = if free.contains(&(id as BlockId)) {
-                BlockState::Free
-            } else if b.allocated && b.requested == 0 {
-                BlockState::PendingFree
-            } else {
-                BlockState::Allocated
-            };
-            by_seg[b.seg as usize].push(BlockSnapshot {
-                offset: b.offset,
-                size: b.size,
-                requested: b.requested,
-                state,
+        let dead: HashSet<BlockId> = self.free_ids.iter().copied().collect();
+        let segments = self.segments.iter().map(|s| s.as_ref().map(|s| (s.base, s.size, s.pool, s.stream)));
+        let blocks =
+            self.blocks.iter().enumerate().filter(|&(id, _)| !dead.contains(&(id as BlockId))).map(|(id, b)| {
+                let state = if free.contains(&(id as BlockId)) {
+                    BlockState::Free
+                } else if b.allocated && b.requested == 0 {
+                    BlockState::PendingFree
+                } else {
+                    BlockState::Allocated
+                };
+                (b.seg, BlockSnapshot { offset: b.offset, size: b.size, requested: b.requested, state })
             });
-        }
-        for (i, s) in self.segments.iter().enumerate() {
-            if let Some(s) = s {
-                let mut blocks = std::mem::take(&mut by_seg[i]);
-                blocks.sort_by_key(|b| b.offset);
-                segments.push(SegmentSnapshot {
-                    address: s.base,
-                    size: s.size,
-                    pool: s.pool.name(),
-                    stream: s.stream,
-                    blocks,
-                });
-            }
-        }
-        segments.sort_by_key(|s| s.address);
-        Snapshot { segments }
+        Snapshot::build(segments, blocks)
     }
 }
 
