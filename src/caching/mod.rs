@@ -41,6 +41,7 @@ mod addrs;
 mod allocation;
 mod block;
 pub mod config;
+mod expandable;
 pub mod free_list;
 mod host;
 mod pool;

@@ -10,6 +10,7 @@ use super::block::{
     Block, BlockId, LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, PoolKind, ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE, SegRef,
 };
 use super::config::Config;
+use super::expandable::{self, Budget, CHUNK, ExpState, Reservation};
 use super::free_list::{FreeList, Node};
 use super::quick::{FxBuild, Quick};
 use super::snapshot::{BlockSnapshot, BlockState, History, HistoryEvent, HistoryKind, Snapshot};
@@ -29,142 +30,6 @@ struct SegEntry {
     /// Set for expandable segments.
     exp: Option<ExpState>,
 }
-
-/// An expandable segment's growth state.
-struct ExpState {
-    /// Bytes of reservation; `size` never exceeds it.
-    reserved_len: usize,
-    /// The punch granularity: the system page size (a memfd's holes are punched per page).
-    page: usize,
-    /// One bit per page of the mapped part, set while the page is punched (not counted as
-    /// reserved). Only pages that lie wholly inside a free block of a pool are punched, and a
-    /// block leaves its pool only through [`Pool::allocate`]'s slow path, which counts its
-    /// pages again ([`Pool::back_chunks`]).
-    holes: Vec<u64>,
-    /// How many mapped pages are punched (0: no block needs re-backing).
-    punched: usize,
-    /// The block that ends at the mapped end.
-    tail: Option<BlockId>,
-}
-
-impl ExpState {
-    /// Calls `f(word, mask)` for the words of `holes` that cover pages `[from, to)`.
-    fn words(from: usize, to: usize, mut f: impl FnMut(usize, u64)) {
-        let mut p = from;
-        while p < to {
-            let bit = p % 64;
-            let n = (to - p).min(64 - bit);
-            let mask = if n == 64 { !0 } else { ((1u64 << n) - 1) << bit };
-            f(p / 64, mask);
-            p += n;
-        }
-    }
-
-    /// Punched pages among pages `[from, to)`.
-    fn holes_in(&self, from: usize, to: usize) -> usize {
-        if self.punched == 0 {
-            return 0;
-        }
-        let mut n = 0;
-        Self::words(from, to, |w, mask| n += (self.holes[w] & mask).count_ones() as usize);
-        n
-    }
-
-    /// Marks pages `[from, to)` punched (`hole`) or backed; returns how many changed.
-    fn mark(&mut self, from: usize, to: usize, hole: bool) -> usize {
-        let mut changed = 0;
-        let holes = &mut self.holes;
-        Self::words(from, to, |w, mask| {
-            let flip = if hole { !holes[w] & mask } else { holes[w] & mask };
-            changed += flip.count_ones() as usize;
-            holes[w] ^= flip;
-        });
-        if hole {
-            self.punched += changed;
-        } else {
-            self.punched -= changed;
-        }
-        changed
-    }
-
-    /// The start of the shortest range `[start, to)` (not before `from`) that holds `pages`
-    /// backed pages, or `from` if `[from, to)` holds fewer.
-    fn backed_suffix(&self, from: usize, to: usize, pages: usize) -> usize {
-        let mut left = pages;
-        let mut end = to;
-        if left == 0 {
-            return to;
-        }
-        while end > from {
-            let w = (end - 1) / 64;
-            let lo = (w * 64).max(from);
-            let n = end - lo;
-            let mask = if n == 64 { !0 } else { ((1u64 << n) - 1) << (lo % 64) };
-            let backed = !self.holes[w] & mask;
-            let count = backed.count_ones() as usize;
-            if count < left {
-                left -= count;
-                end = lo;
-                continue;
-            }
-            // The answer is in this word: drop its highest backed pages until `left` are taken.
-            let mut bits = backed;
-            for _ in 1..left {
-                bits &= !(1u64 << (63 - bits.leading_zeros()));
-            }
-            return w * 64 + (63 - bits.leading_zeros() as usize);
-        }
-        from
-    }
-
-    /// The pages wholly inside bytes `[off, off + len)`: those a free block may give back.
-    fn inner_pages(&self, off: usize, len: usize) -> (usize, usize) {
-        (off.div_ceil(self.page), (off + len) / self.page)
-    }
-
-    /// The pages that bytes `[off, off + len)` touch: those a handed-out block needs.
-    fn outer_pages(&self, off: usize, len: usize) -> (usize, usize) {
-        (off / self.page, (off + len).div_ceil(self.page))
-    }
-}
-
-/// Expandable segments grow in chunks of this size (and give pages back per page).
-const CHUNK: usize = 2 << 20;
-
-/// The address space to reserve for an expandable segment whose first request needs `floor`
-/// bytes. Memory is counted by backed pages, so a reservation larger than the allowed memory
-/// leaves room to grow past holes punched under pressure: four times the allowed memory, at
-/// most 256 GiB (so that hundreds of queues, each with a segment per pool, fit in the 128 TiB
-/// of a process's address space). Under an address-space limit (`RLIMIT_AS`, `ulimit -v`) it takes at most a quarter
-/// of the room left below the limit, so that the rest of the process (and other queues'
-/// segments) can still map memory; never less than `floor`.
-fn reservation_len(allowed: u64, floor: usize) -> usize {
-    reservation_len_within(allowed, floor, address_space_room())
-}
-
-/// [`reservation_len`] with `room` bytes of address space left below `RLIMIT_AS` (`None`: no
-/// limit).
-fn reservation_len_within(allowed: u64, floor: usize, room: Option<u64>) -> usize {
-    let mut len = allowed.saturating_mul(4).min(1 << 38);
-    if let Some(room) = room {
-        len = len.min(room / 4);
-    }
-    (len as usize).max(floor).max(CHUNK).next_multiple_of(CHUNK)
-}
-
-/// Bytes of address space left below this process's `RLIMIT_AS`, if it has one.
-fn address_space_room() -> Option<u64> {
-    let limit = crate::source::address_space_limit()?;
-    let pages: u64 = std::fs::read_to_string("/proc/self/statm").ok()?.split_whitespace().next()?.parse().ok()?;
-    Some(limit.saturating_sub(pages.saturating_mul(crate::source::page_size() as u64)))
-}
-
-/// Where reserved bytes grow (an expandable segment grows, or a cached block with punched
-/// pages is handed out), the trim policy keeps them under `Config::trim_ratio` times the
-/// allocated peak by punching free pages first ([`Pool::trim`]); when it punches, it takes them
-/// down to this share of that margin (1.025 for a ratio of 1.045), so that it does not run
-/// again at the next growth.
-const TRIM_LOW_SHARE: f64 = 25.0 / 45.0;
 
 /// A free block's key in its pool: best fit is the first key at or after
 /// `(stream, size, 0, 0)`.
@@ -714,37 +579,27 @@ impl Pool {
     fn grow_expandable(&mut self, rounded: usize, pool: PoolKind, stream: u64, cause: &mut String) -> Option<BlockId> {
         let idx = match self.expandable.get(&(stream, pool)) {
             Some(&i) => i,
-            None => {
-                let floor = rounded.next_multiple_of(CHUNK);
-                let mut len = reservation_len(self.allowed, floor);
-                let seg = loop {
-                    match self.source.reserve_expandable(len) {
-                        Ok(s) => break s,
-                        Err(Error::Unsupported { .. }) => {
-                            // Heaps and GEM objects cannot grow in place: use classic segments.
-                            self.expandable_unsupported = true;
-                            return None;
-                        }
-                        // Less address space than hoped (ulimit -v, valgrind): ask for less.
-                        Err(_) if len / 2 >= floor.max(CHUNK) => len = (len / 2).next_multiple_of(CHUNK),
-                        Err(e) => {
-                            // Not even the request fits: classic segments from here on.
-                            *cause = format!("; {} cannot reserve address space: {e}", self.source.name());
-                            self.note_source_error(e);
-                            self.expandable_unsupported = true;
-                            return None;
-                        }
-                    }
-                };
-                let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
-                // CHUNK is a multiple of every page size Linux uses.
-                let page = crate::source::page_size().clamp(1, CHUNK);
-                let reserved_len = seg.mapping().map_or(0, crate::mapping::Mapping::reserved_len);
-                let exp = ExpState { reserved_len, page, holes: Vec::new(), punched: 0, tail: None };
-                let i = self.add_segment(SegEntry { seg: Arc::new(seg), base, size: 0, pool, stream, exp: Some(exp) });
-                self.expandable.insert((stream, pool), i);
-                i
-            }
+            None => match expandable::reserve(&*self.source, self.allowed, rounded) {
+                Reservation::Made(seg, exp) => {
+                    let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
+                    let entry = SegEntry { seg: Arc::new(seg), base, size: 0, pool, stream, exp: Some(exp) };
+                    let i = self.add_segment(entry);
+                    self.expandable.insert((stream, pool), i);
+                    i
+                }
+                Reservation::Unsupported => {
+                    // Heaps and GEM objects cannot grow in place: use classic segments.
+                    self.expandable_unsupported = true;
+                    return None;
+                }
+                Reservation::Failed(e) => {
+                    // Not even the request fits: classic segments from here on.
+                    *cause = format!("; {} cannot reserve address space: {e}", self.source.name());
+                    self.note_source_error(e);
+                    self.expandable_unsupported = true;
+                    return None;
+                }
+            },
         };
         // Free blocks the quick cache holds unmerged can neither extend the tail nor be punched
         // (normally it is empty here: the miss that led here flushed it).
@@ -752,11 +607,11 @@ impl Pool {
         let (mapped, reserved_len, tail) = {
             let e = self.segments[idx as usize].as_ref().expect("live expandable segment");
             let exp = e.exp.as_ref().expect("expandable");
-            (e.size, exp.reserved_len, exp.tail)
+            (e.size, exp.reserved_len(), exp.tail)
         };
         let tail_free = tail.filter(|&t| self.blocks[t as usize].is_pooled_free());
         let have = tail_free.map_or(0, |t| self.blocks[t as usize].size);
-        let grow = rounded.saturating_sub(have).next_multiple_of(CHUNK);
+        let grow = ExpState::growth(rounded, have);
         if mapped + grow > reserved_len {
             *cause = format!("; the expandable segment's {reserved_len}-byte reservation is full");
             return None;
@@ -773,14 +628,12 @@ impl Pool {
             return None;
         }
         let e = self.segments[idx as usize].as_mut().expect("live expandable segment");
-        if let Err(err) = e.seg.grow_to(mapped, mapped + grow) {
+        if let Err(err) = e.exp.as_mut().expect("expandable").grow(&e.seg, mapped, grow) {
             *cause = format!("; {err}");
             self.note_source_error(err);
             return None;
         }
         e.size = mapped + grow;
-        let exp = e.exp.as_mut().expect("expandable");
-        exp.holes.resize(((mapped + grow) / exp.page).div_ceil(64), 0);
         self.stats.num_device_alloc += 1;
         stats::inc_array(&mut self.stats.reserved_bytes, pool, grow as i64);
         match tail_free {
@@ -807,8 +660,7 @@ impl Pool {
     fn punched_bytes(&self, id: BlockId, len: usize) -> usize {
         let b = &self.blocks[id as usize];
         let Some(exp) = self.segments[b.seg as usize].as_ref().and_then(|e| e.exp.as_ref()) else { return 0 };
-        let (from, to) = exp.outer_pages(b.offset, len.min(b.size));
-        exp.holes_in(from, to) * exp.page
+        exp.punched_bytes(b.offset, len.min(b.size))
     }
 
     /// Whether pooled block `id` can be handed out for a `rounded`-byte request: the punched
@@ -821,7 +673,7 @@ impl Pool {
         if need == 0 {
             return true;
         }
-        if self.quick.len() > 0 && self.trim_excess(need, rounded as u64) > 0 {
+        if self.quick.len() > 0 && self.budget().trim_excess(need, rounded as u64) > 0 {
             // Memory in the quick cache cannot be punched: merge it first, with `id` out of
             // its pool and marked allocated meanwhile so that no merge absorbs it; then `id`
             // goes back through `pool_free`, which absorbs its free neighbours (leaving them
@@ -845,11 +697,7 @@ impl Pool {
         let b = &self.blocks[id as usize];
         let (seg, off, size, pool) = (b.seg, b.offset, b.size, b.pool);
         let Some(exp) = self.segments[seg as usize].as_mut().and_then(|e| e.exp.as_mut()) else { return };
-        if exp.punched == 0 {
-            return;
-        }
-        let (from, to) = exp.outer_pages(off, size);
-        let added = exp.mark(from, to, false) * exp.page;
+        let added = exp.back(off, size);
         if added > 0 {
             stats::inc_array(&mut self.stats.reserved_bytes, pool, added as i64);
         }
@@ -874,21 +722,7 @@ impl Pool {
         }
         let Some(entry) = self.segments[seg as usize].as_mut() else { return 0 };
         let Some(exp) = entry.exp.as_mut() else { return 0 };
-        let (from, to) = exp.inner_pages(off, size);
-        if to <= from {
-            return 0;
-        }
-        let holes = exp.holes_in(from, to);
-        if holes == to - from {
-            return 0;
-        }
-        let pages = want.div_ceil(exp.page as u64).min((to - from) as u64) as usize;
-        let start = if holes == 0 { to - pages } else { exp.backed_suffix(from, to, pages) };
-        let (from_b, to_b) = (start * exp.page, to * exp.page);
-        if entry.seg.punch(from_b, to_b - from_b).is_err() {
-            return 0;
-        }
-        let freed = exp.mark(start, to, true) * exp.page;
+        let Some((from_b, freed)) = exp.punch(&entry.seg, off, size, want) else { return 0 };
         let (addr, stream) = (entry.base + from_b, entry.stream);
         self.stats.num_device_free += 1;
         stats::dec_array(&mut self.stats.reserved_bytes, pool, freed as i64);
@@ -896,31 +730,16 @@ impl Pool {
         freed
     }
 
-    /// How many bytes [`Pool::trim`] should give back before the reserved bytes grow by `need`
-    /// for a request of `rounded` bytes (0: none).
-    fn trim_excess(&self, need: u64, rounded: u64) -> u64 {
-        self.over_bound(need, rounded).max(self.over_allowed(need))
-    }
-
-    /// How far past the trim policy's bound the reserved bytes would go: the bytes to punch to
-    /// bring them down to its low mark (0 while within the bound).
-    fn over_bound(&self, need: u64, rounded: u64) -> u64 {
-        let after = self.stats.reserved_bytes[stats::AGGREGATE].current as u64 + need;
-        let ratio = self.config.trim_ratio;
-        if ratio == 0.0 {
-            return 0;
-        }
+    /// The numbers the trim policy weighs, now.
+    fn budget(&self) -> Budget {
         let bytes = self.hot.array(stats::ALLOCATED_BYTES)[stats::AGGREGATE];
-        let allocated = bytes.current as u64 + rounded;
-        let peak = (bytes.peak as u64).max(allocated) as f64;
-        // Punch down to a low mark, so the next growth does not trim again at once.
-        let (high, low) = (peak * ratio, peak * (1.0 + (ratio - 1.0) * TRIM_LOW_SHARE));
-        if after as f64 > high { after - low as u64 } else { 0 }
-    }
-
-    /// How far past the allowed memory the reserved bytes would go.
-    fn over_allowed(&self, need: u64) -> u64 {
-        (self.stats.reserved_bytes[stats::AGGREGATE].current as u64 + need).saturating_sub(self.allowed)
+        Budget {
+            reserved: self.stats.reserved_bytes[stats::AGGREGATE].current as u64,
+            allocated: bytes.current as u64,
+            allocated_peak: bytes.peak as u64,
+            allowed: self.allowed,
+            trim_ratio: self.config.trim_ratio,
+        }
     }
 
     /// The trim policy, which keeps reserved memory close to the allocated peak. It runs only
@@ -936,7 +755,7 @@ impl Pool {
     /// fit within the bound stops punching once warm; one that touches more pages per
     /// iteration than that punches some every iteration.
     fn trim(&mut self, need: u64, rounded: u64, keep: Option<BlockId>) {
-        let excess = self.trim_excess(need, rounded);
+        let excess = self.budget().trim_excess(need, rounded);
         if excess > 0 {
             self.punch_largest(excess, keep);
         }
@@ -1053,8 +872,7 @@ impl Pool {
             self.free_ids.push(id);
         }
         let e = self.segments[si as usize].take().expect("checked live above");
-        let exp = e.exp.as_ref().expect("expandable");
-        let backed = e.size - exp.punched * exp.page;
+        let backed = e.exp.as_ref().expect("expandable").backed_bytes(e.size);
         self.stats.num_device_free += 1;
         stats::dec_array(&mut self.stats.segment, e.pool, 1);
         stats::dec_array(&mut self.stats.reserved_bytes, e.pool, backed as i64);
@@ -1672,24 +1490,17 @@ impl Pool {
             }
             let mut bytes = e.size as i64;
             if let Some(exp) = &e.exp {
-                let (from, to) = (0, e.size / exp.page);
-                let holes = exp.holes_in(from, to);
-                if holes != exp.punched {
-                    return Err(format!("segment {si}: {} punched pages counted, {holes} marked", exp.punched));
-                }
-                bytes -= (holes * exp.page) as i64;
-                let tail = ids.last().copied();
-                if exp.tail != tail {
-                    return Err(format!("segment {si}: tail {:?}, the last block is {tail:?}", exp.tail));
-                }
-                // Punched pages lie wholly inside free pooled blocks: no page a block in use or
-                // in the quick cache touches is punched.
-                for &id in &ids {
-                    let b = &self.blocks[id as usize];
-                    let (f, t) = exp.outer_pages(b.offset, b.size);
-                    if (b.allocated || b.in_quick) && exp.holes_in(f, t) > 0 {
-                        return Err(format!("segment {si}: block {id} (in use or cached) touches punched pages"));
-                    }
+                let blocks: Vec<_> = ids
+                    .iter()
+                    .map(|&id| {
+                        let b = &self.blocks[id as usize];
+                        (id, b.offset, b.size, !b.is_pooled_free())
+                    })
+                    .collect();
+                exp.check(e.size, &blocks).map_err(|why| format!("expandable segment {si}: {why}"))?;
+                bytes = exp.backed_bytes(e.size) as i64;
+                if self.expandable.get(&(e.stream, e.pool)) != Some(&(si as u32)) {
+                    return Err(format!("expandable segment {si} is not its (queue, pool)'s"));
                 }
             }
             reserved[0] += bytes;
@@ -1850,20 +1661,6 @@ mod tests {
         p.release_cached(None);
         assert_eq!(p.stats.segment[stats::AGGREGATE].current, 0);
         p.check_invariants().unwrap();
-    }
-
-    /// Issue 9, defect 11: under `RLIMIT_AS` an expandable segment takes at most a quarter of
-    /// the room left, never the rest of the address space; otherwise four times the allowed
-    /// memory, capped so hundreds of queues fit.
-    #[test]
-    fn reservations_leave_room_under_an_address_space_limit() {
-        const G: u64 = 1 << 30;
-        assert_eq!(reservation_len_within(G, CHUNK, None), 4 << 30);
-        assert_eq!(reservation_len_within(1 << 40, CHUNK, None), 1 << 38);
-        assert_eq!(reservation_len_within(G, CHUNK, Some(2 * G)), (G / 2) as usize);
-        // Never less than the request, whatever the room.
-        assert_eq!(reservation_len_within(G, 64 << 20, Some(16 << 20)), 64 << 20);
-        assert_eq!(reservation_len_within(0, 1, Some(0)), CHUNK);
     }
 
     /// Issue 9, defect 7: a gone queue's segments go back as soon as their blocks are free.
