@@ -46,6 +46,7 @@ pub mod free_list;
 mod host;
 mod pool;
 mod quick;
+mod raw;
 pub mod replay;
 mod snapshot;
 pub mod stats;

@@ -5,7 +5,6 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use super::FreeMsg;
-use super::addrs::BlockAddrs;
 use super::block::{
     Block, BlockId, LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, PoolKind, ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE, SegRef,
 };
@@ -13,6 +12,7 @@ use super::config::Config;
 use super::expandable::{self, Budget, CHUNK, ExpState, Reservation};
 use super::free_list::{FreeList, Node};
 use super::quick::{FxBuild, Quick};
+use super::raw::{RawDeferred, RawTable};
 use super::snapshot::{BlockSnapshot, BlockState, History, HistoryEvent, HistoryKind, Snapshot};
 use super::stats::{self, DeviceStats, HotStats, Stat, StatArray};
 use crate::error::{Error, Result};
@@ -49,9 +49,6 @@ pub(crate) struct Handed {
     pub(crate) segment: SegRef,
     pub(crate) offset: usize,
 }
-
-/// A raw free that must wait for other queues: the block and those queues.
-pub(crate) type RawDeferred = (BlockId, Vec<QueueHandle>);
 
 pub(crate) struct Pool {
     source: Box<dyn MemorySource>,
@@ -90,10 +87,9 @@ pub(crate) struct Pool {
     scratch: Vec<Box<Node<FreeMsg>>>,
     /// The queues blocks were allocated on, to tell whether one still has work in flight.
     queues: HashMap<u64, QueueHandle, FxBuild>,
-    /// Every block of every live segment by address: raw frees look their pointer up here.
-    by_addr: BlockAddrs,
-    /// The other queues that used a raw block (`Block::raw_used`).
-    raw_uses: HashMap<BlockId, Vec<QueueHandle>, FxBuild>,
+    /// Every block of every live segment by address, and the queues that used raw blocks:
+    /// raw frees, `record_queue_raw` and ranges look their pointers up here.
+    raw: RawTable,
     /// Freed blocks kept unmerged for exact reuse, by (stream, size): the fast path for
     /// periodic workloads. Flushed into the pools (with merging) on a miss.
     quick: Quick,
@@ -136,8 +132,7 @@ impl Pool {
             nodes: Vec::new(),
             scratch: Vec::new(),
             queues: HashMap::default(),
-            by_addr: BlockAddrs::default(),
-            raw_uses: HashMap::default(),
+            raw: RawTable::default(),
             quick: Quick::default(),
             expandable: HashMap::new(),
             expandable_unsupported: false,
@@ -321,7 +316,7 @@ impl Pool {
             }
         };
         let addr = self.addr(id);
-        self.by_addr.insert(addr, id);
+        self.raw.addrs.insert(addr, id);
         self.quick.track(id);
         id
     }
@@ -507,10 +502,10 @@ impl Pool {
         let (id_addr, other_addr) = (self.addr(id), self.addr(other));
         if other_addr < id_addr {
             // `id` now starts where `other` did.
-            self.by_addr.remove(id_addr);
-            self.by_addr.insert(other_addr, id);
+            self.raw.addrs.remove(id_addr);
+            self.raw.addrs.insert(other_addr, id);
         } else {
-            self.by_addr.remove(other_addr);
+            self.raw.addrs.remove(other_addr);
         }
         let o = self.blocks[other as usize].clone();
         let b = &mut self.blocks[id as usize];
@@ -854,7 +849,7 @@ impl Pool {
     fn release_segment_if_free(&mut self, si: u32) -> bool {
         let Some(e) = self.segments[si as usize].as_ref() else { return true };
         let (base, size, expandable) = (e.base, e.size, e.exp.is_some());
-        let first = self.by_addr.get(base).filter(|&id| self.blocks[id as usize].seg == si);
+        let first = self.raw.addrs.get(base).filter(|&id| self.blocks[id as usize].seg == si);
         if !expandable {
             return first.is_some_and(|id| {
                 let b = &self.blocks[id as usize];
@@ -868,7 +863,7 @@ impl Pool {
             });
             let Some(id) = whole else { return false };
             self.pool_remove(id);
-            self.by_addr.remove(base);
+            self.raw.addrs.remove(base);
             self.free_ids.push(id);
         }
         let e = self.segments[si as usize].take().expect("checked live above");
@@ -1166,7 +1161,7 @@ impl Pool {
         }
         self.pool_remove(id);
         let addr = self.addr(id);
-        self.by_addr.remove(addr);
+        self.raw.addrs.remove(addr);
         let b = self.blocks[id as usize].clone();
         if let Some(entry) = self.segments[b.seg as usize].take() {
             self.stats.num_device_free += 1;
@@ -1286,7 +1281,7 @@ impl Pool {
         }
     }
 
-    // ---- raw allocations (C callers) ----
+    // ---- raw allocations (C callers): the checks live in the raw table ----
 
     /// Marks a block just handed out as a raw allocation; returns its address.
     pub(crate) fn hand_out_raw(&mut self, h: Handed) -> usize {
@@ -1301,106 +1296,55 @@ impl Pool {
         Some(self.hand_out_raw(h))
     }
 
-    /// The live raw block at `addr`, or why there is none.
-    #[inline]
-    fn raw_at(&self, addr: usize) -> std::result::Result<BlockId, &'static str> {
-        let Some(id) = self.by_addr.get(addr) else { return Err(self.classify_foreign(addr)) };
-        let b = &self.blocks[id as usize];
-        match (b.allocated, b.raw, b.requested > 0) {
-            (true, true, true) => Ok(id),
-            (false, ..) => Err("already freed (double free)"),
-            (true, _, false) => Err("already freed (its free is waiting for other queues)"),
-            (true, false, true) => {
-                Err("owned by an Allocation object, not a raw allocation: drop the Allocation instead")
-            }
-        }
-    }
-
     /// Frees the raw allocation at `addr`: applied at once, or, if other queues used it, its
-    /// request applied and the block and queues returned for the caller to wait on.
+    /// request applied and the block and queues returned for the caller to wait on. A pointer
+    /// that is not a live raw allocation is refused (and logged), changing nothing else.
     #[inline]
     pub(crate) fn free_raw(&mut self, addr: usize) -> std::result::Result<Option<RawDeferred>, &'static str> {
-        let id = match self.raw_at(addr) {
+        let id = match self.raw.live_raw_at(addr, &self.blocks) {
             Ok(id) => id,
             Err(why) => {
                 self.history.log_always(HistoryKind::InvalidFree, addr, 0, 0);
                 return Err(why);
             }
         };
-        let b = &mut self.blocks[id as usize];
-        b.raw = false;
-        if !b.raw_used {
-            self.apply(FreeMsg::Free(id));
-            return Ok(None);
+        match self.raw.release(id, &mut self.blocks) {
+            None => {
+                self.apply(FreeMsg::Free(id));
+                Ok(None)
+            }
+            Some(uses) => {
+                self.apply(FreeMsg::Requested(id));
+                Ok(Some((id, uses)))
+            }
         }
-        b.raw_used = false;
-        let uses = self.raw_uses.remove(&id).unwrap_or_default();
-        self.apply(FreeMsg::Requested(id));
-        Ok(Some((id, uses)))
     }
 
     /// Records that `queue` uses the raw allocation at `addr`.
     pub(crate) fn record_queue_raw(&mut self, addr: usize, queue: &Queue) -> std::result::Result<(), &'static str> {
-        let id = self.raw_at(addr)?;
-        if queue.id().get() == self.blocks[id as usize].stream {
-            return Ok(());
-        }
-        self.blocks[id as usize].raw_used = true;
-        let uses = self.raw_uses.entry(id).or_default();
-        if !uses.iter().any(|h| h.id() == queue.id()) {
-            uses.push(queue.handle());
-        }
+        let id = self.raw.live_raw_at(addr, &self.blocks)?;
+        self.raw.record_use(id, queue, &mut self.blocks);
         Ok(())
     }
 
     /// The segment, offset and requested size of the raw allocation at `addr`.
     pub(crate) fn raw_block(&self, addr: usize) -> std::result::Result<(Arc<Segment>, usize, usize), &'static str> {
-        let b = &self.blocks[self.raw_at(addr)? as usize];
+        let b = &self.blocks[self.raw.live_raw_at(addr, &self.blocks)? as usize];
         let seg = Arc::clone(&self.segments[b.seg as usize].as_ref().expect("live segment").seg);
         Ok((seg, b.offset, b.requested))
     }
 
-    /// The live allocation that holds `[addr, addr + len)` wholly (frameworks that sub-allocate
-    /// pass pointers into the middle of blocks): its segment and the offset of `addr` in the
-    /// segment. Only the bytes the caller asked for count, so a range that runs past them (into
-    /// a neighbour, or into the rounding), or one in a freed block, is refused with the reason.
+    /// The live allocation that holds `[addr, addr + len)` wholly: its segment and the offset
+    /// of `addr` in the segment (see [`RawTable::live_range`]).
     pub(crate) fn live_range(&self, addr: usize, len: usize) -> std::result::Result<(Arc<Segment>, usize), String> {
-        let end = addr.checked_add(len).ok_or_else(|| format!("a {len}-byte range from {addr:#x} wraps around"))?;
-        let found = self.by_addr.at_or_before(addr).filter(|&(start, id)| {
-            let b = &self.blocks[id as usize];
-            addr - start < b.size
-        });
-        let Some((start, id)) = found else {
-            return Err("not inside memory of this allocator".into());
-        };
-        let b = &self.blocks[id as usize];
-        if !b.allocated || b.requested == 0 {
-            return Err(format!("inside a freed block (at {start:#x}, {} bytes)", b.size));
-        }
-        let owned = start + b.requested;
-        if end > owned {
-            return Err(format!(
-                "the range {addr:#x}+{len} runs {} bytes past the end of its allocation ({} bytes at {start:#x})",
-                end - owned,
-                b.requested
-            ));
-        }
-        let e = self.segments[b.seg as usize].as_ref().expect("a live block's segment is live");
+        let id = self.raw.live_range(addr, len, &self.blocks)?;
+        let e = self.segments[self.blocks[id as usize].seg as usize].as_ref().expect("a live block's segment is live");
         Ok((Arc::clone(&e.seg), addr - e.base))
     }
 
     /// Whether `addr` lies in some block of a live segment.
     pub(crate) fn holds(&self, addr: usize) -> bool {
-        self.by_addr.at_or_before(addr).is_some_and(|(start, id)| addr - start < self.blocks[id as usize].size)
-    }
-
-    /// Why a pointer that starts no block is not a live allocation.
-    fn classify_foreign(&self, ptr: usize) -> &'static str {
-        if self.holds(ptr) {
-            "not the start of a block (a pointer into an allocation)"
-        } else {
-            "not a pointer this allocator handed out"
-        }
+        self.raw.holding(addr, &self.blocks).is_some()
     }
 
     /// Segments with their blocks (see [`Snapshot`]).
@@ -1480,7 +1424,7 @@ impl Pool {
                         b.pool, b.stream, e.pool, e.stream
                     ));
                 }
-                if self.by_addr.get(e.base + b.offset) != Some(id) {
+                if self.raw.addrs.get(e.base + b.offset) != Some(id) {
                     return Err(format!("block {id} is not in the address table"));
                 }
                 by_addr += 1;
@@ -1508,8 +1452,8 @@ impl Pool {
             segments[0] += 1;
             segments[e.pool.index()] += 1;
         }
-        if by_addr != self.by_addr.len() {
-            return Err(format!("the address table has {} entries for {by_addr} blocks", self.by_addr.len()));
+        if by_addr != self.raw.addrs.len() {
+            return Err(format!("the address table has {} entries for {by_addr} blocks", self.raw.addrs.len()));
         }
         for p in 0..3 {
             if self.stats.reserved_bytes[p].current != reserved[p] {
@@ -1612,12 +1556,7 @@ impl Pool {
         if have_pend != pend {
             return Err(format!("pending frees: stats say {have_pend:?}, the blocks {pend:?}"));
         }
-        for (&id, uses) in &self.raw_uses {
-            let b = &self.blocks[id as usize];
-            if !b.raw_used || !b.allocated || uses.is_empty() {
-                return Err(format!("raw-uses entry for block {id} that is not a raw block used elsewhere"));
-            }
-        }
+        self.raw.check(&self.blocks, &dead)?;
         Ok(())
     }
 }
