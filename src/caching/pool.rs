@@ -14,7 +14,7 @@ use super::free_list::{FreeList, Node};
 use super::quick::{FxBuild, Quick};
 use super::raw::{RawDeferred, RawTable};
 use super::snapshot::{BlockSnapshot, BlockState, History, HistoryEvent, HistoryKind, Snapshot};
-use super::stats::{self, DeviceStats, HotStats, Stat, StatArray};
+use super::stats::{self, DeviceStats, PoolStats};
 use crate::error::{Error, Result};
 use crate::queue::{Queue, QueueHandle};
 use crate::segment::Segment;
@@ -61,18 +61,8 @@ pub(crate) struct Pool {
     free_segs: Vec<u32>,
     /// The free blocks of each pool (`PoolKind::slot`).
     pools: [BTreeSet<Key>; 2],
-    /// Every stat but those in `hot` and `active`/`active_bytes`, which [`Pool::stats`]
-    /// derives (see there).
-    stats: DeviceStats,
-    /// The stats the fast path moves: allocation, allocated, requested, inactive split.
-    hot: HotStats,
-    /// Blocks (and their bytes) whose free waits for other queues' events.
-    pending: StatArray,
-    pending_bytes: StatArray,
-    /// Peaks of active blocks (and bytes) reached while frees were pending; otherwise active
-    /// equals allocated and the allocation peaks are the active peaks.
-    active_peak: [i64; 3],
-    active_bytes_peak: [i64; 3],
+    /// The stats, kept in the parts the hot path moves cheaply (see [`PoolStats`]).
+    stats: PoolStats,
     /// Allocation misses so far (the GC clock).
     misses: u64,
     history: History,
@@ -110,7 +100,7 @@ const QUICK_MAX: usize = 1024;
 impl Pool {
     pub(crate) fn new(source: Box<dyn MemorySource>, config: Config, capacity: u64) -> Self {
         let allowed = (capacity as f64 * config.per_process_memory_fraction) as u64;
-        let stats = DeviceStats { max_split_size: config.max_split_size as u64, ..Default::default() };
+        let stats = PoolStats::new(config.max_split_size as u64);
         Self {
             source,
             config,
@@ -122,11 +112,6 @@ impl Pool {
             free_segs: Vec::new(),
             pools: Default::default(),
             stats,
-            hot: HotStats::default(),
-            pending: StatArray::default(),
-            pending_bytes: StatArray::default(),
-            active_peak: [0; 3],
-            active_bytes_peak: [0; 3],
             misses: 0,
             history: History::new(),
             nodes: Vec::new(),
@@ -141,48 +126,19 @@ impl Pool {
         }
     }
 
-    /// The stats. Active blocks are allocated blocks plus those whose free is pending, so the
-    /// hot path keeps only the allocation stats and the (rare) pending ones, and `active` is
-    /// derived here: current and totals add up, and its peak is the allocation peak unless a
-    /// higher one was reached while frees were pending.
+    /// The stats (see [`PoolStats::derive`]).
     pub(crate) fn stats(&self) -> DeviceStats {
-        let mut d = self.stats.clone();
-        d.allocation = self.hot.array(stats::ALLOCATION);
-        d.allocated_bytes = self.hot.array(stats::ALLOCATED_BYTES);
-        d.requested_bytes = self.hot.array(stats::REQUESTED_BYTES);
-        d.inactive_split = self.hot.array(stats::INACTIVE_SPLIT);
-        d.inactive_split_bytes = self.hot.array(stats::INACTIVE_SPLIT_BYTES);
-        let derive = |alloc: &StatArray, pending: &StatArray, extra: &[i64; 3]| -> StatArray {
-            std::array::from_fn(|i| Stat {
-                current: alloc[i].current + pending[i].current,
-                peak: alloc[i].peak.max(extra[i]),
-                allocated: alloc[i].allocated,
-                freed: alloc[i].freed - pending[i].allocated + pending[i].freed,
-            })
-        };
-        d.active = derive(&d.allocation, &self.pending, &self.active_peak);
-        d.active_bytes = derive(&d.allocated_bytes, &self.pending_bytes, &self.active_bytes_peak);
-        d
+        self.stats.derive()
     }
 
     /// Zeroes the accumulated counters.
     pub(crate) fn reset_accumulated(&mut self) {
         self.stats.reset_accumulated();
-        self.hot.reset_accumulated();
-        for s in self.pending.iter_mut().chain(self.pending_bytes.iter_mut()) {
-            s.reset_accumulated();
-        }
     }
 
     /// Sets every peak to its current value.
     pub(crate) fn reset_peak(&mut self) {
         self.stats.reset_peak();
-        self.hot.reset_peak();
-        let (allocation, bytes) = (self.hot.current(stats::ALLOCATION), self.hot.current(stats::ALLOCATED_BYTES));
-        for i in 0..3 {
-            self.active_peak[i] = allocation[i] + self.pending[i].current;
-            self.active_bytes_peak[i] = bytes[i] + self.pending_bytes[i].current;
-        }
     }
 
     pub(crate) fn capacity(&self) -> u64 {
@@ -263,7 +219,7 @@ impl Pool {
             return;
         }
         let (pool, size) = (b.pool, b.size as i64);
-        self.hot.inactive(pool, size, entering);
+        self.stats.hot.inactive(pool, size, entering);
     }
 
     fn pool_insert(&mut self, id: BlockId) {
@@ -353,16 +309,14 @@ impl Pool {
             FreeMsg::Requested(id) => {
                 self.account_free_request(id);
                 let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
-                stats::inc_array(&mut self.pending, pool, 1);
-                stats::inc_array(&mut self.pending_bytes, pool, size);
+                self.stats.pending_begin(pool, size);
                 let (addr, size, stream) =
                     (self.addr(id), self.blocks[id as usize].size, self.blocks[id as usize].stream);
                 self.log(HistoryKind::FreeRequested, addr, size, stream);
             }
             FreeMsg::Completed(id) => {
                 let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
-                stats::dec_array(&mut self.pending, pool, 1);
-                stats::dec_array(&mut self.pending_bytes, pool, size);
+                self.stats.pending_end(pool, size);
                 self.free_block(id);
                 self.after_free(id);
             }
@@ -396,9 +350,9 @@ impl Pool {
         b.requested = 0;
         b.cached_at = self.misses;
         b.in_quick = true;
-        self.hot.on_free_request(pool, size as i64, requested as i64);
+        self.stats.hot.on_free_request(pool, size as i64, requested as i64);
         if split {
-            self.hot.inactive(pool, size as i64, true);
+            self.stats.hot.inactive(pool, size as i64, true);
         }
         self.quick.push(stream, size, id);
     }
@@ -412,9 +366,9 @@ impl Pool {
     fn account_free_request(&mut self, id: BlockId) {
         let b = &self.blocks[id as usize];
         let (pool, size, requested) = (b.pool, b.size as i64, b.requested as i64);
-        self.hot.on_free_request(pool, size, requested);
+        self.stats.hot.on_free_request(pool, size, requested);
         if b.size >= self.config.max_split_size {
-            self.stats.oversize_allocations.update(-1);
+            self.stats.device.oversize_allocations.update(-1);
         }
         // A block still allocated with nothing requested is waiting for its events.
         self.blocks[id as usize].requested = 0;
@@ -614,7 +568,7 @@ impl Pool {
         // The request takes all of the free tail: its punched pages count again too.
         let need = (grow + tail_free.map_or(0, |t| self.punched_bytes(t, usize::MAX))) as u64;
         self.trim(need, rounded as u64, tail_free);
-        let reserved = self.stats.reserved_bytes[stats::AGGREGATE].current as u64;
+        let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
         if reserved + need > self.allowed {
             *cause = format!(
                 "; the allowed memory ({} bytes = fraction {} of capacity) would be exceeded",
@@ -629,8 +583,8 @@ impl Pool {
             return None;
         }
         e.size = mapped + grow;
-        self.stats.num_device_alloc += 1;
-        stats::inc_array(&mut self.stats.reserved_bytes, pool, grow as i64);
+        self.stats.device.num_device_alloc += 1;
+        stats::inc_array(&mut self.stats.device.reserved_bytes, pool, grow as i64);
         match tail_free {
             Some(t) => {
                 self.pool_remove(t);
@@ -682,7 +636,7 @@ impl Pool {
             need = self.punched_bytes(id, rounded) as u64;
         }
         self.trim(need, rounded as u64, Some(id));
-        self.stats.reserved_bytes[stats::AGGREGATE].current as u64 + need <= self.allowed
+        self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64 + need <= self.allowed
     }
 
     /// Counts the punched pages under an expandable block that is being handed out as
@@ -694,7 +648,7 @@ impl Pool {
         let Some(exp) = self.segments[seg as usize].as_mut().and_then(|e| e.exp.as_mut()) else { return };
         let added = exp.back(off, size);
         if added > 0 {
-            stats::inc_array(&mut self.stats.reserved_bytes, pool, added as i64);
+            stats::inc_array(&mut self.stats.device.reserved_bytes, pool, added as i64);
         }
     }
 
@@ -719,17 +673,17 @@ impl Pool {
         let Some(exp) = entry.exp.as_mut() else { return 0 };
         let Some((from_b, freed)) = exp.punch(&entry.seg, off, size, want) else { return 0 };
         let (addr, stream) = (entry.base + from_b, entry.stream);
-        self.stats.num_device_free += 1;
-        stats::dec_array(&mut self.stats.reserved_bytes, pool, freed as i64);
+        self.stats.device.num_device_free += 1;
+        stats::dec_array(&mut self.stats.device.reserved_bytes, pool, freed as i64);
         self.log(HistoryKind::SegmentFree, addr, freed, stream);
         freed
     }
 
     /// The numbers the trim policy weighs, now.
     fn budget(&self) -> Budget {
-        let bytes = self.hot.array(stats::ALLOCATED_BYTES)[stats::AGGREGATE];
+        let bytes = self.stats.hot.array(stats::ALLOCATED_BYTES)[stats::AGGREGATE];
         Budget {
-            reserved: self.stats.reserved_bytes[stats::AGGREGATE].current as u64,
+            reserved: self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64,
             allocated: bytes.current as u64,
             allocated_peak: bytes.peak as u64,
             allowed: self.allowed,
@@ -868,9 +822,9 @@ impl Pool {
         }
         let e = self.segments[si as usize].take().expect("checked live above");
         let backed = e.exp.as_ref().expect("expandable").backed_bytes(e.size);
-        self.stats.num_device_free += 1;
-        stats::dec_array(&mut self.stats.segment, e.pool, 1);
-        stats::dec_array(&mut self.stats.reserved_bytes, e.pool, backed as i64);
+        self.stats.device.num_device_free += 1;
+        stats::dec_array(&mut self.stats.device.segment, e.pool, 1);
+        stats::dec_array(&mut self.stats.device.reserved_bytes, e.pool, backed as i64);
         self.expandable.remove(&(e.stream, e.pool));
         self.log(HistoryKind::SegmentFree, e.base, e.size, e.stream);
         self.free_segs.push(si);
@@ -940,7 +894,7 @@ impl Pool {
             found = self.new_memory(alloc_size, rounded, pool, stream, &mut cause);
             if found.is_none() && !self.config.no_caching {
                 if !waited {
-                    self.stats.num_alloc_retries += 1;
+                    self.stats.device.num_alloc_retries += 1;
                 }
                 // Rung 1: release cached oversize blocks.
                 if self.release_available_cached(rounded, stream) {
@@ -978,11 +932,11 @@ impl Pool {
                 // ladder, which released cached segments and their fds too).
                 return Err(e);
             }
-            self.stats.num_ooms += 1;
+            self.stats.device.num_ooms += 1;
             self.log(HistoryKind::Oom, 0, size, stream);
             let largest = self.pools.iter().flat_map(|p| p.iter()).map(|k| k.1).max().unwrap_or(0);
-            let reserved = self.stats.reserved_bytes[stats::AGGREGATE].current as u64;
-            let allocated = self.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE] as u64;
+            let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
+            let allocated = self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE] as u64;
             return Err(Error::AllocatorOom {
                 requested: size as u64,
                 capacity: self.capacity,
@@ -1034,12 +988,11 @@ impl Pool {
         b.allocated = true;
         b.requested = size;
         let (bsize, bpool, bseg, boff) = (b.size, b.pool, b.seg, b.offset);
-        self.hot.on_alloc(bpool, bsize as i64, size as i64);
+        self.stats.hot.on_alloc(bpool, bsize as i64, size as i64);
         // No punched pages to count here: only pooled free blocks are punched, they leave
         // their pool only through `allocate`'s slow path, which counts their pages again
         // (`back_chunks`), and the quick cache holds only blocks that were handed out.
-        if self.pending[stats::AGGREGATE].current > 0 || bsize >= self.config.max_split_size || self.history.record_all
-        {
+        if self.stats.any_pending() || bsize >= self.config.max_split_size || self.history.record_all {
             self.hand_out_rare(id, stream);
         }
         let segment = SegRef::new(&self.segments[bseg as usize].as_ref().expect("live segment").seg);
@@ -1051,15 +1004,11 @@ impl Pool {
     #[cold]
     fn hand_out_rare(&mut self, id: BlockId, stream: u64) {
         let (bsize, bpool) = (self.blocks[id as usize].size, self.blocks[id as usize].pool);
-        if self.pending[stats::AGGREGATE].current > 0 {
-            let (allocation, bytes) = (self.hot.current(stats::ALLOCATION), self.hot.current(stats::ALLOCATED_BYTES));
-            for i in [stats::AGGREGATE, bpool.index()] {
-                self.active_peak[i] = self.active_peak[i].max(allocation[i] + self.pending[i].current);
-                self.active_bytes_peak[i] = self.active_bytes_peak[i].max(bytes[i] + self.pending_bytes[i].current);
-            }
+        if self.stats.any_pending() {
+            self.stats.note_active_peak(bpool);
         }
         if bsize >= self.config.max_split_size {
-            self.stats.oversize_allocations.update(1);
+            self.stats.device.oversize_allocations.update(1);
         }
         if self.history.record_all {
             let addr = self.addr(id);
@@ -1100,7 +1049,7 @@ impl Pool {
 
     /// Gets a segment from the source, within the allowed memory; returns its single block.
     fn alloc_segment(&mut self, size: usize, pool: PoolKind, stream: u64, cause: &mut String) -> Option<BlockId> {
-        let reserved = self.stats.reserved_bytes[stats::AGGREGATE].current as u64;
+        let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
         if reserved.saturating_add(size as u64) > self.allowed {
             *cause = format!(
                 "; the allowed memory ({} bytes = fraction {} of capacity) would be exceeded",
@@ -1138,11 +1087,11 @@ impl Pool {
                 (self.segments.len() - 1) as u32
             }
         };
-        self.stats.num_device_alloc += 1;
-        stats::inc_array(&mut self.stats.segment, pool, 1);
-        stats::inc_array(&mut self.stats.reserved_bytes, pool, size as i64);
+        self.stats.device.num_device_alloc += 1;
+        stats::inc_array(&mut self.stats.device.segment, pool, 1);
+        stats::inc_array(&mut self.stats.device.reserved_bytes, pool, size as i64);
         if size >= self.config.max_split_size {
-            self.stats.oversize_segments.update(1);
+            self.stats.device.oversize_segments.update(1);
         }
         self.log(HistoryKind::SegmentAlloc, base, size, stream);
         idx
@@ -1164,11 +1113,11 @@ impl Pool {
         self.raw.addrs.remove(addr);
         let b = self.blocks[id as usize].clone();
         if let Some(entry) = self.segments[b.seg as usize].take() {
-            self.stats.num_device_free += 1;
-            stats::dec_array(&mut self.stats.segment, entry.pool, 1);
-            stats::dec_array(&mut self.stats.reserved_bytes, entry.pool, entry.size as i64);
+            self.stats.device.num_device_free += 1;
+            stats::dec_array(&mut self.stats.device.segment, entry.pool, 1);
+            stats::dec_array(&mut self.stats.device.reserved_bytes, entry.pool, entry.size as i64);
             if entry.size >= self.config.max_split_size {
-                self.stats.oversize_segments.update(-1);
+                self.stats.device.oversize_segments.update(-1);
             }
             self.log(HistoryKind::SegmentFree, entry.base, entry.size, entry.stream);
             self.free_segs.push(b.seg);
@@ -1241,7 +1190,7 @@ impl Pool {
     /// unsplit blocks at least as old as the average, oldest first, until below it.
     fn garbage_collect(&mut self) {
         let target = (self.config.garbage_collection_threshold * self.allowed as f64) as i64;
-        if self.stats.reserved_bytes[stats::AGGREGATE].current <= target {
+        if self.stats.device.reserved_bytes[stats::AGGREGATE].current <= target {
             return;
         }
         self.flush_quick();
@@ -1261,9 +1210,9 @@ impl Pool {
             }
             let avg = aged.iter().map(|a| a.0).sum::<u64>() / aged.len() as u64;
             aged.sort_unstable_by_key(|a| std::cmp::Reverse(a.0)); // oldest first
-            let before = self.stats.reserved_bytes[stats::AGGREGATE].current;
+            let before = self.stats.device.reserved_bytes[stats::AGGREGATE].current;
             for (age, id) in aged {
-                if self.stats.reserved_bytes[stats::AGGREGATE].current <= target {
+                if self.stats.device.reserved_bytes[stats::AGGREGATE].current <= target {
                     return;
                 }
                 if age < avg {
@@ -1275,7 +1224,7 @@ impl Pool {
                     let _ = self.release_block(id);
                 }
             }
-            if self.stats.reserved_bytes[stats::AGGREGATE].current >= before {
+            if self.stats.device.reserved_bytes[stats::AGGREGATE].current >= before {
                 return; // nothing more to give back
             }
         }
@@ -1456,16 +1405,16 @@ impl Pool {
             return Err(format!("the address table has {} entries for {by_addr} blocks", self.raw.addrs.len()));
         }
         for p in 0..3 {
-            if self.stats.reserved_bytes[p].current != reserved[p] {
+            if self.stats.device.reserved_bytes[p].current != reserved[p] {
                 return Err(format!(
                     "reserved bytes[{p}] {} but segments hold {}",
-                    self.stats.reserved_bytes[p].current, reserved[p]
+                    self.stats.device.reserved_bytes[p].current, reserved[p]
                 ));
             }
-            if self.stats.segment[p].current != segments[p] {
+            if self.stats.device.segment[p].current != segments[p] {
                 return Err(format!(
                     "segment count[{p}] {} but {} are live",
-                    self.stats.segment[p].current, segments[p]
+                    self.stats.device.segment[p].current, segments[p]
                 ));
             }
         }
@@ -1547,12 +1496,12 @@ impl Pool {
             ("inactive split bytes", stats::INACTIVE_SPLIT_BYTES, inactive_bytes),
         ];
         for (name, field, want) in checks {
-            let have = self.hot.current(field);
+            let have = self.stats.hot.current(field);
             if have != want {
                 return Err(format!("{name}: stats say {have:?}, the blocks {want:?}"));
             }
         }
-        let have_pend = [self.pending[0].current, self.pending[1].current, self.pending[2].current];
+        let have_pend = self.stats.pending_current();
         if have_pend != pend {
             return Err(format!("pending frees: stats say {have_pend:?}, the blocks {pend:?}"));
         }
@@ -1594,11 +1543,11 @@ mod tests {
         p.apply(FreeMsg::Free(part));
         assert!(p.blocks[part as usize].in_quick);
         assert!(!p.release_block(part), "released a quick-cached block");
-        assert_eq!(p.stats.segment[stats::AGGREGATE].current, 2);
+        assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 2);
         p.check_invariants().unwrap();
         p.apply(FreeMsg::Free(whole));
         p.release_cached(None);
-        assert_eq!(p.stats.segment[stats::AGGREGATE].current, 0);
+        assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 0);
         p.check_invariants().unwrap();
     }
 
@@ -1612,11 +1561,11 @@ mod tests {
             let other = got(p.allocate(4096, 8, false, false)).id;
             p.queue_gone(7);
             p.check_invariants().unwrap();
-            assert_eq!(p.stats.segment[stats::AGGREGATE].current, 3, "{conf}: blocks are live");
+            assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 3, "{conf}: blocks are live");
             p.apply(FreeMsg::Free(a));
-            assert_eq!(p.stats.segment[stats::AGGREGATE].current, 2, "{conf}");
+            assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 2, "{conf}");
             p.apply(FreeMsg::Free(b));
-            assert_eq!(p.stats.segment[stats::AGGREGATE].current, 1, "{conf}");
+            assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 1, "{conf}");
             assert!(p.gone.is_empty() && p.expandable.keys().all(|k| k.0 != 7), "{conf}");
             p.check_invariants().unwrap();
             p.apply(FreeMsg::Free(other));

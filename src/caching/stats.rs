@@ -218,6 +218,112 @@ pub(crate) const REQUESTED_BYTES: usize = 2;
 pub(crate) const INACTIVE_SPLIT: usize = 3;
 pub(crate) const INACTIVE_SPLIT_BYTES: usize = 4;
 
+/// The allocator's stats as the pool keeps them: the fast path moves only the hot stats and
+/// (rarely) the pending ones, and [`PoolStats::derive`] assembles PyTorch's `DeviceStats`.
+#[derive(Debug, Clone)]
+pub(crate) struct PoolStats {
+    /// Every stat but those in `hot` and `active`/`active_bytes`, which `derive` derives.
+    pub(crate) device: DeviceStats,
+    /// The stats the fast path moves: allocation, allocated, requested, inactive split.
+    pub(crate) hot: HotStats,
+    /// Blocks (and their bytes) whose free waits for other queues' events.
+    pending: StatArray,
+    pending_bytes: StatArray,
+    /// Peaks of active blocks (and bytes) reached while frees were pending; otherwise active
+    /// equals allocated and the allocation peaks are the active peaks.
+    active_peak: [i64; 3],
+    active_bytes_peak: [i64; 3],
+}
+
+impl PoolStats {
+    pub(crate) fn new(max_split_size: u64) -> Self {
+        Self {
+            device: DeviceStats { max_split_size, ..Default::default() },
+            hot: HotStats::default(),
+            pending: StatArray::default(),
+            pending_bytes: StatArray::default(),
+            active_peak: [0; 3],
+            active_bytes_peak: [0; 3],
+        }
+    }
+
+    /// The stats. Active blocks are allocated blocks plus those whose free is pending, so the
+    /// hot path keeps only the allocation stats and the (rare) pending ones, and `active` is
+    /// derived here: current and totals add up, and its peak is the allocation peak unless a
+    /// higher one was reached while frees were pending.
+    pub(crate) fn derive(&self) -> DeviceStats {
+        let mut d = self.device.clone();
+        d.allocation = self.hot.array(ALLOCATION);
+        d.allocated_bytes = self.hot.array(ALLOCATED_BYTES);
+        d.requested_bytes = self.hot.array(REQUESTED_BYTES);
+        d.inactive_split = self.hot.array(INACTIVE_SPLIT);
+        d.inactive_split_bytes = self.hot.array(INACTIVE_SPLIT_BYTES);
+        let derive = |alloc: &StatArray, pending: &StatArray, extra: &[i64; 3]| -> StatArray {
+            std::array::from_fn(|i| Stat {
+                current: alloc[i].current + pending[i].current,
+                peak: alloc[i].peak.max(extra[i]),
+                allocated: alloc[i].allocated,
+                freed: alloc[i].freed - pending[i].allocated + pending[i].freed,
+            })
+        };
+        d.active = derive(&d.allocation, &self.pending, &self.active_peak);
+        d.active_bytes = derive(&d.allocated_bytes, &self.pending_bytes, &self.active_bytes_peak);
+        d
+    }
+
+    /// Zeroes the accumulated counters.
+    pub(crate) fn reset_accumulated(&mut self) {
+        self.device.reset_accumulated();
+        self.hot.reset_accumulated();
+        for s in self.pending.iter_mut().chain(self.pending_bytes.iter_mut()) {
+            s.reset_accumulated();
+        }
+    }
+
+    /// Sets every peak to its current value.
+    pub(crate) fn reset_peak(&mut self) {
+        self.device.reset_peak();
+        self.hot.reset_peak();
+        let (allocation, bytes) = (self.hot.current(ALLOCATION), self.hot.current(ALLOCATED_BYTES));
+        for i in 0..3 {
+            self.active_peak[i] = allocation[i] + self.pending[i].current;
+            self.active_bytes_peak[i] = bytes[i] + self.pending_bytes[i].current;
+        }
+    }
+
+    /// A block of `size` bytes in `pool` starts waiting for other queues before its free.
+    pub(crate) fn pending_begin(&mut self, pool: PoolKind, size: i64) {
+        inc_array(&mut self.pending, pool, 1);
+        inc_array(&mut self.pending_bytes, pool, size);
+    }
+
+    /// It stopped waiting: its free completes.
+    pub(crate) fn pending_end(&mut self, pool: PoolKind, size: i64) {
+        dec_array(&mut self.pending, pool, 1);
+        dec_array(&mut self.pending_bytes, pool, size);
+    }
+
+    /// Whether some free is waiting for other queues (active then exceeds allocated).
+    #[inline(always)]
+    pub(crate) fn any_pending(&self) -> bool {
+        self.pending[AGGREGATE].current > 0
+    }
+
+    /// The blocks waiting, as (all, small, large).
+    pub(crate) fn pending_current(&self) -> [i64; 3] {
+        self.pending.map(|s| s.current)
+    }
+
+    /// After a hand-out in `pool` while frees are pending: raises the active peaks.
+    pub(crate) fn note_active_peak(&mut self, pool: PoolKind) {
+        let (allocation, bytes) = (self.hot.current(ALLOCATION), self.hot.current(ALLOCATED_BYTES));
+        for i in [AGGREGATE, pool.index()] {
+            self.active_peak[i] = self.active_peak[i].max(allocation[i] + self.pending[i].current);
+            self.active_bytes_peak[i] = self.active_bytes_peak[i].max(bytes[i] + self.pending_bytes[i].current);
+        }
+    }
+}
+
 /// PyTorch's `DeviceStats`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeviceStats {
@@ -378,6 +484,29 @@ mod tests {
         assert_eq!(s.peak, 3);
         s.reset_accumulated();
         assert_eq!((s.allocated, s.freed, s.current), (0, 0, 3));
+    }
+
+    #[test]
+    fn active_is_allocated_plus_pending_with_its_own_peak() {
+        let mut p = PoolStats::new(u64::MAX);
+        p.hot.on_alloc(PoolKind::Small, 512, 100);
+        p.hot.on_alloc(PoolKind::Large, 4 << 20, 4 << 20);
+        // The large block's free waits for another queue: no longer allocated, still active.
+        p.hot.on_free_request(PoolKind::Large, 4 << 20, 4 << 20);
+        p.pending_begin(PoolKind::Large, 4 << 20);
+        assert!(p.any_pending());
+        p.hot.on_alloc(PoolKind::Small, 512, 100);
+        p.note_active_peak(PoolKind::Small);
+        let d = p.derive();
+        assert_eq!((d.allocation[AGGREGATE].current, d.active[AGGREGATE].current), (2, 3));
+        assert_eq!((d.allocation[AGGREGATE].peak, d.active[AGGREGATE].peak), (2, 3));
+        assert_eq!(d.active_bytes[LARGE_POOL].current, 4 << 20);
+        p.pending_end(PoolKind::Large, 4 << 20);
+        let d = p.derive();
+        assert_eq!((d.active[AGGREGATE].current, d.active[AGGREGATE].freed), (2, 1));
+        assert_eq!(p.pending_current(), [0, 0, 0]);
+        p.reset_peak();
+        assert_eq!(p.derive().active[AGGREGATE].peak, 2);
     }
 
     #[test]
