@@ -16,6 +16,7 @@
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+use crate::queue::QueueId;
 use crate::segment::Segment;
 
 /// A block's index in the pool's block arena.
@@ -116,6 +117,19 @@ impl Block {
     pub(crate) fn is_pooled_free(&self) -> bool {
         !self.allocated && !self.in_quick
     }
+}
+
+/// What the free list carries: the free path's messages about blocks (and queues).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FreeMsg {
+    /// The caller let go and no other queue used the block: free it now.
+    Free(BlockId),
+    /// The caller let go; events on other queues must complete first.
+    Requested(BlockId),
+    /// Those events completed.
+    Completed(BlockId),
+    /// The queue with this id is gone: its memory goes back once its blocks are free.
+    QueueGone(QueueId),
 }
 
 /// Points at a segment held in an `Arc` by the pool.

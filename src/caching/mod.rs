@@ -56,7 +56,7 @@ mod tests;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use allocation::Allocation;
-use block::BlockId;
+use block::{BlockId, FreeMsg};
 pub use config::Config;
 use free_list::{FreeList, Node, Pending};
 pub use host::{HostAllocation, HostCachingAllocator, HostStats};
@@ -70,19 +70,6 @@ use crate::source::MemorySource;
 
 /// Default limit on waiting for deferred frees.
 const PENDING_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// What the free list carries.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum FreeMsg {
-    /// The caller let go and no other queue used the block: free it now.
-    Free(BlockId),
-    /// The caller let go; events on other queues must complete first.
-    Requested(BlockId),
-    /// Those events completed.
-    Completed(BlockId),
-    /// The queue with this id is gone: its memory goes back once its blocks are free.
-    QueueGone(QueueId),
-}
 
 pub(crate) struct AllocatorShared {
     pool: Mutex<Pool>,
