@@ -7,9 +7,9 @@ use std::mem::ManuallyDrop;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
-use super::block::{BlockId, SegRef};
+use super::block::{BlockId, FreeMsg, SegRef};
 use super::free_list::Node;
-use super::{AllocatorShared, FreeMsg};
+use super::shared::{self, AllocatorShared};
 use crate::error::Result;
 use crate::queue::{Mem, Queue, QueueHandle, QueueId};
 use crate::segment::{Access, Segment};
@@ -130,6 +130,6 @@ impl Drop for Allocation {
         node.value = FreeMsg::Requested(self.id);
         self.inner.frees.push(node);
         // Taken out of the ManuallyDrop, so it is dropped after the loop.
-        super::complete_after(&self.inner, self.id, std::mem::take(&mut *self.uses));
+        shared::complete_after(&self.inner, self.id, std::mem::take(&mut *self.uses));
     }
 }

@@ -33,6 +33,13 @@
 //!   was requested, the capacity, what is allocated, what is cached and the largest free
 //!   block.
 //!
+//! Files, each importing only those above it: `block` (blocks, sizes, pools, the segment
+//! reference), `quick` (the exact-reuse cache), `addrs` and `raw` (the address and raw-pointer
+//! table), `expandable` (expandable segments' state and arithmetic), `stats`, `snapshot`
+//! (snapshot and history), `pool` (best fit, split, merge, the OOM ladder; its other steps in
+//! `pool/`), `shared` (what the handles share), `allocation` (the RAII block), and this
+//! facade.
+//!
 //! The free path never takes the allocator's lock: dropping an [`Allocation`] (or a queue
 //! completion finishing a deferred free) pushes onto a lock-free list ([`free_list`]) that the
 //! next allocation, or any call that needs the pools, drains under the lock.
@@ -48,6 +55,7 @@ mod pool;
 mod quick;
 mod raw;
 pub mod replay;
+mod shared;
 mod snapshot;
 pub mod stats;
 #[cfg(test)]
@@ -56,29 +64,21 @@ mod tests;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use allocation::Allocation;
-use block::{BlockId, FreeMsg};
+use block::FreeMsg;
 pub use config::Config;
 use free_list::{FreeList, Node, Pending};
 pub use host::{HostAllocation, HostCachingAllocator, HostStats};
 use pool::{Outcome, Pool};
+use shared::AllocatorShared;
 pub use snapshot::{BlockSnapshot, BlockState, HistoryEvent, HistoryKind, SegmentSnapshot, Snapshot};
 pub use stats::{DeviceStats, SimpleStats, Stat};
 
 use crate::error::{Error, Result};
-use crate::queue::{Mem, Queue, QueueHandle, QueueId};
+use crate::queue::{Mem, Queue, QueueId};
 use crate::source::MemorySource;
 
 /// Default limit on waiting for deferred frees.
 const PENDING_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
-
-pub(crate) struct AllocatorShared {
-    pool: Mutex<Pool>,
-    frees: FreeList<FreeMsg>,
-    /// Deferred frees whose events have not all completed.
-    pending: Pending,
-    /// How long the OOM ladder and `empty_cache` wait for them.
-    pending_limit: std::time::Duration,
-}
 
 /// The allocator. Cheap to clone (all clones share one cache).
 #[derive(Clone)]
@@ -357,7 +357,7 @@ impl CachingAllocator {
             Ok(Some((id, uses))) => {
                 self.inner.pending.begin();
                 drop(pool);
-                complete_after(&self.inner, id, uses);
+                shared::complete_after(&self.inner, id, uses);
                 Ok(())
             }
             Err(why) => Err(Error::InvalidFree { ptr: ptr as usize, why }),
@@ -425,16 +425,4 @@ impl CachingAllocator {
 #[inline(always)]
 pub(crate) fn stream_key(queue: Option<QueueId>) -> u64 {
     queue.map_or(0, QueueId::get)
-}
-
-/// Once the work submitted so far to each of `uses` has completed, pushes the completion of
-/// the deferred free of block `id` (its `Requested` message is already in the list or applied)
-/// and uncounts it. The hook only pushes onto the lock-free list: it never takes the
-/// allocator's lock, so this may be called with that lock held.
-fn complete_after(inner: &Arc<AllocatorShared>, id: BlockId, uses: impl IntoIterator<Item = QueueHandle>) {
-    let inner = Arc::clone(inner);
-    crate::queue::after_queues(uses, move || {
-        inner.frees.push(Node::new(FreeMsg::Completed(id)));
-        inner.pending.end();
-    });
 }
