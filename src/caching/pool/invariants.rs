@@ -92,6 +92,12 @@ impl Pool {
             segments[0] += 1;
             segments[e.pool.index()] += 1;
         }
+        for (&(stream, pool), &si) in &self.expandable {
+            let e = self.segments.get(si as usize).and_then(Option::as_ref);
+            if !e.is_some_and(|e| e.exp.is_some() && e.stream == stream && e.pool == pool) {
+                return Err(format!("the expandable segment of ({stream}, {pool:?}) is {si}, which is not it"));
+            }
+        }
         if by_addr != self.raw.addrs.len() {
             return Err(format!("the address table has {} entries for {by_addr} blocks", self.raw.addrs.len()));
         }
@@ -113,6 +119,25 @@ impl Pool {
         let quick: HashSet<BlockId> = self.quick.ids().into_iter().collect();
         if quick.len() != self.quick.len() {
             return Err(format!("the quick cache counts {} blocks, lists {}", self.quick.len(), quick.len()));
+        }
+        // Every list holds blocks of its own (queue, size), once, walking every slot (not only
+        // those the flush would visit).
+        let entries = self.quick.entries();
+        if entries.len() != quick.len() {
+            return Err(format!(
+                "the quick cache's lists hold {} blocks, {} of them reachable",
+                entries.len(),
+                quick.len()
+            ));
+        }
+        for &(stream, size, id) in &entries {
+            let b = &self.blocks[id as usize];
+            if dead.contains(&id) || b.stream != stream || b.size != size {
+                return Err(format!(
+                    "quick-cache list ({stream}, {size}) holds block {id} of ({}, {})",
+                    b.stream, b.size
+                ));
+            }
         }
         let mut pooled = 0;
         for (p, set) in self.pools.iter().enumerate() {
