@@ -33,12 +33,15 @@ mod release;
 #[cfg(test)]
 mod tests;
 
+/// A segment the pool holds: the segment itself, where it is mapped, its pool and queue.
 struct SegEntry {
     seg: Arc<Segment>,
+    /// Its mapping's address (0 if it has none).
     base: usize,
     /// Bytes of the segment (for an expandable segment: bytes mapped so far).
     size: usize,
     pool: PoolKind,
+    /// The queue it is bound to (`QueueId::get`; 0: none).
     stream: u64,
     /// Set for expandable segments.
     exp: Option<ExpState>,
