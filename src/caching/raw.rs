@@ -89,16 +89,23 @@ impl RawTable {
         }
     }
 
-    /// Live raw block `id` is being freed: it stops being raw; returns the other queues that
-    /// used it, if any did (its free then waits for them).
-    pub(crate) fn release(&mut self, id: BlockId, blocks: &mut [Block]) -> Option<Vec<QueueHandle>> {
+    /// Live raw block `id` is being freed: it stops being raw. Returns whether other queues
+    /// used it (its free then waits for them: see [`RawTable::take_uses`]).
+    #[inline(always)]
+    pub(crate) fn release(&mut self, id: BlockId, blocks: &mut [Block]) -> bool {
         let b = &mut blocks[id as usize];
         b.raw = false;
         if !b.raw_used {
-            return None;
+            return false;
         }
         b.raw_used = false;
-        Some(self.uses.remove(&id).unwrap_or_default())
+        true
+    }
+
+    /// The other queues that used a raw block just released.
+    #[cold]
+    pub(crate) fn take_uses(&mut self, id: BlockId) -> Vec<QueueHandle> {
+        self.uses.remove(&id).unwrap_or_default()
     }
 
     /// Checks the table against the blocks (`dead`: the ids not in use): every live block is
@@ -204,7 +211,8 @@ mod tests {
         t.record_use(0, &q2, &mut blocks);
         assert!(blocks[0].raw_used);
         t.check(&blocks, &Default::default()).unwrap();
-        let uses = t.release(0, &mut blocks).unwrap();
+        assert!(t.release(0, &mut blocks), "used elsewhere");
+        let uses = t.take_uses(0);
         assert_eq!(uses.iter().map(QueueHandle::id).collect::<Vec<_>>(), [q2.id()]);
         assert!(!blocks[0].raw && !blocks[0].raw_used);
         assert!(t.uses.is_empty());

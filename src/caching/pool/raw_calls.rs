@@ -36,16 +36,13 @@ impl Pool {
                 return Err(why);
             }
         };
-        match self.raw.release(id, &mut self.blocks) {
-            None => {
-                self.apply(FreeMsg::Free(id));
-                Ok(None)
-            }
-            Some(uses) => {
-                self.apply(FreeMsg::Requested(id));
-                Ok(Some((id, uses)))
-            }
+        if !self.raw.release(id, &mut self.blocks) {
+            self.apply(FreeMsg::Free(id));
+            return Ok(None);
         }
+        let uses = self.raw.take_uses(id);
+        self.apply(FreeMsg::Requested(id));
+        Ok(Some((id, uses)))
     }
 
     /// Records that `queue` uses the raw allocation at `addr`.
