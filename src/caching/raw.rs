@@ -24,17 +24,27 @@ pub(crate) struct RawTable {
 
 impl RawTable {
     /// The live raw block at `addr`, or why there is none.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn live_raw_at(&self, addr: usize, blocks: &[Block]) -> Result<BlockId, &'static str> {
-        let Some(id) = self.addrs.get(addr) else { return Err(self.classify_foreign(addr, blocks)) };
-        let b = &blocks[id as usize];
-        match (b.allocated, b.raw, b.requested > 0) {
-            (true, true, true) => Ok(id),
-            (false, ..) => Err("already freed (double free)"),
-            (true, _, false) => Err("already freed (its free is waiting for other queues)"),
-            (true, false, true) => {
-                Err("owned by an Allocation object, not a raw allocation: drop the Allocation instead")
+        if let Some(id) = self.addrs.get(addr) {
+            let b = &blocks[id as usize];
+            if b.allocated && b.raw && b.requested > 0 {
+                return Ok(id);
             }
+        }
+        Err(self.refusal(addr, blocks))
+    }
+
+    /// Why `addr` names no live raw block.
+    #[cold]
+    fn refusal(&self, addr: usize, blocks: &[Block]) -> &'static str {
+        let Some(id) = self.addrs.get(addr) else { return self.classify_foreign(addr, blocks) };
+        let b = &blocks[id as usize];
+        match (b.allocated, b.requested > 0) {
+            (false, _) => "already freed (double free)",
+            (true, false) => "already freed (its free is waiting for other queues)",
+            // Allocated with a request, so not raw (a live raw block is never refused).
+            (true, true) => "owned by an Allocation object, not a raw allocation: drop the Allocation instead",
         }
     }
 
