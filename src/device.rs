@@ -9,7 +9,7 @@
 //! - **Copy**: [`Device::new_queue`] gives a queue this device knows about; copies enter there
 //!   ([`Queue::copy`]) and leave as completed events. [`Device::synchronize`] waits for every
 //!   such queue, and for the copies queues of other devices queued into this device's memory.
-//! - **Deferred free**: an [`Allocation`] used on another queue ([`Allocation::record_stream`])
+//! - **Deferred free**: an [`Allocation`] used on another queue ([`Allocation::record_queue`])
 //!   and dropped returns to the pool once that queue passes the drop (see [`crate::caching`]).
 //!
 //! ```no_run

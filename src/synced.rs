@@ -44,7 +44,7 @@
 //! view is a [`Mem`], the range queue operations take. It is a counted reference: it keeps the
 //! pages mapped, not the block allocated, so work queued on it must be done before the
 //! `SyncedMemory` is dropped, unless it was told about that queue
-//! ([`SyncedMemory::record_stream`], [`SyncedMemory::device_data_on`]), exactly like a block of
+//! ([`SyncedMemory::record_queue`], [`SyncedMemory::device_data_on`]), exactly like a block of
 //! the caching allocator.
 //!
 //! Work that device code queues on a device view is ordered before the next transition only if
@@ -171,10 +171,10 @@ impl Buf {
         !matches!(self, Buf::Borrowed(_))
     }
 
-    fn record_stream(&mut self, queue: &Queue) {
+    fn record_queue(&mut self, queue: &Queue) {
         match self {
-            Buf::Device(a) => a.record_stream(queue),
-            Buf::Host(h) => h.record_stream(queue),
+            Buf::Device(a) => a.record_queue(queue),
+            Buf::Host(h) => h.record_queue(queue),
             // The lender decides when its memory is freed.
             Buf::Borrowed(_) => {}
         }
@@ -479,7 +479,7 @@ impl SyncedMemory {
         // If the record fails the queue has exited or died, so the copy cannot run after it.
         let done = queue.record()?;
         for b in self.store.bufs_mut() {
-            b.record_stream(queue);
+            b.record_queue(queue);
         }
         self.pending = Some(done);
         self.copies += 1;
@@ -489,10 +489,11 @@ impl SyncedMemory {
 
     /// Records that device work on `queue` uses this memory, so that the owned blocks, when
     /// freed, wait for the work submitted there so far (the caching allocator's
-    /// `record_stream`). Borrowed memory is the lender's to protect.
-    pub fn record_stream(&mut self, queue: &Queue) {
+    /// `record_queue`). Borrowed memory is the lender's to protect.
+    #[doc(alias = "record_stream")]
+    pub fn record_queue(&mut self, queue: &Queue) {
         for b in self.store.bufs_mut() {
-            b.record_stream(queue);
+            b.record_queue(queue);
         }
     }
 
@@ -574,7 +575,7 @@ impl SyncedMemory {
             return Err(Error::ReadOnly);
         }
         if let Some(q) = queue {
-            self.record_stream(q);
+            self.record_queue(q);
         }
         if mutable {
             self.head = Head::AtDevice;

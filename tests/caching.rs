@@ -188,7 +188,7 @@ fn blocks_stay_with_their_queue() {
     assert_eq!(a.stats().num_device_alloc, n + 1, "a block cached for q1 was handed to q2");
     let on_q1 = a.allocate(MB, Some(&q1)).unwrap();
     assert_eq!(a.stats().num_device_alloc, n + 1, "q1's cached block was not reused on q1");
-    assert_eq!(on_q1.stream(), q1.id());
+    assert_eq!(on_q1.queue(), Some(q1.id()));
     drop((on_q1, on_q2));
     // Through the pools too: merged and best-fit blocks stay with their queue.
     let b = alloc("", 1 << 30);
@@ -209,7 +209,7 @@ fn a_block_used_on_another_queue_returns_only_after_that_queue_is_done() {
     let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
     let mut x = a.allocate(MB, Some(&q1)).unwrap();
     let addr = x.as_ptr();
-    x.record_stream(&q2);
+    x.record_queue(&q2);
     let host = HostBuffer::new(MB).unwrap();
     let gate = QueueGate::close(&q2);
     q2.copy(&host, x.mem()).unwrap();
@@ -241,7 +241,7 @@ fn active_stats_count_pending_frees_with_exact_peaks_and_totals() {
     })
     .unwrap();
     let mut x = a.allocate(4 * KB, Some(&q1)).unwrap();
-    x.record_stream(&q2);
+    x.record_queue(&q2);
     drop(x); // pending: q2 is blocked
     let y = a.allocate(2 * MB, Some(&q1)).unwrap(); // large pool
     let st = a.stats();
@@ -540,7 +540,7 @@ fn a_raw_block_used_on_another_queue_returns_after_that_queue() {
     let a = alloc("", 1 << 30);
     let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
     let p = a.allocate_raw(MB, Some(&q1)).unwrap();
-    a.record_stream_raw(p, &q2).unwrap();
+    a.record_queue_raw(p, &q2).unwrap();
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     q2.callback(move |_| {
         let _ = rx.recv_timeout(Duration::from_secs(10));
@@ -558,7 +558,7 @@ fn a_raw_block_used_on_another_queue_returns_after_that_queue() {
     q2.synchronize().unwrap();
     let again = a.allocate_raw(MB, Some(&q1)).unwrap();
     assert_eq!(again, p, "back in q1's pool once q2 finished");
-    assert!(a.record_stream_raw(std::ptr::null_mut(), &q2).is_err());
+    assert!(a.record_queue_raw(std::ptr::null_mut(), &q2).is_err());
     for x in [other, again] {
         a.free_raw(x).unwrap();
     }
@@ -623,7 +623,7 @@ fn pinned_host_blocks_are_power_of_two_never_split_and_reused_after_their_queues
     // Used on a queue: not reused until the queue passes the free.
     let q = Queue::new().unwrap();
     let mut b = b;
-    b.record_stream(&q);
+    b.record_queue(&q);
     let gate = QueueGate::close(&q);
     drop(b);
     let c = h.allocate(8000).unwrap();
@@ -690,7 +690,7 @@ fn a_block_is_not_reused_while_a_dropped_queue_still_drains_work_on_it() {
     let q2 = Queue::new().unwrap();
     let mut x = a.allocate(MB, Some(&q1)).unwrap();
     let addr = x.as_ptr();
-    x.record_stream(&q2);
+    x.record_queue(&q2);
     let host = HostBuffer::from_slice(&vec![7u8; MB]).unwrap();
     let gate = QueueGate::close(&q2);
     q2.copy(x.mem(), &host).unwrap();
@@ -725,7 +725,7 @@ fn a_deferred_free_that_never_completes_does_not_hang_the_allocator() {
     q2.wait(&never).unwrap();
     let keep: Vec<_> = (0..3).map(|_| a.allocate(MB, Some(&q1)).unwrap()).collect();
     let mut x = a.allocate(MB, Some(&q1)).unwrap();
-    x.record_stream(&q2);
+    x.record_queue(&q2);
     drop(x); // its event sits behind a wait that never ends
     // Other threads keep working while an allocation waits for pending frees.
     let t = std::time::Instant::now();
@@ -762,7 +762,7 @@ fn a_free_pending_on_another_queue_is_found_by_the_oom_ladder() {
     let mut blocks: Vec<_> = (0..4).map(|_| a.allocate(MB, Some(&q1)).unwrap()).collect();
     let mut x = blocks.pop().unwrap();
     let addr = x.as_ptr();
-    x.record_stream(&q2);
+    x.record_queue(&q2);
     let gate = QueueGate::close(&q2);
     drop(x);
     // Full: only the pending free can satisfy this; the ladder waits for it and reuses it.

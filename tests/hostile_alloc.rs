@@ -29,7 +29,7 @@ fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
 }
 
-/// Threads churn short-lived queues (allocate on them, record_stream onto a shared queue and
+/// Threads churn short-lived queues (allocate on them, record_queue onto a shared queue and
 /// onto each other's queues, drop the queue before or after the blocks), while another calls
 /// `empty_cache` and checks the invariants. Every live block carries its own byte pattern,
 /// checked before it is freed: a block handed out twice, or released/punched while live,
@@ -67,7 +67,7 @@ fn concurrent_queue_churn_with_empty_cache_keeps_every_live_block_intact() {
                                 let mut x = a.allocate(n, Some(&q)).unwrap();
                                 q.fill(x.mem(), tag).unwrap();
                                 if rng.below(2) == 0 {
-                                    x.record_stream(&shared);
+                                    x.record_queue(&shared);
                                     shared.fill(x.mem().range(0, 1).unwrap(), tag).unwrap();
                                 }
                                 live.push((x, tag));

@@ -70,7 +70,7 @@ fn pool_invariants_hold_under_random_workloads_in_every_configuration() {
                 3..=5 => {
                     if let Ok(mut x) = a.allocate(size(&mut rng), q) {
                         if rng.below(3) == 0 {
-                            x.record_stream(&queues[rng.below(3) as usize]);
+                            x.record_queue(&queues[rng.below(3) as usize]);
                         }
                         owned.push(x);
                     }
@@ -83,7 +83,7 @@ fn pool_invariants_hold_under_random_workloads_in_every_configuration() {
                 6 | 7 if !owned.is_empty() => drop(owned.swap_remove(rng.below(owned.len() as u64) as usize)),
                 8 if !raw.is_empty() => {
                     let p = raw[rng.below(raw.len() as u64) as usize];
-                    a.record_stream_raw(p, &queues[rng.below(3) as usize]).unwrap();
+                    a.record_queue_raw(p, &queues[rng.below(3) as usize]).unwrap();
                 }
                 9 if rng.below(20) == 0 => a.empty_cache(),
                 _ => {}
@@ -196,7 +196,7 @@ fn a_dropped_queues_ring_segments_and_reservations_go_once_its_blocks_are_free()
     let p = a.allocate_raw(4096, Some(&q)).unwrap();
     let mut x = a.allocate(8 * KB, Some(&q)).unwrap();
     let other = Queue::new().unwrap();
-    x.record_stream(&other);
+    x.record_queue(&other);
     drop(q);
     assert_eq!(a.stats().segment[AGGREGATE].current, 2);
     a.free_raw(p).unwrap();
@@ -230,7 +230,7 @@ fn an_allocation_racing_a_deferred_free_completion_never_reports_a_false_oom() {
             let _ = rx.recv();
         })
         .unwrap();
-        x.record_stream(&user);
+        x.record_queue(&user);
         drop(x);
         let got = std::thread::scope(|s| {
             let t = s.spawn(|| a.allocate(MB, None));

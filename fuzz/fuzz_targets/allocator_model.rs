@@ -3,7 +3,7 @@
 //! Each run builds a fresh `CachingAllocator` over shmem with a small capacity (so the OOM
 //! ladder is reached) and runs a program decoded from the input: RAII and raw allocations on
 //! no queue or one of three queues, writes and reads through the API (at once, and queued),
-//! `record_stream` / `record_stream_raw`, frees in any order, double and foreign frees,
+//! `record_queue` / `record_queue_raw`, frees in any order, double and foreign frees,
 //! `empty_cache`, queues held back by a gate (a callback that waits) so that deferred frees
 //! really are deferred, raw frees racing another thread for the allocator's lock, and
 //! short-lived queues. The model knows every live allocation, its bytes and the blocks whose
@@ -223,7 +223,7 @@ impl Model {
             check!("raii-len", a.len() == size, "step {}: len {} for {size}", self.step, a.len());
             check!(
                 "raii-stream",
-                a.stream() == queue.map_or(0, Queue::id),
+                a.queue() == queue.map(Queue::id),
                 "step {}: bound to the wrong queue",
                 self.step
             );
@@ -421,10 +421,10 @@ impl Model {
             return;
         }
         match &mut l.handle {
-            Handle::Raii(a) => a.record_stream(queue),
+            Handle::Raii(a) => a.record_queue(queue),
             Handle::Raw(p) => {
-                let r = self.alloc.record_stream_raw(*p, queue);
-                check!("record-stream-raw", r.is_ok(), "step {}: record_stream_raw of a live block: {r:?}", self.step);
+                let r = self.alloc.record_queue_raw(*p, queue);
+                check!("record-queue-raw", r.is_ok(), "step {}: record_queue_raw of a live block: {r:?}", self.step);
             }
         }
         if !l.used.contains(&q) {
@@ -432,7 +432,7 @@ impl Model {
         }
     }
 
-    fn record_stream(&mut self, input: &mut Input<'_>) {
+    fn record_queue(&mut self, input: &mut Input<'_>) {
         let q = input.below(QUEUES);
         if input.below(4) == 0 {
             // Not a live raw allocation: refused.
@@ -440,11 +440,11 @@ impl Model {
                 Some(&p) if !self.live.iter().any(|l| l.addr == p) => p,
                 _ => 8,
             };
-            let r = self.alloc.record_stream_raw(p as *mut u8, self.queue(q));
+            let r = self.alloc.record_queue_raw(p as *mut u8, self.queue(q));
             check!(
-                "record-stream-raw-bad",
+                "record-queue-raw-bad",
                 r.as_ref().is_err_and(|e| e.kind() == ErrorKind::InvalidPointer),
-                "step {}: record_stream_raw({p:#x}) (not a live raw allocation) returned {r:?}",
+                "step {}: record_queue_raw({p:#x}) (not a live raw allocation) returned {r:?}",
                 self.step
             );
             return;
@@ -670,7 +670,7 @@ fuzz_target!(|data: &[u8]| {
             }
             7 => m.write(&mut input),
             8 => m.queued_read(&mut input),
-            9 => m.record_stream(&mut input),
+            9 => m.record_queue(&mut input),
             10 => m.bad_free(&mut input),
             11 => {
                 let q = input.below(QUEUES);

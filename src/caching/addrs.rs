@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::pool::BlockId;
+use super::block::BlockId;
 use super::quick::FxBuild;
 
 #[derive(Default)]

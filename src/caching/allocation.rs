@@ -1,24 +1,17 @@
-//! [`Allocation`], the RAII block of the caching allocator, and the one piece of unsafe code
-//! it needs: a segment reference without a reference count.
-//!
-//! An allocated block's segment cannot go away: the pool returns a segment to its source only
-//! when it is one free, unsplit block, and a block stops being allocated only when its owner
-//! lets go. So an [`Allocation`], which also keeps the allocator (and so the pool) alive, can
-//! point at its segment without touching the segment's `Arc` count: two atomic operations
-//! fewer per allocation and free, a fifth of the hot path's time.
+//! [`Allocation`], the RAII block of the caching allocator. It reaches its segment through a
+//! [`SegRef`] (see `block.rs`: no reference count), which is why it has unsafe code.
 
 #![allow(unsafe_code)]
 
 use std::mem::ManuallyDrop;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::ptr::NonNull;
 use std::sync::Arc;
 
+use super::block::{BlockId, FreeMsg, SegRef};
 use super::free_list::Node;
-use super::pool::BlockId;
-use super::{FreeMsg, Inner};
+use super::shared::{self, AllocatorShared};
 use crate::error::Result;
-use crate::queue::{Mem, Queue, QueueHandle};
+use crate::queue::{Mem, Queue, QueueHandle, QueueId};
 use crate::segment::{Access, Segment};
 use crate::view::CpuView;
 
@@ -26,7 +19,7 @@ use crate::view::CpuView;
 /// (lock-free); if it was used on other queues, the memory returns to the pool only after those
 /// queues finish with it.
 pub struct Allocation {
-    pub(super) inner: Arc<Inner>,
+    pub(super) inner: Arc<AllocatorShared>,
     /// The free-list node the free travels in; taken by `Drop` (the block is freed then).
     pub(super) node: Option<Box<Node<FreeMsg>>>,
     pub(super) id: BlockId,
@@ -34,7 +27,8 @@ pub struct Allocation {
     pub(super) seg: SegRef,
     pub(super) offset: usize,
     pub(super) size: usize,
-    pub(super) stream: u64,
+    /// The queue the block is bound to.
+    pub(super) queue: Option<QueueId>,
     /// Other queues that used the block. Not dropped by the drop glue: `Drop` takes it when
     /// it is not empty, so the usual free pays nothing for it.
     pub(super) uses: ManuallyDrop<Vec<QueueHandle>>,
@@ -99,15 +93,16 @@ impl Allocation {
         self.seg().mapping().map_or(std::ptr::null_mut(), |m| m.as_ptr().wrapping_add(self.offset))
     }
 
-    /// The queue the block is bound to (0: none).
-    pub fn stream(&self) -> u64 {
-        self.stream
+    /// The queue the block is bound to (`None`: allocated for host-side use, on no queue).
+    pub fn queue(&self) -> Option<QueueId> {
+        self.queue
     }
 
     /// Records that `queue` uses this memory: when it is freed, the block waits for the work
     /// submitted to `queue` until then before anyone can reuse it (PyTorch's `recordStream`).
-    pub fn record_stream(&mut self, queue: &Queue) {
-        if queue.id() != self.stream && !self.uses.iter().any(|h| h.id() == queue.id()) {
+    #[doc(alias = "record_stream")]
+    pub fn record_queue(&mut self, queue: &Queue) {
+        if Some(queue.id()) != self.queue && !self.uses.iter().any(|h| h.id() == queue.id()) {
             self.uses.push(queue.handle());
         }
     }
@@ -135,55 +130,6 @@ impl Drop for Allocation {
         node.value = FreeMsg::Requested(self.id);
         self.inner.frees.push(node);
         // Taken out of the ManuallyDrop, so it is dropped after the loop.
-        super::complete_after(&self.inner, self.id, std::mem::take(&mut *self.uses));
-    }
-}
-
-/// Points at a segment held in an `Arc` by the pool.
-pub(crate) struct SegRef(NonNull<Segment>);
-
-// SAFETY: a SegRef is a shared reference in disguise (it only ever gives out `&Segment` and new
-// `Arc`s), and `Segment` is `Send + Sync`.
-unsafe impl Send for SegRef {}
-// SAFETY: as above.
-unsafe impl Sync for SegRef {}
-
-const _: () = {
-    const fn shareable<T: Send + Sync>() {}
-    shareable::<Segment>();
-};
-
-impl SegRef {
-    /// Points at `seg`'s segment.
-    pub(crate) fn new(seg: &Arc<Segment>) -> Self {
-        // `Arc::as_ptr`, not `&**seg`: the pointer must carry the provenance of the whole `Arc`
-        // allocation for `to_arc` to reach its counts.
-        Self(NonNull::new(Arc::as_ptr(seg).cast_mut()).expect("an Arc's pointer is not null"))
-    }
-
-    /// The segment.
-    ///
-    /// # Safety
-    /// The `Arc` this was made from (or a clone of it) must still be alive, and stay alive for
-    /// the returned lifetime: for an allocation, the block must not have been freed.
-    pub(crate) unsafe fn get(&self) -> &Segment {
-        // SAFETY: the caller guarantees an `Arc` keeps the segment alive for the lifetime of
-        // `&self`; the pointer came from that `Arc`'s contents.
-        unsafe { self.0.as_ref() }
-    }
-
-    /// A new counted reference to the segment (for queue operations, which must keep it alive
-    /// on their own).
-    ///
-    /// # Safety
-    /// As for [`SegRef::get`].
-    pub(crate) unsafe fn to_arc(&self) -> Arc<Segment> {
-        let ptr = self.0.as_ptr().cast_const();
-        // SAFETY: `ptr` is `Arc::as_ptr` of a live `Arc<Segment>` (caller's guarantee; a
-        // pointer from `as_ptr` is what `into_raw` returns), so adding a strong count and then
-        // adopting it with `from_raw` is sound.
-        unsafe { Arc::increment_strong_count(ptr) };
-        // SAFETY: as above: this adopts the count just added.
-        unsafe { Arc::from_raw(ptr) }
+        shared::complete_after(&self.inner, self.id, std::mem::take(&mut *self.uses));
     }
 }

@@ -42,7 +42,7 @@ struct State {
     stats: HostStats,
 }
 
-struct Inner {
+struct HostAllocatorShared {
     source: Box<dyn MemorySource>,
     state: Mutex<State>,
     frees: FreeList<Arc<Segment>>,
@@ -51,7 +51,7 @@ struct Inner {
 /// The pinned-host caching allocator. Cheap to clone.
 #[derive(Clone)]
 pub struct HostCachingAllocator {
-    inner: Arc<Inner>,
+    inner: Arc<HostAllocatorShared>,
 }
 
 impl std::fmt::Debug for HostCachingAllocator {
@@ -70,7 +70,7 @@ impl HostCachingAllocator {
     /// An allocator over a pinned-host source (any [`MemorySource`] works).
     pub fn new(source: impl MemorySource + 'static) -> Self {
         Self {
-            inner: Arc::new(Inner {
+            inner: Arc::new(HostAllocatorShared {
                 source: Box::new(source),
                 state: Mutex::new(State { free: HashMap::new(), stats: HostStats::default() }),
                 frees: FreeList::new(),
@@ -140,7 +140,7 @@ impl HostCachingAllocator {
 /// Pinned host memory from a [`HostCachingAllocator`]; freed (lock-free) on drop, reusable
 /// once the queues it was used on have passed that point.
 pub struct HostAllocation {
-    inner: Arc<Inner>,
+    inner: Arc<HostAllocatorShared>,
     seg: Option<Arc<Segment>>,
     size: usize,
     uses: Vec<QueueHandle>,
@@ -196,8 +196,9 @@ impl HostAllocation {
         self.seg()
     }
 
-    /// Records that `queue` uses this memory (see [`super::Allocation::record_stream`]).
-    pub fn record_stream(&mut self, queue: &Queue) {
+    /// Records that `queue` uses this memory (see [`super::Allocation::record_queue`]).
+    #[doc(alias = "record_stream")]
+    pub fn record_queue(&mut self, queue: &Queue) {
         if !self.uses.iter().any(|h| h.id() == queue.id()) {
             self.uses.push(queue.handle());
         }

@@ -24,7 +24,7 @@
 //!   `empty_cache` lets the queues finish first. Each growth and each punch counts as a call
 //!   to the source (`num_device_alloc` / `num_device_free`).
 //! - A block is bound to the queue it was allocated on. Used on other queues
-//!   ([`Allocation::record_stream`]), its free records an event on each of them and the block
+//!   ([`Allocation::record_queue`]), its free records an event on each of them and the block
 //!   returns to its pool only when they complete, reported through the events' completion
 //!   hooks, never by polling.
 //! - On a miss: garbage-collect old cached blocks above the threshold, ask the source; if it
@@ -33,18 +33,30 @@
 //!   was requested, the capacity, what is allocated, what is cached and the largest free
 //!   block.
 //!
+//! Files, each importing only those above it: `block` (blocks, sizes, pools, the segment
+//! reference), `quick` (the exact-reuse cache), `addrs` and `raw` (the address and raw-pointer
+//! table), `expandable` (expandable segments' state and arithmetic), `stats`, `snapshot`
+//! (snapshot and history), `pool` (best fit, split, merge, the OOM ladder; its other steps in
+//! `pool/`), `shared` (what the handles share), `allocation` (the RAII block), and this
+//! facade.
+//!
 //! The free path never takes the allocator's lock: dropping an [`Allocation`] (or a queue
 //! completion finishing a deferred free) pushes onto a lock-free list ([`free_list`]) that the
 //! next allocation, or any call that needs the pools, drains under the lock.
 
 mod addrs;
 mod allocation;
+mod block;
 pub mod config;
+mod expandable;
 pub mod free_list;
 mod host;
 mod pool;
 mod quick;
+mod raw;
 pub mod replay;
+mod shared;
+mod snapshot;
 pub mod stats;
 #[cfg(test)]
 mod tests;
@@ -52,46 +64,26 @@ mod tests;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use allocation::Allocation;
+use block::FreeMsg;
 pub use config::Config;
 use free_list::{FreeList, Node, Pending};
 pub use host::{HostAllocation, HostCachingAllocator, HostStats};
-use pool::{BlockId, Outcome, Pool};
-pub use pool::{BlockState, HistoryEvent, HistoryKind, SegmentSnapshot, Snapshot};
+use pool::{Outcome, Pool};
+use shared::AllocatorShared;
+pub use snapshot::{BlockSnapshot, BlockState, HistoryEvent, HistoryKind, SegmentSnapshot, Snapshot};
 pub use stats::{DeviceStats, SimpleStats, Stat};
 
 use crate::error::{Error, Result};
-use crate::queue::{Mem, Queue, QueueHandle};
+use crate::queue::{Mem, Queue, QueueId};
 use crate::source::MemorySource;
 
 /// Default limit on waiting for deferred frees.
 const PENDING_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// What the free list carries.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum FreeMsg {
-    /// The caller let go and no other queue used the block: free it now.
-    Free(BlockId),
-    /// The caller let go; events on other queues must complete first.
-    Requested(BlockId),
-    /// Those events completed.
-    Completed(BlockId),
-    /// The queue with this id is gone: its memory goes back once its blocks are free.
-    QueueGone(u64),
-}
-
-pub(crate) struct Inner {
-    pool: Mutex<Pool>,
-    frees: FreeList<FreeMsg>,
-    /// Deferred frees whose events have not all completed.
-    pending: Pending,
-    /// How long the OOM ladder and `empty_cache` wait for them.
-    pending_limit: std::time::Duration,
-}
-
 /// The allocator. Cheap to clone (all clones share one cache).
 #[derive(Clone)]
 pub struct CachingAllocator {
-    inner: Arc<Inner>,
+    inner: Arc<AllocatorShared>,
 }
 
 impl std::fmt::Debug for CachingAllocator {
@@ -141,7 +133,7 @@ impl AllocatorBuilder {
             (info.totalram as u64).saturating_mul(u64::from(info.mem_unit.max(1)))
         });
         Ok(CachingAllocator {
-            inner: Arc::new(Inner {
+            inner: Arc::new(AllocatorShared {
                 pool: Mutex::new(Pool::new(self.source, config, capacity)),
                 frees: FreeList::new(),
                 pending: Pending::new(),
@@ -190,20 +182,21 @@ impl CachingAllocator {
     /// `size` bytes for use on `queue` (`None`: host-side use, no queue). The block is bound to
     /// that queue: after it is freed, only allocations on the same queue reuse it directly.
     pub fn allocate(&self, size: usize, queue: Option<&Queue>) -> Result<Allocation> {
-        let stream = queue.map_or(0, Queue::id);
+        let queue_id = queue.map(Queue::id);
+        let stream = stream_key(queue_id);
         let mut pool = self.lock();
         let got = match pool.try_quick(size, stream) {
             Some(h) => h,
             None => {
                 drop(pool);
-                return self.allocate_slow(size, queue, |pool, b| self.wrap(pool, b, size, stream));
+                return self.allocate_slow(size, queue, |pool, b| self.wrap(pool, b, size, queue_id));
             }
         };
-        Ok(self.wrap(pool, got, size, stream))
+        Ok(self.wrap(pool, got, size, queue_id))
     }
 
     #[inline]
-    fn wrap(&self, mut pool: MutexGuard<'_, Pool>, b: pool::Handed, size: usize, stream: u64) -> Allocation {
+    fn wrap(&self, mut pool: MutexGuard<'_, Pool>, b: pool::Handed, size: usize, queue: Option<QueueId>) -> Allocation {
         let node = pool.take_node();
         drop(pool);
         Allocation {
@@ -213,7 +206,7 @@ impl CachingAllocator {
             seg: b.segment,
             offset: b.offset,
             size,
-            stream,
+            queue,
             uses: std::mem::ManuallyDrop::new(Vec::new()),
         }
     }
@@ -227,7 +220,7 @@ impl CachingAllocator {
         queue: Option<&Queue>,
         mut take: impl FnMut(MutexGuard<'_, Pool>, pool::Handed) -> T,
     ) -> Result<T> {
-        let stream = queue.map_or(0, Queue::id);
+        let stream = stream_key(queue.map(Queue::id));
         let mut waited = false;
         loop {
             // The free list's protocol (see `free_list`): read the pending count first, then
@@ -340,7 +333,7 @@ impl CachingAllocator {
     /// in its own table (no [`Allocation`] object, no reference counts): dropping the last
     /// handle of the allocator releases its memory, raw blocks included.
     pub fn allocate_raw(&self, size: usize, queue: Option<&Queue>) -> Result<*mut u8> {
-        let stream = queue.map_or(0, Queue::id);
+        let stream = stream_key(queue.map(Queue::id));
         if let Some(addr) = self.lock().try_quick_raw(size, stream) {
             return Ok(addr as *mut u8);
         }
@@ -364,16 +357,17 @@ impl CachingAllocator {
             Ok(Some((id, uses))) => {
                 self.inner.pending.begin();
                 drop(pool);
-                complete_after(&self.inner, id, uses);
+                shared::complete_after(&self.inner, id, uses);
                 Ok(())
             }
             Err(why) => Err(Error::InvalidFree { ptr: ptr as usize, why }),
         }
     }
 
-    /// Marks a raw allocation as used on `queue` (see [`Allocation::record_stream`]).
-    pub fn record_stream_raw(&self, ptr: *mut u8, queue: &Queue) -> Result<()> {
-        self.lock().record_stream_raw(ptr as usize, queue).map_err(|why| Error::InvalidFree { ptr: ptr as usize, why })
+    /// Marks a raw allocation as used on `queue` (see [`Allocation::record_queue`]).
+    #[doc(alias = "record_stream_raw")]
+    pub fn record_queue_raw(&self, ptr: *mut u8, queue: &Queue) -> Result<()> {
+        self.lock().record_queue_raw(ptr as usize, queue).map_err(|why| Error::InvalidFree { ptr: ptr as usize, why })
     }
 
     /// `len` bytes at `ptr`, anywhere inside one live allocation of this allocator
@@ -426,14 +420,9 @@ impl CachingAllocator {
     }
 }
 
-/// Once the work submitted so far to each of `uses` has completed, pushes the completion of
-/// the deferred free of block `id` (its `Requested` message is already in the list or applied)
-/// and uncounts it. The hook only pushes onto the lock-free list: it never takes the
-/// allocator's lock, so this may be called with that lock held.
-fn complete_after(inner: &Arc<Inner>, id: BlockId, uses: impl IntoIterator<Item = QueueHandle>) {
-    let inner = Arc::clone(inner);
-    crate::queue::after_queues(uses, move || {
-        inner.frees.push(Node::new(FreeMsg::Completed(id)));
-        inner.pending.end();
-    });
+/// The pool's key for a block's queue: its id, 0 for none (the pool's tables and the
+/// snapshot's `stream` fields store queues as integers, 0 sorting first).
+#[inline(always)]
+pub(crate) fn stream_key(queue: Option<QueueId>) -> u64 {
+    queue.map_or(0, QueueId::get)
 }

@@ -1,214 +1,51 @@
-//! The allocator's state, guarded by its lock: segments, blocks, the two pools, stats, and
-//! the history. All of seed 003's rules live here.
+//! The pool: the allocator's state, guarded by its lock (segments, blocks, the two pools, the
+//! quick cache, stats, history), with seed 003's best fit, split and OOM ladder here. Its
+//! other steps are in `pool/`: the free path and merging (`free_path.rs`), the pool's side of
+//! expandable segments (`growth.rs`), releasing memory and GC (`release.rs`), the raw API's
+//! entry points (`raw_calls.rs`) and `check_invariants` (`invariants.rs`). The blocks, the
+//! expandable segments' state, the raw table, the stats and the snapshot types live beside it
+//! in `caching/` and import nothing from it.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::fmt::Write;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Instant;
 
-use super::FreeMsg;
-use super::addrs::BlockAddrs;
-use super::allocation::SegRef;
+use super::block::{
+    Block, BlockId, FreeMsg, LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, PoolKind, ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE,
+    SegRef,
+};
 use super::config::Config;
-use super::free_list::{FreeList, Node};
+use super::expandable::{CHUNK, ExpState};
+use super::free_list::Node;
 use super::quick::{FxBuild, Quick};
-use super::stats::{self, DeviceStats, HotStats, LARGE_POOL, SMALL_POOL, Stat, StatArray};
+use super::raw::RawTable;
+use super::snapshot::{BlockSnapshot, BlockState, History, HistoryEvent, HistoryKind, Snapshot};
+use super::stats::{self, DeviceStats, PoolStats};
 use crate::error::{Error, Result};
-use crate::queue::{Queue, QueueHandle};
+use crate::queue::QueueHandle;
 use crate::segment::Segment;
 use crate::source::MemorySource;
 
-pub(crate) type BlockId = u32;
+mod free_path;
+mod growth;
+mod invariants;
+mod raw_calls;
+mod release;
+#[cfg(test)]
+mod tests;
 
-/// Smallest block, and the rounding unit.
-pub(crate) const MIN_BLOCK: usize = 512;
-/// Largest request served by the small pool.
-pub(crate) const SMALL_SIZE: usize = 1 << 20;
-/// Small-pool segment size.
-pub(crate) const SMALL_BUFFER: usize = 2 << 20;
-/// Large-pool segment size for 1–10 MiB requests.
-pub(crate) const LARGE_BUFFER: usize = 20 << 20;
-/// Requests from this size get their own segment.
-pub(crate) const MIN_LARGE_ALLOC: usize = 10 << 20;
-/// Large segments are rounded to this.
-pub(crate) const ROUND_LARGE: usize = 2 << 20;
-/// Bounded history length.
-const HISTORY: usize = 10_000;
-
-#[derive(Debug, Clone)]
-struct Block {
-    seg: u32,
-    offset: usize,
-    size: usize,
-    requested: usize,
-    stream: u64,
-    /// Handed out (or its free is waiting for events).
-    allocated: bool,
-    prev: Option<BlockId>,
-    next: Option<BlockId>,
-    pool: usize,
-    /// The allocation-miss count when the block was last cached (for GC age).
-    cached_at: u64,
-    /// In the quick cache (free, unmerged, not in a pool).
-    in_quick: bool,
-    /// Handed out through the raw API.
-    raw: bool,
-    /// A raw block that other queues used: its handles are in `Pool::raw_uses`.
-    raw_used: bool,
-}
-
-impl Block {
-    fn is_split(&self) -> bool {
-        self.prev.is_some() || self.next.is_some()
-    }
-}
-
+/// A segment the pool holds: the segment itself, where it is mapped, its pool and queue.
 struct SegEntry {
     seg: Arc<Segment>,
+    /// Its mapping's address (0 if it has none).
     base: usize,
     /// Bytes of the segment (for an expandable segment: bytes mapped so far).
     size: usize,
-    pool: usize,
+    pool: PoolKind,
+    /// The queue it is bound to (`QueueId::get`; 0: none).
     stream: u64,
     /// Set for expandable segments.
     exp: Option<ExpState>,
 }
-
-/// An expandable segment's growth state.
-struct ExpState {
-    /// Bytes of reservation; `size` never exceeds it.
-    reserved_len: usize,
-    /// The punch granularity: the system page size (a memfd's holes are punched per page).
-    page: usize,
-    /// One bit per page of the mapped part, set while the page is punched (not counted as
-    /// reserved). Only pages that lie wholly inside a free block of a pool are punched, and a
-    /// block leaves its pool only through [`Pool::allocate`]'s slow path, which counts its
-    /// pages again ([`Pool::back_chunks`]).
-    holes: Vec<u64>,
-    /// How many mapped pages are punched (0: no block needs re-backing).
-    punched: usize,
-    /// The block that ends at the mapped end.
-    tail: Option<BlockId>,
-}
-
-impl ExpState {
-    /// Calls `f(word, mask)` for the words of `holes` that cover pages `[from, to)`.
-    fn words(from: usize, to: usize, mut f: impl FnMut(usize, u64)) {
-        let mut p = from;
-        while p < to {
-            let bit = p % 64;
-            let n = (to - p).min(64 - bit);
-            let mask = if n == 64 { !0 } else { ((1u64 << n) - 1) << bit };
-            f(p / 64, mask);
-            p += n;
-        }
-    }
-
-    /// Punched pages among pages `[from, to)`.
-    fn holes_in(&self, from: usize, to: usize) -> usize {
-        if self.punched == 0 {
-            return 0;
-        }
-        let mut n = 0;
-        Self::words(from, to, |w, mask| n += (self.holes[w] & mask).count_ones() as usize);
-        n
-    }
-
-    /// Marks pages `[from, to)` punched (`hole`) or backed; returns how many changed.
-    fn mark(&mut self, from: usize, to: usize, hole: bool) -> usize {
-        let mut changed = 0;
-        let holes = &mut self.holes;
-        Self::words(from, to, |w, mask| {
-            let flip = if hole { !holes[w] & mask } else { holes[w] & mask };
-            changed += flip.count_ones() as usize;
-            holes[w] ^= flip;
-        });
-        if hole {
-            self.punched += changed;
-        } else {
-            self.punched -= changed;
-        }
-        changed
-    }
-
-    /// The start of the shortest range `[start, to)` (not before `from`) that holds `pages`
-    /// backed pages, or `from` if `[from, to)` holds fewer.
-    fn backed_suffix(&self, from: usize, to: usize, pages: usize) -> usize {
-        let mut left = pages;
-        let mut end = to;
-        if left == 0 {
-            return to;
-        }
-        while end > from {
-            let w = (end - 1) / 64;
-            let lo = (w * 64).max(from);
-            let n = end - lo;
-            let mask = if n == 64 { !0 } else { ((1u64 << n) - 1) << (lo % 64) };
-            let backed = !self.holes[w] & mask;
-            let count = backed.count_ones() as usize;
-            if count < left {
-                left -= count;
-                end = lo;
-                continue;
-            }
-            // The answer is in this word: drop its highest backed pages until `left` are taken.
-            let mut bits = backed;
-            for _ in 1..left {
-                bits &= !(1u64 << (63 - bits.leading_zeros()));
-            }
-            return w * 64 + (63 - bits.leading_zeros() as usize);
-        }
-        from
-    }
-
-    /// The pages wholly inside bytes `[off, off + len)`: those a free block may give back.
-    fn inner_pages(&self, off: usize, len: usize) -> (usize, usize) {
-        (off.div_ceil(self.page), (off + len) / self.page)
-    }
-
-    /// The pages that bytes `[off, off + len)` touch: those a handed-out block needs.
-    fn outer_pages(&self, off: usize, len: usize) -> (usize, usize) {
-        (off / self.page, (off + len).div_ceil(self.page))
-    }
-}
-
-/// Expandable segments grow in chunks of this size (and give pages back per page).
-const CHUNK: usize = 2 << 20;
-
-/// The address space to reserve for an expandable segment whose first request needs `floor`
-/// bytes. Memory is counted by backed pages, so a reservation larger than the allowed memory
-/// leaves room to grow past holes punched under pressure: four times the allowed memory, at
-/// most 256 GiB (so that hundreds of queues, each with a segment per pool, fit in the 128 TiB
-/// of a process's address space). Under an address-space limit (`RLIMIT_AS`, `ulimit -v`) it takes at most a quarter
-/// of the room left below the limit, so that the rest of the process (and other queues'
-/// segments) can still map memory; never less than `floor`.
-fn reservation_len(allowed: u64, floor: usize) -> usize {
-    reservation_len_within(allowed, floor, address_space_room())
-}
-
-/// [`reservation_len`] with `room` bytes of address space left below `RLIMIT_AS` (`None`: no
-/// limit).
-fn reservation_len_within(allowed: u64, floor: usize, room: Option<u64>) -> usize {
-    let mut len = allowed.saturating_mul(4).min(1 << 38);
-    if let Some(room) = room {
-        len = len.min(room / 4);
-    }
-    (len as usize).max(floor).max(CHUNK).next_multiple_of(CHUNK)
-}
-
-/// Bytes of address space left below this process's `RLIMIT_AS`, if it has one.
-fn address_space_room() -> Option<u64> {
-    let limit = crate::source::address_space_limit()?;
-    let pages: u64 = std::fs::read_to_string("/proc/self/statm").ok()?.split_whitespace().next()?.parse().ok()?;
-    Some(limit.saturating_sub(pages.saturating_mul(crate::source::page_size() as u64)))
-}
-
-/// Where reserved bytes grow (an expandable segment grows, or a cached block with punched
-/// pages is handed out), the trim policy keeps them under `Config::trim_ratio` times the
-/// allocated peak by punching free pages first ([`Pool::trim`]); when it punches, it takes them
-/// down to this share of that margin (1.025 for a ratio of 1.045), so that it does not run
-/// again at the next growth.
-const TRIM_LOW_SHARE: f64 = 25.0 / 45.0;
 
 /// A free block's key in its pool: best fit is the first key at or after
 /// `(stream, size, 0, 0)`.
@@ -229,140 +66,47 @@ pub(crate) struct Handed {
     pub(crate) offset: usize,
 }
 
-/// A raw free that must wait for other queues: the block and those queues.
-pub(crate) type RawDeferred = (BlockId, Vec<QueueHandle>);
-
-/// A block's state in a [`Snapshot`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BlockState {
-    /// Handed out.
-    Allocated,
-    /// Freed by the caller, waiting for other queues' events.
-    PendingFree,
-    /// Cached, free.
-    Free,
+/// One request on its way through [`Pool::allocate`] (PyTorch's `AllocParams`): what it asks
+/// for, what the ladder's steps found, and why they failed.
+struct AllocParams {
+    /// Bytes asked for.
+    size: usize,
+    /// The block size it needs.
+    rounded: usize,
+    /// The classic segment a miss asks the source for.
+    alloc_size: usize,
+    pool: PoolKind,
+    stream: u64,
+    /// Deferred frees were outstanding when the caller took the lock.
+    pending: bool,
+    /// The caller already waited for them: the ladder's second pass.
+    waited: bool,
+    /// The block found.
+    block: Option<BlockId>,
+    /// `block` came from the quick cache: an exact fit, handed out as it is.
+    exact: bool,
+    /// The ladder stopped for the caller to wait for the deferred frees.
+    wait: bool,
+    /// Why the steps failed, for the out-of-memory message.
+    cause: String,
 }
 
-/// One block in a [`SegmentSnapshot`].
-#[derive(Debug, Clone)]
-pub struct BlockSnapshot {
-    /// Offset in the segment.
-    pub offset: usize,
-    /// Rounded size.
-    pub size: usize,
-    /// Size asked for (0 when free).
-    pub requested: usize,
-    /// State.
-    pub state: BlockState,
-}
-
-/// One segment with its blocks, in address order.
-#[derive(Debug, Clone)]
-pub struct SegmentSnapshot {
-    /// Base address of its mapping.
-    pub address: usize,
-    /// Size.
-    pub size: usize,
-    /// "small" or "large".
-    pub pool: &'static str,
-    /// The queue it is bound to (0: none).
-    pub stream: u64,
-    /// Blocks, by offset.
-    pub blocks: Vec<BlockSnapshot>,
-}
-
-/// Every segment the allocator holds.
-#[derive(Debug, Clone, Default)]
-pub struct Snapshot {
-    /// Segments, by address.
-    pub segments: Vec<SegmentSnapshot>,
-}
-
-impl Snapshot {
-    /// As JSON.
-    pub fn to_json(&self) -> String {
-        let mut s = String::from("{\"segments\":[");
-        for (i, seg) in self.segments.iter().enumerate() {
-            if i > 0 {
-                s.push(',');
-            }
-            let _ = write!(
-                s,
-                "{{\"address\":{},\"total_size\":{},\"pool\":\"{}\",\"stream\":{},\"blocks\":[",
-                seg.address, seg.size, seg.pool, seg.stream
-            );
-            for (j, b) in seg.blocks.iter().enumerate() {
-                if j > 0 {
-                    s.push(',');
-                }
-                let state = match b.state {
-                    BlockState::Allocated => "active_allocated",
-                    BlockState::PendingFree => "active_pending_free",
-                    BlockState::Free => "inactive",
-                };
-                let _ = write!(
-                    s,
-                    "{{\"offset\":{},\"size\":{},\"requested_size\":{},\"state\":\"{state}\"}}",
-                    b.offset, b.size, b.requested
-                );
-            }
-            s.push_str("]}");
+impl AllocParams {
+    fn new(size: usize, rounded: usize, alloc_size: usize, stream: u64, pending: bool, waited: bool) -> Self {
+        let pool = PoolKind::for_size(rounded);
+        Self {
+            size,
+            rounded,
+            alloc_size,
+            pool,
+            stream,
+            pending,
+            waited,
+            block: None,
+            exact: false,
+            wait: false,
+            cause: String::new(),
         }
-        s.push_str("]}");
-        s
-    }
-}
-
-/// What happened, for the bounded history.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HistoryKind {
-    /// A block was handed out.
-    Alloc,
-    /// The caller freed a block used on other queues; it waits for their events.
-    FreeRequested,
-    /// A block returned to its pool.
-    FreeCompleted,
-    /// A segment was obtained from the source.
-    SegmentAlloc,
-    /// A segment was returned to the source.
-    SegmentFree,
-    /// A request failed with out-of-memory.
-    Oom,
-    /// A raw free of a pointer that is not a live raw allocation was refused.
-    InvalidFree,
-}
-
-/// One history entry.
-#[derive(Debug, Clone, Copy)]
-pub struct HistoryEvent {
-    /// Nanoseconds since the allocator was created.
-    pub t_ns: u64,
-    /// What happened.
-    pub kind: HistoryKind,
-    /// Address of the block or segment (0 for an OOM).
-    pub addr: usize,
-    /// Its size (the request's, for an OOM).
-    pub size: usize,
-    /// The queue (0: none).
-    pub stream: u64,
-}
-
-impl HistoryEvent {
-    /// As one JSON object.
-    pub fn to_json(&self) -> String {
-        let kind = match self.kind {
-            HistoryKind::Alloc => "alloc",
-            HistoryKind::FreeRequested => "free_requested",
-            HistoryKind::FreeCompleted => "free_completed",
-            HistoryKind::SegmentAlloc => "segment_alloc",
-            HistoryKind::SegmentFree => "segment_free",
-            HistoryKind::Oom => "oom",
-            HistoryKind::InvalidFree => "invalid_free",
-        };
-        format!(
-            "{{\"t\":{},\"action\":\"{kind}\",\"addr\":{},\"size\":{},\"stream\":{}}}",
-            self.t_ns, self.addr, self.size, self.stream
-        )
     }
 }
 
@@ -375,25 +119,13 @@ pub(crate) struct Pool {
     free_ids: Vec<BlockId>,
     segments: Vec<Option<SegEntry>>,
     free_segs: Vec<u32>,
-    pools: [BTreeSet<Key>; 3],
-    /// Every stat but those in `hot` and `active`/`active_bytes`, which [`Pool::stats`]
-    /// derives (see there).
-    stats: DeviceStats,
-    /// The stats the fast path moves: allocation, allocated, requested, inactive split.
-    hot: HotStats,
-    /// Blocks (and their bytes) whose free waits for other queues' events.
-    pending: StatArray,
-    pending_bytes: StatArray,
-    /// Peaks of active blocks (and bytes) reached while frees were pending; otherwise active
-    /// equals allocated and the allocation peaks are the active peaks.
-    active_peak: [i64; 3],
-    active_bytes_peak: [i64; 3],
+    /// The free blocks of each pool (`PoolKind::slot`).
+    pools: [BTreeSet<Key>; 2],
+    /// The stats, kept in the parts the hot path moves cheaply (see [`PoolStats`]).
+    stats: PoolStats,
     /// Allocation misses so far (the GC clock).
     misses: u64,
-    history: VecDeque<HistoryEvent>,
-    /// Record alloc/free events too (segment events and OOMs are always recorded).
-    record_all: bool,
-    started: Instant,
+    history: History,
     /// Free-list nodes kept for reuse, so the hot path does not allocate.
     #[allow(
         clippy::vec_box,
@@ -405,15 +137,14 @@ pub(crate) struct Pool {
     scratch: Vec<Box<Node<FreeMsg>>>,
     /// The queues blocks were allocated on, to tell whether one still has work in flight.
     queues: HashMap<u64, QueueHandle, FxBuild>,
-    /// Every block of every live segment by address: raw frees look their pointer up here.
-    by_addr: BlockAddrs,
-    /// The other queues that used a raw block (`Block::raw_used`).
-    raw_uses: HashMap<BlockId, Vec<QueueHandle>, FxBuild>,
+    /// Every block of every live segment by address, and the queues that used raw blocks:
+    /// raw frees, `record_queue_raw` and ranges look their pointers up here.
+    raw: RawTable,
     /// Freed blocks kept unmerged for exact reuse, by (stream, size): the fast path for
     /// periodic workloads. Flushed into the pools (with merging) on a miss.
     quick: Quick,
     /// The expandable segment of each (stream, pool).
-    expandable: HashMap<(u64, usize), u32>,
+    expandable: HashMap<(u64, PoolKind), u32>,
     /// The source cannot make expandable segments: classic segments are used instead.
     expandable_unsupported: bool,
     /// The latest failure of the source during the current request that was not a lack of
@@ -426,14 +157,10 @@ pub(crate) struct Pool {
 /// How many freed blocks the quick cache holds before it is flushed into the pools.
 const QUICK_MAX: usize = 1024;
 
-fn pool_name(pool: usize) -> &'static str {
-    if pool == SMALL_POOL { "small" } else { "large" }
-}
-
 impl Pool {
     pub(crate) fn new(source: Box<dyn MemorySource>, config: Config, capacity: u64) -> Self {
         let allowed = (capacity as f64 * config.per_process_memory_fraction) as u64;
-        let stats = DeviceStats { max_split_size: config.max_split_size as u64, ..Default::default() };
+        let stats = PoolStats::new(config.max_split_size as u64);
         Self {
             source,
             config,
@@ -445,20 +172,12 @@ impl Pool {
             free_segs: Vec::new(),
             pools: Default::default(),
             stats,
-            hot: HotStats::default(),
-            pending: StatArray::default(),
-            pending_bytes: StatArray::default(),
-            active_peak: [0; 3],
-            active_bytes_peak: [0; 3],
             misses: 0,
-            history: VecDeque::new(),
-            record_all: false,
-            started: Instant::now(),
+            history: History::new(),
             nodes: Vec::new(),
             scratch: Vec::new(),
             queues: HashMap::default(),
-            by_addr: BlockAddrs::default(),
-            raw_uses: HashMap::default(),
+            raw: RawTable::default(),
             quick: Quick::default(),
             expandable: HashMap::new(),
             expandable_unsupported: false,
@@ -467,48 +186,19 @@ impl Pool {
         }
     }
 
-    /// The stats. Active blocks are allocated blocks plus those whose free is pending, so the
-    /// hot path keeps only the allocation stats and the (rare) pending ones, and `active` is
-    /// derived here: current and totals add up, and its peak is the allocation peak unless a
-    /// higher one was reached while frees were pending.
+    /// The stats (see [`PoolStats::derive`]).
     pub(crate) fn stats(&self) -> DeviceStats {
-        let mut d = self.stats.clone();
-        d.allocation = self.hot.array(stats::ALLOCATION);
-        d.allocated_bytes = self.hot.array(stats::ALLOCATED_BYTES);
-        d.requested_bytes = self.hot.array(stats::REQUESTED_BYTES);
-        d.inactive_split = self.hot.array(stats::INACTIVE_SPLIT);
-        d.inactive_split_bytes = self.hot.array(stats::INACTIVE_SPLIT_BYTES);
-        let derive = |alloc: &StatArray, pending: &StatArray, extra: &[i64; 3]| -> StatArray {
-            std::array::from_fn(|i| Stat {
-                current: alloc[i].current + pending[i].current,
-                peak: alloc[i].peak.max(extra[i]),
-                allocated: alloc[i].allocated,
-                freed: alloc[i].freed - pending[i].allocated + pending[i].freed,
-            })
-        };
-        d.active = derive(&d.allocation, &self.pending, &self.active_peak);
-        d.active_bytes = derive(&d.allocated_bytes, &self.pending_bytes, &self.active_bytes_peak);
-        d
+        self.stats.derive()
     }
 
     /// Zeroes the accumulated counters.
     pub(crate) fn reset_accumulated(&mut self) {
         self.stats.reset_accumulated();
-        self.hot.reset_accumulated();
-        for s in self.pending.iter_mut().chain(self.pending_bytes.iter_mut()) {
-            s.reset_accumulated();
-        }
     }
 
     /// Sets every peak to its current value.
     pub(crate) fn reset_peak(&mut self) {
         self.stats.reset_peak();
-        self.hot.reset_peak();
-        let (allocation, bytes) = (self.hot.current(stats::ALLOCATION), self.hot.current(stats::ALLOCATED_BYTES));
-        for i in 0..3 {
-            self.active_peak[i] = allocation[i] + self.pending[i].current;
-            self.active_bytes_peak[i] = bytes[i] + self.pending_bytes[i].current;
-        }
     }
 
     pub(crate) fn capacity(&self) -> u64 {
@@ -525,27 +215,15 @@ impl Pool {
     }
 
     pub(crate) fn history(&self) -> Vec<HistoryEvent> {
-        self.history.iter().copied().collect()
+        self.history.events()
     }
 
     pub(crate) fn set_record_all(&mut self, on: bool) {
-        self.record_all = on;
+        self.history.record_all = on;
     }
 
     fn log(&mut self, kind: HistoryKind, addr: usize, size: usize, stream: u64) {
-        let always = matches!(kind, HistoryKind::SegmentAlloc | HistoryKind::SegmentFree | HistoryKind::Oom);
-        if !always && !self.record_all {
-            return;
-        }
-        self.log_always(kind, addr, size, stream);
-    }
-
-    fn log_always(&mut self, kind: HistoryKind, addr: usize, size: usize, stream: u64) {
-        if self.history.len() == HISTORY {
-            self.history.pop_front();
-        }
-        let t_ns = self.started.elapsed().as_nanos() as u64;
-        self.history.push_back(HistoryEvent { t_ns, kind, addr, size, stream });
+        self.history.log(kind, addr, size, stream);
     }
 
     fn addr(&self, id: BlockId) -> usize {
@@ -591,10 +269,6 @@ impl Pool {
         }
     }
 
-    fn pool_for(size: usize) -> usize {
-        if size <= SMALL_SIZE { SMALL_POOL } else { LARGE_POOL }
-    }
-
     // ---- pool membership, keeping inactive_split stats ----
 
     /// A free block starts (`entering`) or stops counting as inactive split memory.
@@ -605,18 +279,18 @@ impl Pool {
             return;
         }
         let (pool, size) = (b.pool, b.size as i64);
-        self.hot.inactive(pool, size, entering);
+        self.stats.hot.inactive(pool, size, entering);
     }
 
     fn pool_insert(&mut self, id: BlockId) {
         let key = self.key(id);
-        self.pools[self.blocks[id as usize].pool].insert(key);
+        self.pools[self.blocks[id as usize].pool.slot()].insert(key);
         self.account_inactive(id, true);
     }
 
     fn pool_remove(&mut self, id: BlockId) {
         let key = self.key(id);
-        let removed = self.pools[self.blocks[id as usize].pool].remove(&key);
+        let removed = self.pools[self.blocks[id as usize].pool.slot()].remove(&key);
         debug_assert!(removed, "block {id} was not in its pool");
         self.account_inactive(id, false);
     }
@@ -628,7 +302,7 @@ impl Pool {
         seg: u32,
         (offset, size): (usize, usize),
         stream: u64,
-        pool: usize,
+        pool: PoolKind,
         prev: Option<BlockId>,
         next: Option<BlockId>,
     ) -> BlockId {
@@ -658,215 +332,9 @@ impl Pool {
             }
         };
         let addr = self.addr(id);
-        self.by_addr.insert(addr, id);
+        self.raw.addrs.insert(addr, id);
         self.quick.track(id);
         id
-    }
-
-    // ---- the free path, drained under the lock ----
-
-    /// Applies every free pushed since the last drain, oldest first (the caller checks the
-    /// list is not empty first, on its fast path).
-    #[inline]
-    pub(crate) fn drain(&mut self, frees: &FreeList<FreeMsg>) {
-        let mut scratch = std::mem::take(&mut self.scratch);
-        frees.drain_oldest_first(&mut scratch, |n| {
-            let m = n.value;
-            self.recycle(n);
-            self.apply(m);
-        });
-        self.scratch = scratch;
-    }
-
-    fn recycle(&mut self, node: Box<Node<FreeMsg>>) {
-        if self.nodes.len() < 4096 {
-            self.nodes.push(node);
-        }
-    }
-
-    #[inline(always)]
-    fn apply(&mut self, m: FreeMsg) {
-        match m {
-            FreeMsg::Free(id) => {
-                self.free_now(id);
-                self.after_free(id);
-            }
-            FreeMsg::QueueGone(stream) => self.queue_gone(stream),
-            FreeMsg::Requested(id) => {
-                self.account_free_request(id);
-                let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
-                stats::inc_array(&mut self.pending, pool, 1);
-                stats::inc_array(&mut self.pending_bytes, pool, size);
-                let (addr, size, stream) =
-                    (self.addr(id), self.blocks[id as usize].size, self.blocks[id as usize].stream);
-                self.log(HistoryKind::FreeRequested, addr, size, stream);
-            }
-            FreeMsg::Completed(id) => {
-                let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
-                stats::dec_array(&mut self.pending, pool, 1);
-                stats::dec_array(&mut self.pending_bytes, pool, size);
-                self.free_block(id);
-                self.after_free(id);
-            }
-        }
-    }
-
-    /// After a free: the last block of a gone queue's segment lets the segment go.
-    #[inline(always)]
-    fn after_free(&mut self, id: BlockId) {
-        if !self.gone.is_empty() {
-            let stream = self.blocks[id as usize].stream;
-            if self.gone.contains(&stream) {
-                self.release_gone(stream);
-            }
-        }
-    }
-
-    /// Frees a block no other queue used. The usual case takes the short way: straight into
-    /// the quick cache with the fewest stat updates.
-    #[inline(always)]
-    fn free_now(&mut self, id: BlockId) {
-        let quick_ok = !self.record_all && !self.config.no_caching && self.quick.len() < QUICK_MAX;
-        let b = &mut self.blocks[id as usize];
-        if !quick_ok || b.size >= self.config.max_split_size {
-            self.account_free_request(id);
-            self.free_block(id);
-            return;
-        }
-        let (pool, size, requested, stream, split) = (b.pool, b.size, b.requested, b.stream, b.is_split());
-        b.allocated = false;
-        b.requested = 0;
-        b.cached_at = self.misses;
-        b.in_quick = true;
-        self.hot.on_free_request(pool, size as i64, requested as i64);
-        if split {
-            self.hot.inactive(pool, size as i64, true);
-        }
-        self.quick.push(stream, size, id);
-    }
-
-    /// A free-list node for a new allocation (reused when possible).
-    pub(crate) fn take_node(&mut self) -> Box<Node<FreeMsg>> {
-        self.nodes.pop().unwrap_or_else(|| Node::new(FreeMsg::Free(0)))
-    }
-
-    /// The caller let go: it no longer counts as allocated (it stays active until free).
-    fn account_free_request(&mut self, id: BlockId) {
-        let b = &self.blocks[id as usize];
-        let (pool, size, requested) = (b.pool, b.size as i64, b.requested as i64);
-        self.hot.on_free_request(pool, size, requested);
-        if b.size >= self.config.max_split_size {
-            self.stats.oversize_allocations.update(-1);
-        }
-        // A block still allocated with nothing requested is waiting for its events.
-        self.blocks[id as usize].requested = 0;
-    }
-
-    /// Returns a block: into the quick cache (unmerged, for exact reuse) when caching, else
-    /// into its pool, merged with free neighbours.
-    fn free_block(&mut self, id: BlockId) {
-        // Make room first, while this block still counts as allocated (so the flush's merges
-        // leave it alone).
-        if self.quick.len() >= QUICK_MAX {
-            self.flush_quick();
-        }
-        let (size, stream) = {
-            let b = &self.blocks[id as usize];
-            (b.size, b.stream)
-        };
-        if self.record_all {
-            let addr = self.addr(id);
-            self.log(HistoryKind::FreeCompleted, addr, size, stream);
-        }
-        let misses = self.misses;
-        let b = &mut self.blocks[id as usize];
-        b.allocated = false;
-        b.requested = 0;
-        b.cached_at = misses;
-        if !self.config.no_caching && size < self.config.max_split_size {
-            self.quick_insert(id);
-            return;
-        }
-        self.pool_free(id);
-    }
-
-    fn quick_insert(&mut self, id: BlockId) {
-        let b = &mut self.blocks[id as usize];
-        b.in_quick = true;
-        self.quick.push(b.stream, b.size, id);
-        self.account_inactive(id, true);
-    }
-
-    /// Takes a block out of the quick cache's accounting (it was popped from its list).
-    #[inline(always)]
-    fn quick_leave(&mut self, id: BlockId) {
-        self.blocks[id as usize].in_quick = false;
-        self.account_inactive(id, false);
-    }
-
-    #[inline(always)]
-    fn quick_take(&mut self, stream: u64, size: usize) -> Option<BlockId> {
-        let id = self.quick.pop(stream, size)?;
-        self.quick_leave(id);
-        Some(id)
-    }
-
-    /// Moves every quick-cached block into its pool, merging neighbours.
-    pub(crate) fn flush_quick(&mut self) {
-        if self.quick.len() == 0 {
-            return;
-        }
-        let ids = self.quick.take_all();
-        // One at a time: a neighbour still marked quick is not merged until its own turn.
-        for id in ids {
-            self.quick_leave(id);
-            self.pool_free(id);
-        }
-    }
-
-    /// Puts a free block into its pool, merged with its free (pooled) neighbours.
-    fn pool_free(&mut self, id: BlockId) {
-        let mergeable = |b: &Block| !b.allocated && !b.in_quick;
-        if let Some(p) = self.blocks[id as usize].prev.filter(|&p| mergeable(&self.blocks[p as usize])) {
-            self.merge(id, p);
-        }
-        if let Some(n) = self.blocks[id as usize].next.filter(|&n| mergeable(&self.blocks[n as usize])) {
-            self.merge(id, n);
-        }
-        self.pool_insert(id);
-        if self.config.no_caching && !self.blocks[id as usize].is_split() && !self.is_expandable(id) {
-            let _ = self.release_block(id);
-        }
-    }
-
-    /// Absorbs free neighbour `other` into `id`.
-    fn merge(&mut self, id: BlockId, other: BlockId) {
-        self.pool_remove(other);
-        let (id_addr, other_addr) = (self.addr(id), self.addr(other));
-        if other_addr < id_addr {
-            // `id` now starts where `other` did.
-            self.by_addr.remove(id_addr);
-            self.by_addr.insert(other_addr, id);
-        } else {
-            self.by_addr.remove(other_addr);
-        }
-        let o = self.blocks[other as usize].clone();
-        let b = &mut self.blocks[id as usize];
-        if o.offset < b.offset {
-            b.offset = o.offset;
-            b.prev = o.prev;
-            if let Some(pp) = o.prev {
-                self.blocks[pp as usize].next = Some(id);
-            }
-        } else {
-            b.next = o.next;
-            if let Some(nn) = o.next {
-                self.blocks[nn as usize].prev = Some(id);
-            }
-        }
-        self.blocks[id as usize].size += o.size;
-        self.free_ids.push(other);
-        self.fix_tail(id);
     }
 
     /// Records `id` as its expandable segment's tail if it now ends the mapped part.
@@ -879,20 +347,12 @@ impl Pool {
         }
     }
 
-    fn uses_expandable(&self) -> bool {
-        self.config.expandable_segments && !self.config.no_caching && !self.expandable_unsupported
-    }
-
-    fn is_expandable(&self, id: BlockId) -> bool {
-        self.segments[self.blocks[id as usize].seg as usize].as_ref().is_some_and(|e| e.exp.is_some())
-    }
-
     /// New memory for a request: a new segment, or more of the stream's expandable segment.
     fn new_memory(
         &mut self,
         alloc_size: usize,
         rounded: usize,
-        pool: usize,
+        pool: PoolKind,
         stream: u64,
         cause: &mut String,
     ) -> Option<BlockId> {
@@ -909,285 +369,6 @@ impl Pool {
         self.alloc_segment(alloc_size, pool, stream, cause)
     }
 
-    /// Grows the (stream, pool) expandable segment so that its free tail holds `rounded`
-    /// bytes; returns that tail block. Before the reserved bytes grow, [`Pool::trim`] punches
-    /// free pages elsewhere if they would go past its bound or the allowed memory. Making the
-    /// reservation and each growth (one `mmap` of more of the memfd) are calls to the memory
-    /// source, counted in `num_device_alloc`.
-    fn grow_expandable(&mut self, rounded: usize, pool: usize, stream: u64, cause: &mut String) -> Option<BlockId> {
-        let idx = match self.expandable.get(&(stream, pool)) {
-            Some(&i) => i,
-            None => {
-                let floor = rounded.next_multiple_of(CHUNK);
-                let mut len = reservation_len(self.allowed, floor);
-                let seg = loop {
-                    match self.source.reserve_expandable(len) {
-                        Ok(s) => break s,
-                        Err(Error::Unsupported { .. }) => {
-                            // Heaps and GEM objects cannot grow in place: use classic segments.
-                            self.expandable_unsupported = true;
-                            return None;
-                        }
-                        // Less address space than hoped (ulimit -v, valgrind): ask for less.
-                        Err(_) if len / 2 >= floor.max(CHUNK) => len = (len / 2).next_multiple_of(CHUNK),
-                        Err(e) => {
-                            // Not even the request fits: classic segments from here on.
-                            *cause = format!("; {} cannot reserve address space: {e}", self.source.name());
-                            self.note_source_error(e);
-                            self.expandable_unsupported = true;
-                            return None;
-                        }
-                    }
-                };
-                let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
-                // CHUNK is a multiple of every page size Linux uses.
-                let page = crate::source::page_size().clamp(1, CHUNK);
-                let reserved_len = seg.mapping().map_or(0, crate::mapping::Mapping::reserved_len);
-                let exp = ExpState { reserved_len, page, holes: Vec::new(), punched: 0, tail: None };
-                let i = self.add_segment(SegEntry { seg: Arc::new(seg), base, size: 0, pool, stream, exp: Some(exp) });
-                self.expandable.insert((stream, pool), i);
-                i
-            }
-        };
-        // Free blocks the quick cache holds unmerged can neither extend the tail nor be punched
-        // (normally it is empty here: the miss that led here flushed it).
-        self.flush_quick();
-        let (mapped, reserved_len, tail) = {
-            let e = self.segments[idx as usize].as_ref().expect("live expandable segment");
-            let exp = e.exp.as_ref().expect("expandable");
-            (e.size, exp.reserved_len, exp.tail)
-        };
-        let tail_free = tail.filter(|&t| {
-            let b = &self.blocks[t as usize];
-            !b.allocated && !b.in_quick
-        });
-        let have = tail_free.map_or(0, |t| self.blocks[t as usize].size);
-        let grow = rounded.saturating_sub(have).next_multiple_of(CHUNK);
-        if mapped + grow > reserved_len {
-            *cause = format!("; the expandable segment's {reserved_len}-byte reservation is full");
-            return None;
-        }
-        // The request takes all of the free tail: its punched pages count again too.
-        let need = (grow + tail_free.map_or(0, |t| self.punched_bytes(t, usize::MAX))) as u64;
-        self.trim(need, rounded as u64, tail_free);
-        let reserved = self.stats.reserved_bytes[stats::AGGREGATE].current as u64;
-        if reserved + need > self.allowed {
-            *cause = format!(
-                "; the allowed memory ({} bytes = fraction {} of capacity) would be exceeded",
-                self.allowed, self.config.per_process_memory_fraction
-            );
-            return None;
-        }
-        let e = self.segments[idx as usize].as_mut().expect("live expandable segment");
-        if let Err(err) = e.seg.grow_to(mapped, mapped + grow) {
-            *cause = format!("; {err}");
-            self.note_source_error(err);
-            return None;
-        }
-        e.size = mapped + grow;
-        let exp = e.exp.as_mut().expect("expandable");
-        exp.holes.resize(((mapped + grow) / exp.page).div_ceil(64), 0);
-        self.stats.num_device_alloc += 1;
-        stats::inc_array(&mut self.stats.reserved_bytes, pool, grow as i64);
-        match tail_free {
-            Some(t) => {
-                self.pool_remove(t);
-                self.blocks[t as usize].size += grow;
-                self.pool_insert(t);
-                Some(t)
-            }
-            None => {
-                let id = self.new_block(idx, (mapped, grow), stream, pool, tail, None);
-                if let Some(t) = tail {
-                    self.blocks[t as usize].next = Some(id);
-                }
-                self.fix_tail(id);
-                self.pool_insert(id);
-                Some(id)
-            }
-        }
-    }
-
-    /// Bytes of the punched pages that the first `len` bytes of an expandable block touch (0
-    /// for any other block).
-    fn punched_bytes(&self, id: BlockId, len: usize) -> usize {
-        let b = &self.blocks[id as usize];
-        let Some(exp) = self.segments[b.seg as usize].as_ref().and_then(|e| e.exp.as_ref()) else { return 0 };
-        let (from, to) = exp.outer_pages(b.offset, len.min(b.size));
-        exp.holes_in(from, to) * exp.page
-    }
-
-    /// Whether pooled block `id` can be handed out for a `rounded`-byte request: the punched
-    /// pages that part of it touches count as reserved again once handed out (touching them
-    /// brings them back, with no call to the source), so first the trim policy makes room as
-    /// for a growth, and then they must fit in the allowed memory. On the slow path of
-    /// [`Pool::allocate`] only, and cheap unless the block's segment has punched pages.
-    fn reback_fits(&mut self, id: BlockId, rounded: usize) -> bool {
-        let mut need = self.punched_bytes(id, rounded) as u64;
-        if need == 0 {
-            return true;
-        }
-        if self.quick.len() > 0 && self.trim_excess(need, rounded as u64) > 0 {
-            // Memory in the quick cache cannot be punched: merge it first, with `id` out of
-            // its pool and marked allocated meanwhile so that no merge absorbs it; then `id`
-            // goes back through `pool_free`, which absorbs its free neighbours (leaving them
-            // unmerged would strand them: nothing merges two pooled blocks later). `id` keeps
-            // its id, so the caller's choice stands; it may start earlier now.
-            self.pool_remove(id);
-            self.blocks[id as usize].allocated = true;
-            self.flush_quick();
-            self.blocks[id as usize].allocated = false;
-            self.pool_free(id);
-            need = self.punched_bytes(id, rounded) as u64;
-        }
-        self.trim(need, rounded as u64, Some(id));
-        self.stats.reserved_bytes[stats::AGGREGATE].current as u64 + need <= self.allowed
-    }
-
-    /// Counts the punched pages under an expandable block that is being handed out as
-    /// reserved again ([`Pool::reback_fits`] made room for them). Called on the slow path of
-    /// [`Pool::allocate`], the only way out of the pools (see `Pool::hand_out`).
-    fn back_chunks(&mut self, id: BlockId) {
-        let b = &self.blocks[id as usize];
-        let (seg, off, size, pool) = (b.seg, b.offset, b.size, b.pool);
-        let Some(exp) = self.segments[seg as usize].as_mut().and_then(|e| e.exp.as_mut()) else { return };
-        if exp.punched == 0 {
-            return;
-        }
-        let (from, to) = exp.outer_pages(off, size);
-        let added = exp.mark(from, to, false) * exp.page;
-        if added > 0 {
-            stats::inc_array(&mut self.stats.reserved_bytes, pool, added as i64);
-        }
-    }
-
-    /// Gives every backed page that a free expandable block wholly covers back to the kernel;
-    /// returns the bytes released.
-    fn punch_free(&mut self, id: BlockId) -> usize {
-        self.punch_block(id, u64::MAX)
-    }
-
-    /// Gives back at least `want` bytes (or all it has) of the backed pages that a free
-    /// expandable block wholly covers, taken from its end (best fit splits blocks from the
-    /// front, so the end is reused last), with one `fallocate(PUNCH_HOLE)`: a call to the
-    /// source, counted in `num_device_free`. Returns the bytes released.
-    fn punch_block(&mut self, id: BlockId, want: u64) -> usize {
-        let b = &self.blocks[id as usize];
-        let (seg, off, size, pool) = (b.seg, b.offset, b.size, b.pool);
-        if self.queue_busy(b.stream) {
-            // Work queued before the free may still use the block: a punch would not wait.
-            return 0;
-        }
-        let Some(entry) = self.segments[seg as usize].as_mut() else { return 0 };
-        let Some(exp) = entry.exp.as_mut() else { return 0 };
-        let (from, to) = exp.inner_pages(off, size);
-        if to <= from {
-            return 0;
-        }
-        let holes = exp.holes_in(from, to);
-        if holes == to - from {
-            return 0;
-        }
-        let pages = want.div_ceil(exp.page as u64).min((to - from) as u64) as usize;
-        let start = if holes == 0 { to - pages } else { exp.backed_suffix(from, to, pages) };
-        let (from_b, to_b) = (start * exp.page, to * exp.page);
-        if entry.seg.punch(from_b, to_b - from_b).is_err() {
-            return 0;
-        }
-        let freed = exp.mark(start, to, true) * exp.page;
-        let (addr, stream) = (entry.base + from_b, entry.stream);
-        self.stats.num_device_free += 1;
-        stats::dec_array(&mut self.stats.reserved_bytes, pool, freed as i64);
-        self.log(HistoryKind::SegmentFree, addr, freed, stream);
-        freed
-    }
-
-    /// How many bytes [`Pool::trim`] should give back before the reserved bytes grow by `need`
-    /// for a request of `rounded` bytes (0: none).
-    fn trim_excess(&self, need: u64, rounded: u64) -> u64 {
-        self.over_bound(need, rounded).max(self.over_allowed(need))
-    }
-
-    /// How far past the trim policy's bound the reserved bytes would go: the bytes to punch to
-    /// bring them down to its low mark (0 while within the bound).
-    fn over_bound(&self, need: u64, rounded: u64) -> u64 {
-        let after = self.stats.reserved_bytes[stats::AGGREGATE].current as u64 + need;
-        let ratio = self.config.trim_ratio;
-        if ratio == 0.0 {
-            return 0;
-        }
-        let bytes = self.hot.array(stats::ALLOCATED_BYTES)[stats::AGGREGATE];
-        let allocated = bytes.current as u64 + rounded;
-        let peak = (bytes.peak as u64).max(allocated) as f64;
-        // Punch down to a low mark, so the next growth does not trim again at once.
-        let (high, low) = (peak * ratio, peak * (1.0 + (ratio - 1.0) * TRIM_LOW_SHARE));
-        if after as f64 > high { after - low as u64 } else { 0 }
-    }
-
-    /// How far past the allowed memory the reserved bytes would go.
-    fn over_allowed(&self, need: u64) -> u64 {
-        (self.stats.reserved_bytes[stats::AGGREGATE].current as u64 + need).saturating_sub(self.allowed)
-    }
-
-    /// The trim policy, which keeps reserved memory close to the allocated peak. It runs only
-    /// where the reserved bytes are about to grow by `need` for a request of `rounded` bytes,
-    /// on the slow path: a miss that grows an expandable segment, or a cached block handed out
-    /// over pages punched earlier. If they would end up above `Config::trim_ratio` times the
-    /// allocated peak (counting this request), or past the allowed memory, it punches free
-    /// pages of pooled blocks in every expandable segment (either pool), largest blocks first
-    /// (fewest calls), each from its end, down to the low mark (`TRIM_LOW_SHARE`). A block
-    /// bound to a queue with work in flight is left alone: that work was queued before the
-    /// free and may still read or write it, and a punch is not ordered after it.
-    /// `keep` (the block the request will take) is spared. A periodic workload whose pages all
-    /// fit within the bound stops punching once warm; one that touches more pages per
-    /// iteration than that punches some every iteration.
-    fn trim(&mut self, need: u64, rounded: u64, keep: Option<BlockId>) {
-        let excess = self.trim_excess(need, rounded);
-        if excess > 0 {
-            self.punch_largest(excess, keep);
-        }
-    }
-
-    /// Punches at least `excess` bytes of free pages from pooled expandable blocks, largest
-    /// first (both pools walked from their largest key down and merged by size: exact for one
-    /// queue, per queue otherwise), sparing `keep` and the blocks of queues with work in
-    /// flight; returns what is left of `excess`. Walks the pools in place: no collecting, no
-    /// sorting.
-    fn punch_largest(&mut self, mut excess: u64, keep: Option<BlockId>) -> u64 {
-        let mut below: [Option<Key>; 2] = [None, None];
-        let mut done = [false; 2];
-        let pools = [SMALL_POOL, LARGE_POOL];
-        loop {
-            let mut peek = [None, None];
-            for i in 0..2 {
-                if !done[i] {
-                    let set = &self.pools[pools[i]];
-                    peek[i] = match below[i] {
-                        None => set.iter().next_back().copied(),
-                        Some(k) => set.range(..k).next_back().copied(),
-                    };
-                    done[i] = peek[i].is_none();
-                }
-            }
-            let i = match (peek[0], peek[1]) {
-                (None, None) => return excess,
-                (Some(_), None) => 0,
-                (None, Some(_)) => 1,
-                (Some(a), Some(b)) => usize::from(b.1 >= a.1),
-            };
-            let k = peek[i].expect("picked a present key");
-            below[i] = Some(k);
-            if Some(k.3) == keep || !self.is_expandable(k.3) || self.queue_busy(k.0) {
-                continue;
-            }
-            // Punching keeps the block in its pool under the same key.
-            excess = excess.saturating_sub(self.punch_block(k.3, excess) as u64);
-            if excess == 0 {
-                return 0;
-            }
-        }
-    }
-
     // ---- allocation (seed 003's malloc) ----
 
     /// Keeps a source failure that is not a lack of memory, to report instead of an OOM.
@@ -1196,91 +377,6 @@ impl Pool {
         if matches!(e.kind(), ErrorKind::ResourceLimit | ErrorKind::PermissionDenied) {
             self.source_error = Some(e);
         }
-    }
-
-    /// Notes `queue` as one that blocks are bound to (called on the slow path: a queue's first
-    /// allocation always takes it).
-    /// Returns true the first time.
-    pub(crate) fn register_queue(&mut self, queue: &Queue) -> bool {
-        let mut new = false;
-        self.queues.entry(queue.id()).or_insert_with(|| {
-            new = true;
-            queue.handle()
-        });
-        new
-    }
-
-    /// The queue `stream` is gone (dropped, its work finished): nothing can allocate on it
-    /// again, so its segments go back to the source as soon as all their blocks are free (now,
-    /// or when the last of them is freed), and its handle and quick-cache table are dropped.
-    fn queue_gone(&mut self, stream: u64) {
-        self.queues.remove(&stream);
-        self.gone.insert(stream);
-        self.release_gone(stream);
-    }
-
-    /// Releases every segment of the gone queue `stream` whose blocks are all free; forgets
-    /// the queue once none is left.
-    fn release_gone(&mut self, stream: u64) {
-        self.flush_quick();
-        self.quick.forget_stream(stream);
-        let segs: Vec<u32> = (0..self.segments.len() as u32)
-            .filter(|&i| self.segments[i as usize].as_ref().is_some_and(|e| e.stream == stream))
-            .collect();
-        let mut left = false;
-        for si in segs {
-            left |= !self.release_segment_if_free(si);
-        }
-        if !left {
-            self.gone.remove(&stream);
-        }
-    }
-
-    /// Returns segment `si` to the source if none of its blocks is in use (after a flush of the
-    /// quick cache, free blocks are merged, so that is one free block, or none for an
-    /// expandable segment that never grew). Returns whether it went.
-    fn release_segment_if_free(&mut self, si: u32) -> bool {
-        let Some(e) = self.segments[si as usize].as_ref() else { return true };
-        let (base, size, expandable) = (e.base, e.size, e.exp.is_some());
-        let first = self.by_addr.get(base).filter(|&id| self.blocks[id as usize].seg == si);
-        if !expandable {
-            return first.is_some_and(|id| {
-                let b = &self.blocks[id as usize];
-                !b.allocated && !b.in_quick && !b.is_split() && self.release_block(id)
-            });
-        }
-        if size > 0 {
-            let whole = first.filter(|&id| {
-                let b = &self.blocks[id as usize];
-                !b.allocated && !b.in_quick && b.next.is_none()
-            });
-            let Some(id) = whole else { return false };
-            self.pool_remove(id);
-            self.by_addr.remove(base);
-            self.free_ids.push(id);
-        }
-        let e = self.segments[si as usize].take().expect("checked live above");
-        let exp = e.exp.as_ref().expect("expandable");
-        let backed = e.size - exp.punched * exp.page;
-        self.stats.num_device_free += 1;
-        stats::dec_array(&mut self.stats.segment, e.pool, 1);
-        stats::dec_array(&mut self.stats.reserved_bytes, e.pool, backed as i64);
-        self.expandable.remove(&(e.stream, e.pool));
-        self.log(HistoryKind::SegmentFree, e.base, e.size, e.stream);
-        self.free_segs.push(si);
-        drop(e); // unmaps the reservation and closes the memfd once no queue operation holds it
-        true
-    }
-
-    /// Whether the queue `stream` has work queued or running: its freed blocks may still be
-    /// read or written by it, so their pages must not be punched yet.
-    fn queue_busy(&self, stream: u64) -> bool {
-        stream != 0 && self.queues.get(&stream).is_some_and(|h| !h.is_idle())
-    }
-
-    /// The queues blocks are bound to (for `empty_cache`, which lets them finish first).
-    pub(crate) fn queue_handles(&self) -> Vec<QueueHandle> {
-        self.queues.values().cloned().collect()
     }
 
     /// The allocation fast path: a quick-cached block of exactly the rounded size on this
@@ -1297,8 +393,10 @@ impl Pool {
         Some(self.hand_out(id, size, stream))
     }
 
-    /// Seed 003's malloc. With deferred frees outstanding (`pending`), the last rung first
-    /// returns [`Outcome::WaitForPending`] so the caller can wait for them without holding the
+    /// Seed 003's malloc, read as PyTorch's `malloc` reads: after the quick cache (an exact fit
+    /// freed on this queue), best fit among the cached blocks, and on a miss the OOM ladder
+    /// ([`Pool::ladder`]). With deferred frees outstanding (`pending`), the ladder stops once
+    /// with [`Outcome::WaitForPending`] so the caller can wait for them without holding the
     /// lock, then call again with `waited`.
     pub(crate) fn allocate(&mut self, size: usize, stream: u64, pending: bool, waited: bool) -> Result<Outcome> {
         if size == 0 {
@@ -1317,76 +415,168 @@ impl Pool {
             return Ok(Outcome::Got(self.hand_out(id, size, stream)));
         }
         let alloc_size = self.allocation_size(rounded).ok_or_else(too_large)?;
-        let pool = Self::pool_for(rounded);
-        let mut found = self.find_cached(rounded, stream, pool);
-        let mut cause = String::new();
-        let needs = if self.uses_expandable() { rounded.next_multiple_of(CHUNK) } else { alloc_size };
-        if found.is_none() && needs as u64 > self.allowed {
-            // Nothing cached can help a request no segment within the limit can hold.
-            cause = format!("; the request needs {needs} bytes of segment, more than the allowed memory");
-        } else if found.is_none() {
-            if !waited {
-                self.misses += 1;
-                if self.config.garbage_collection_threshold > 0.0 {
-                    self.garbage_collect();
-                }
-            }
-            found = self.new_memory(alloc_size, rounded, pool, stream, &mut cause);
-            if found.is_none() && !self.config.no_caching {
-                if !waited {
-                    self.stats.num_alloc_retries += 1;
-                }
-                // Rung 1: release cached oversize blocks.
-                if self.release_available_cached(rounded, stream) {
-                    found = self.new_memory(alloc_size, rounded, pool, stream, &mut cause);
-                }
-                if found.is_none() {
-                    // Rung 2: finish pending frees (outside the lock), then release every
-                    // unsplit cached block.
-                    if pending && !waited {
-                        return Ok(Outcome::WaitForPending);
-                    }
-                    if let Some(id) = self.quick_take(stream, rounded) {
-                        return Ok(Outcome::Got(self.hand_out(id, size, stream)));
-                    }
-                    found = self.find_cached(rounded, stream, pool);
-                    if found.is_none() {
-                        self.release_cached(None);
-                        found = self.get_free_block(rounded, stream, pool);
-                    }
-                    if found.is_none() {
-                        found = self.new_memory(alloc_size, rounded, pool, stream, &mut cause);
-                    }
-                }
-            }
+        let mut p = AllocParams::new(size, rounded, alloc_size, stream, pending, waited);
+        let _ = self.get_cached_block(&mut p) || self.ladder(&mut p);
+        if p.wait {
+            return Ok(Outcome::WaitForPending);
         }
-        if found.is_some_and(|id| !self.reback_fits(id, rounded)) {
-            found = None;
-            cause = "; the pages of the cached block that fits were given back, and taking them again would exceed \
-                     the allowed memory"
+        if p.exact {
+            let id = p.block.expect("an exact fit was found");
+            return Ok(Outcome::Got(self.hand_out(id, size, stream)));
+        }
+        if p.block.is_some_and(|id| !self.reback_fits(id, rounded)) {
+            p.block = None;
+            p.cause = "; the pages of the cached block that fits were given back, and taking them again would \
+                       exceed the allowed memory"
                 .into();
         }
-        let Some(id) = found else {
-            if let Some(e) = self.source_error.take() {
-                // Not a lack of memory: the source failed for another reason (after the
-                // ladder, which released cached segments and their fds too).
-                return Err(e);
-            }
-            self.stats.num_ooms += 1;
-            self.log(HistoryKind::Oom, 0, size, stream);
-            let largest = self.pools.iter().flat_map(|p| p.iter()).map(|k| k.1).max().unwrap_or(0);
-            let reserved = self.stats.reserved_bytes[stats::AGGREGATE].current as u64;
-            let allocated = self.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE] as u64;
-            return Err(Error::AllocatorOom {
-                requested: size as u64,
-                capacity: self.capacity,
-                allocated,
-                reserved_free: reserved.saturating_sub(allocated),
-                largest_free: largest as u64,
-                allowed: self.allowed,
-                cause,
-            });
-        };
+        let Some(id) = p.block else { return Err(self.out_of_memory(p)) };
+        self.take_from_pool(id, rounded);
+        Ok(Outcome::Got(self.hand_out(id, size, stream)))
+    }
+
+    /// The OOM ladder: what a request that no cached block fits goes through, cheapest and
+    /// least disruptive first, each rung tried only if the ones before it failed:
+    ///
+    /// 0. A request that no segment within the allowed memory can hold fails at once: nothing
+    ///    released could make room for it.
+    /// 1. The miss ticks the GC clock, and above `garbage_collection_threshold` of the allowed
+    ///    memory seed 003's garbage collection frees old cached blocks first (both skipped on
+    ///    the pass after a wait, which already did them).
+    /// 2. `alloc_block`: new memory. An expandable segment grows (punching free pages elsewhere
+    ///    first if the trim policy or the allowed memory asks for it), or, where the source
+    ///    cannot make expandable segments or this one cannot grow, a classic segment.
+    /// 3. Without caching there is nothing cached to release: the request fails. Otherwise it
+    ///    counts as a retry (`num_alloc_retries`, once per request).
+    /// 4. `release_available_cached_blocks`: cached oversize blocks (unsplit, at least
+    ///    `max_split_size`) go back, and `alloc_block` again.
+    /// 5. Deferred frees outstanding: stop, so the caller waits for them outside the lock and
+    ///    runs the ladder again (they may free exactly what is needed, without giving anything
+    ///    back to the source).
+    /// 6. A block freed meanwhile (by those frees): an exact fit in the quick cache, or best fit.
+    /// 7. `release_cached_blocks`: every unsplit cached block goes back and free pages of
+    ///    expandable segments are punched, then best fit again (a punched block may fit).
+    /// 8. `alloc_block` once more, into the room that made.
+    ///
+    /// Returns whether it ended: with a block (`p.block`) or a stop to wait (`p.wait`).
+    fn ladder(&mut self, p: &mut AllocParams) -> bool {
+        if !self.segment_fits_allowed(p) {
+            return false;
+        }
+        if !p.waited {
+            self.count_miss_and_collect_garbage();
+        }
+        self.alloc_block(p)
+            || (self.count_retry(p)
+                && ((self.release_available_cached_blocks(p) && self.alloc_block(p))
+                    || self.wait_for_pending_frees(p)
+                    || self.get_freed_meanwhile(p)
+                    || (self.release_cached_blocks() && self.get_free_block(p))
+                    || self.alloc_block(p)))
+    }
+
+    /// Best fit among the cached blocks, merging the quick cache first if that is what it
+    /// takes.
+    fn get_cached_block(&mut self, p: &mut AllocParams) -> bool {
+        p.block = self.find_cached(p.rounded, p.stream, p.pool);
+        p.block.is_some()
+    }
+
+    /// Best fit in the pool as it is.
+    fn get_free_block(&mut self, p: &mut AllocParams) -> bool {
+        p.block = self.best_fit(p.rounded, p.stream, p.pool);
+        p.block.is_some()
+    }
+
+    /// Rung 0: whether a segment for the request could fit in the allowed memory at all.
+    fn segment_fits_allowed(&mut self, p: &mut AllocParams) -> bool {
+        let needs = if self.uses_expandable() { p.rounded.next_multiple_of(CHUNK) } else { p.alloc_size };
+        if needs as u64 > self.allowed {
+            p.cause = format!("; the request needs {needs} bytes of segment, more than the allowed memory");
+            return false;
+        }
+        true
+    }
+
+    /// Rung 1: the GC clock, and seed 003's garbage collection above its threshold.
+    fn count_miss_and_collect_garbage(&mut self) {
+        self.misses += 1;
+        if self.config.garbage_collection_threshold > 0.0 {
+            self.garbage_collect();
+        }
+    }
+
+    /// Rungs 2, 4 and 8: new memory for the request (see [`Pool::new_memory`]).
+    fn alloc_block(&mut self, p: &mut AllocParams) -> bool {
+        p.block = self.new_memory(p.alloc_size, p.rounded, p.pool, p.stream, &mut p.cause);
+        p.block.is_some()
+    }
+
+    /// Rung 3: whether the request may retry after releasing cached memory (not without
+    /// caching); counts the retry.
+    fn count_retry(&mut self, p: &AllocParams) -> bool {
+        if self.config.no_caching {
+            return false;
+        }
+        if !p.waited {
+            self.stats.device.num_alloc_retries += 1;
+        }
+        true
+    }
+
+    /// Rung 4: seed 003's `release_available_cached_blocks`.
+    fn release_available_cached_blocks(&mut self, p: &AllocParams) -> bool {
+        self.release_available_cached(p.rounded, p.stream)
+    }
+
+    /// Rung 5: stops the ladder so the caller can wait for deferred frees (once).
+    fn wait_for_pending_frees(&mut self, p: &mut AllocParams) -> bool {
+        p.wait = p.pending && !p.waited;
+        p.wait
+    }
+
+    /// Rung 6: a block freed since the first look: an exact fit in the quick cache (handed out
+    /// as it is), or best fit after merging.
+    fn get_freed_meanwhile(&mut self, p: &mut AllocParams) -> bool {
+        if let Some(id) = self.quick_take(p.stream, p.rounded) {
+            (p.block, p.exact) = (Some(id), true);
+            return true;
+        }
+        self.get_cached_block(p)
+    }
+
+    /// Rung 7: seed 003's `release_cached_blocks` (every queue's).
+    fn release_cached_blocks(&mut self) -> bool {
+        self.release_cached(None);
+        true
+    }
+
+    /// The error for a request the ladder could not serve: the source's own failure if it
+    /// failed for another reason than a lack of memory (after the ladder, which released
+    /// cached segments and their fds too), else an out-of-memory error that says why.
+    fn out_of_memory(&mut self, p: AllocParams) -> Error {
+        if let Some(e) = self.source_error.take() {
+            return e;
+        }
+        self.stats.device.num_ooms += 1;
+        self.log(HistoryKind::Oom, 0, p.size, p.stream);
+        let largest = self.pools.iter().flat_map(|p| p.iter()).map(|k| k.1).max().unwrap_or(0);
+        let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
+        let allocated = self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE] as u64;
+        Error::AllocatorOom {
+            requested: p.size as u64,
+            capacity: self.capacity,
+            allocated,
+            reserved_free: reserved.saturating_sub(allocated),
+            largest_free: largest as u64,
+            allowed: self.allowed,
+            cause: p.cause,
+        }
+    }
+
+    /// Takes pooled block `id` out of its pool for a `rounded`-byte request: split if the rest
+    /// is worth keeping, and its punched pages counted as reserved again.
+    fn take_from_pool(&mut self, id: BlockId, rounded: usize) {
         self.pool_remove(id);
         if self.should_split(id, rounded) {
             let b = self.blocks[id as usize].clone();
@@ -1403,22 +593,21 @@ impl Pool {
         }
         // Pages punched while the block was cached count as reserved again.
         self.back_chunks(id);
-        Ok(Outcome::Got(self.hand_out(id, size, stream)))
     }
 
     /// A cached block for the request: best fit in the pool, after merging the quick cache if
     /// that is what it takes.
-    fn find_cached(&mut self, rounded: usize, stream: u64, pool: usize) -> Option<BlockId> {
+    fn find_cached(&mut self, rounded: usize, stream: u64, pool: PoolKind) -> Option<BlockId> {
         if self.config.no_caching {
             return None;
         }
-        let found = self.get_free_block(rounded, stream, pool);
+        let found = self.best_fit(rounded, stream, pool);
         if found.is_some() || self.quick.len() == 0 {
             return found;
         }
         // Unmerged frees may add up to a fit.
         self.flush_quick();
-        self.get_free_block(rounded, stream, pool)
+        self.best_fit(rounded, stream, pool)
     }
 
     /// Marks a block allocated for a request of `size` and accounts for it.
@@ -1428,11 +617,11 @@ impl Pool {
         b.allocated = true;
         b.requested = size;
         let (bsize, bpool, bseg, boff) = (b.size, b.pool, b.seg, b.offset);
-        self.hot.on_alloc(bpool, bsize as i64, size as i64);
+        self.stats.hot.on_alloc(bpool, bsize as i64, size as i64);
         // No punched pages to count here: only pooled free blocks are punched, they leave
         // their pool only through `allocate`'s slow path, which counts their pages again
         // (`back_chunks`), and the quick cache holds only blocks that were handed out.
-        if self.pending[stats::AGGREGATE].current > 0 || bsize >= self.config.max_split_size || self.record_all {
+        if self.stats.any_pending() || bsize >= self.config.max_split_size || self.history.record_all {
             self.hand_out_rare(id, stream);
         }
         let segment = SegRef::new(&self.segments[bseg as usize].as_ref().expect("live segment").seg);
@@ -1444,25 +633,21 @@ impl Pool {
     #[cold]
     fn hand_out_rare(&mut self, id: BlockId, stream: u64) {
         let (bsize, bpool) = (self.blocks[id as usize].size, self.blocks[id as usize].pool);
-        if self.pending[stats::AGGREGATE].current > 0 {
-            let (allocation, bytes) = (self.hot.current(stats::ALLOCATION), self.hot.current(stats::ALLOCATED_BYTES));
-            for i in [stats::AGGREGATE, bpool] {
-                self.active_peak[i] = self.active_peak[i].max(allocation[i] + self.pending[i].current);
-                self.active_bytes_peak[i] = self.active_bytes_peak[i].max(bytes[i] + self.pending_bytes[i].current);
-            }
+        if self.stats.any_pending() {
+            self.stats.note_active_peak(bpool);
         }
         if bsize >= self.config.max_split_size {
-            self.stats.oversize_allocations.update(1);
+            self.stats.device.oversize_allocations.update(1);
         }
-        if self.record_all {
+        if self.history.record_all {
             let addr = self.addr(id);
             self.log(HistoryKind::Alloc, addr, bsize, stream);
         }
     }
 
     /// Best fit in `pool` for `size` on `stream`, honouring the oversize rules.
-    fn get_free_block(&mut self, size: usize, stream: u64, pool: usize) -> Option<BlockId> {
-        let key = *self.pools[pool].range((stream, size, 0, 0)..).next()?;
+    fn best_fit(&mut self, size: usize, stream: u64, pool: PoolKind) -> Option<BlockId> {
+        let key = *self.pools[pool.slot()].range((stream, size, 0, 0)..).next()?;
         if key.0 != stream {
             return None;
         }
@@ -1484,7 +669,7 @@ impl Pool {
         }
         let b = &self.blocks[id as usize];
         let remaining = b.size - size;
-        if b.pool == SMALL_POOL || self.is_expandable(id) {
+        if b.pool == PoolKind::Small || self.is_expandable(id) {
             remaining >= MIN_BLOCK
         } else {
             size < self.config.max_split_size && remaining > SMALL_SIZE
@@ -1492,8 +677,8 @@ impl Pool {
     }
 
     /// Gets a segment from the source, within the allowed memory; returns its single block.
-    fn alloc_segment(&mut self, size: usize, pool: usize, stream: u64, cause: &mut String) -> Option<BlockId> {
-        let reserved = self.stats.reserved_bytes[stats::AGGREGATE].current as u64;
+    fn alloc_segment(&mut self, size: usize, pool: PoolKind, stream: u64, cause: &mut String) -> Option<BlockId> {
+        let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
         if reserved.saturating_add(size as u64) > self.allowed {
             *cause = format!(
                 "; the allowed memory ({} bytes = fraction {} of capacity) would be exceeded",
@@ -1531,588 +716,33 @@ impl Pool {
                 (self.segments.len() - 1) as u32
             }
         };
-        self.stats.num_device_alloc += 1;
-        stats::inc_array(&mut self.stats.segment, pool, 1);
-        stats::inc_array(&mut self.stats.reserved_bytes, pool, size as i64);
+        self.stats.device.num_device_alloc += 1;
+        stats::inc_array(&mut self.stats.device.segment, pool, 1);
+        stats::inc_array(&mut self.stats.device.reserved_bytes, pool, size as i64);
         if size >= self.config.max_split_size {
-            self.stats.oversize_segments.update(1);
+            self.stats.device.oversize_segments.update(1);
         }
         self.log(HistoryKind::SegmentAlloc, base, size, stream);
         idx
     }
 
-    /// Returns a free, unsplit, pooled block's segment to the source.
-    ///
-    /// [`Allocation`](super::Allocation)'s reference-count-free segment pointer is sound only
-    /// because a segment never goes back while one of its blocks is handed out: so this is
-    /// checked here in every build, and a block that does not qualify is left alone (a bug
-    /// elsewhere then leaks a segment instead of freeing memory in use).
-    fn release_block(&mut self, id: BlockId) -> bool {
-        let b = &self.blocks[id as usize];
-        if b.allocated || b.in_quick || b.is_split() || self.is_expandable(id) {
-            return false;
-        }
-        self.pool_remove(id);
-        let addr = self.addr(id);
-        self.by_addr.remove(addr);
-        let b = self.blocks[id as usize].clone();
-        if let Some(entry) = self.segments[b.seg as usize].take() {
-            self.stats.num_device_free += 1;
-            stats::dec_array(&mut self.stats.segment, entry.pool, 1);
-            stats::dec_array(&mut self.stats.reserved_bytes, entry.pool, entry.size as i64);
-            if entry.size >= self.config.max_split_size {
-                self.stats.oversize_segments.update(-1);
-            }
-            self.log(HistoryKind::SegmentFree, entry.base, entry.size, entry.stream);
-            self.free_segs.push(b.seg);
-            drop(entry); // unmaps and closes once no queue operation holds the segment
-        }
-        self.free_ids.push(id);
-        true
-    }
-
-    /// Seed 003's `release_available_cached_blocks`: free cached oversize blocks, the
-    /// smallest that covers the request or else the largest ones until enough is freed.
-    fn release_available_cached(&mut self, size: usize, stream: u64) -> bool {
-        if self.config.max_split_size == usize::MAX {
-            return false;
-        }
-        let max_split = self.config.max_split_size;
-        let want = size.max(max_split);
-        let candidates: Vec<Key> = self.pools[LARGE_POOL]
-            .range((stream, max_split, 0, 0)..(stream, usize::MAX, usize::MAX, BlockId::MAX))
-            .copied()
-            .filter(|k| !self.blocks[k.3 as usize].is_split() && !self.is_expandable(k.3))
-            .collect();
-        if let Some(k) = candidates.iter().find(|k| k.1 >= want) {
-            return self.release_block(k.3);
-        }
-        let mut freed = 0;
-        for k in candidates.iter().rev() {
-            if freed >= size {
-                break;
-            }
-            if self.release_block(k.3) {
-                freed += k.1;
-            }
-        }
-        freed >= size
-    }
-
-    /// Frees every cached unsplit block (of `stream`, or all): seed 003's
-    /// `release_cached_blocks` and `empty_cache`.
-    pub(crate) fn release_cached(&mut self, stream: Option<u64>) {
-        self.flush_quick();
-        // A wholly free expandable segment goes back whole: its memfd and its reservation of
-        // address space (made again, at the size the limits then allow, when next needed).
-        // Queue operations still using it hold the segment until they finish.
-        let idle: Vec<u32> = (0..self.segments.len() as u32)
-            .filter(|&i| {
-                self.segments[i as usize]
-                    .as_ref()
-                    .is_some_and(|e| e.exp.is_some() && stream.is_none_or(|s| e.stream == s))
-            })
-            .collect();
-        for si in idle {
-            let _ = self.release_segment_if_free(si);
-        }
-        for pool in [SMALL_POOL, LARGE_POOL] {
-            let ids: Vec<BlockId> =
-                self.pools[pool].iter().filter(|k| stream.is_none_or(|s| k.0 == s)).map(|k| k.3).collect();
-            for id in ids {
-                if self.is_expandable(id) {
-                    // Expandable segments in use give the pages of their free parts back.
-                    self.punch_free(id);
-                } else if !self.blocks[id as usize].is_split() {
-                    let _ = self.release_block(id);
-                }
-            }
-        }
-    }
-
-    /// Seed 003's garbage collection: above `threshold` of the allowed memory, free cached
-    /// unsplit blocks at least as old as the average, oldest first, until below it.
-    fn garbage_collect(&mut self) {
-        let target = (self.config.garbage_collection_threshold * self.allowed as f64) as i64;
-        if self.stats.reserved_bytes[stats::AGGREGATE].current <= target {
-            return;
-        }
-        self.flush_quick();
-        // As seed 003: free blocks at least as old as the average age, oldest first, and
-        // repeat with the average of what is left until under the target or nothing is left.
-        loop {
-            let mut aged: Vec<(u64, BlockId)> = self
-                .pools
-                .iter()
-                .flat_map(|p| p.iter())
-                .map(|k| k.3)
-                .filter(|&id| !self.blocks[id as usize].is_split() || self.is_expandable(id))
-                .map(|id| (self.misses - self.blocks[id as usize].cached_at, id))
-                .collect();
-            if aged.is_empty() {
-                return;
-            }
-            let avg = aged.iter().map(|a| a.0).sum::<u64>() / aged.len() as u64;
-            aged.sort_unstable_by_key(|a| std::cmp::Reverse(a.0)); // oldest first
-            let before = self.stats.reserved_bytes[stats::AGGREGATE].current;
-            for (age, id) in aged {
-                if self.stats.reserved_bytes[stats::AGGREGATE].current <= target {
-                    return;
-                }
-                if age < avg {
-                    break;
-                }
-                if self.is_expandable(id) {
-                    self.punch_free(id);
-                } else {
-                    let _ = self.release_block(id);
-                }
-            }
-            if self.stats.reserved_bytes[stats::AGGREGATE].current >= before {
-                return; // nothing more to give back
-            }
-        }
-    }
-
-    // ---- raw allocations (C callers) ----
-
-    /// Marks a block just handed out as a raw allocation; returns its address.
-    pub(crate) fn hand_out_raw(&mut self, h: Handed) -> usize {
-        self.blocks[h.id as usize].raw = true;
-        self.addr(h.id)
-    }
-
-    /// [`Pool::try_quick`] for a raw caller.
-    #[inline]
-    pub(crate) fn try_quick_raw(&mut self, size: usize, stream: u64) -> Option<usize> {
-        let h = self.try_quick(size, stream)?;
-        Some(self.hand_out_raw(h))
-    }
-
-    /// The live raw block at `addr`, or why there is none.
-    #[inline]
-    fn raw_at(&self, addr: usize) -> std::result::Result<BlockId, &'static str> {
-        let Some(id) = self.by_addr.get(addr) else { return Err(self.classify_foreign(addr)) };
-        let b = &self.blocks[id as usize];
-        match (b.allocated, b.raw, b.requested > 0) {
-            (true, true, true) => Ok(id),
-            (false, ..) => Err("already freed (double free)"),
-            (true, _, false) => Err("already freed (its free is waiting for other queues)"),
-            (true, false, true) => {
-                Err("owned by an Allocation object, not a raw allocation: drop the Allocation instead")
-            }
-        }
-    }
-
-    /// Frees the raw allocation at `addr`: applied at once, or, if other queues used it, its
-    /// request applied and the block and queues returned for the caller to wait on.
-    #[inline]
-    pub(crate) fn free_raw(&mut self, addr: usize) -> std::result::Result<Option<RawDeferred>, &'static str> {
-        let id = match self.raw_at(addr) {
-            Ok(id) => id,
-            Err(why) => {
-                self.log_always(HistoryKind::InvalidFree, addr, 0, 0);
-                return Err(why);
-            }
-        };
-        let b = &mut self.blocks[id as usize];
-        b.raw = false;
-        if !b.raw_used {
-            self.apply(FreeMsg::Free(id));
-            return Ok(None);
-        }
-        b.raw_used = false;
-        let uses = self.raw_uses.remove(&id).unwrap_or_default();
-        self.apply(FreeMsg::Requested(id));
-        Ok(Some((id, uses)))
-    }
-
-    /// Records that `queue` uses the raw allocation at `addr`.
-    pub(crate) fn record_stream_raw(&mut self, addr: usize, queue: &Queue) -> std::result::Result<(), &'static str> {
-        let id = self.raw_at(addr)?;
-        if queue.id() == self.blocks[id as usize].stream {
-            return Ok(());
-        }
-        self.blocks[id as usize].raw_used = true;
-        let uses = self.raw_uses.entry(id).or_default();
-        if !uses.iter().any(|h| h.id() == queue.id()) {
-            uses.push(queue.handle());
-        }
-        Ok(())
-    }
-
-    /// The segment, offset and requested size of the raw allocation at `addr`.
-    pub(crate) fn raw_block(&self, addr: usize) -> std::result::Result<(Arc<Segment>, usize, usize), &'static str> {
-        let b = &self.blocks[self.raw_at(addr)? as usize];
-        let seg = Arc::clone(&self.segments[b.seg as usize].as_ref().expect("live segment").seg);
-        Ok((seg, b.offset, b.requested))
-    }
-
-    /// The live allocation that holds `[addr, addr + len)` wholly (frameworks that sub-allocate
-    /// pass pointers into the middle of blocks): its segment and the offset of `addr` in the
-    /// segment. Only the bytes the caller asked for count, so a range that runs past them (into
-    /// a neighbour, or into the rounding), or one in a freed block, is refused with the reason.
-    pub(crate) fn live_range(&self, addr: usize, len: usize) -> std::result::Result<(Arc<Segment>, usize), String> {
-        let end = addr.checked_add(len).ok_or_else(|| format!("a {len}-byte range from {addr:#x} wraps around"))?;
-        let found = self.by_addr.at_or_before(addr).filter(|&(start, id)| {
-            let b = &self.blocks[id as usize];
-            addr - start < b.size
-        });
-        let Some((start, id)) = found else {
-            return Err("not inside memory of this allocator".into());
-        };
-        let b = &self.blocks[id as usize];
-        if !b.allocated || b.requested == 0 {
-            return Err(format!("inside a freed block (at {start:#x}, {} bytes)", b.size));
-        }
-        let owned = start + b.requested;
-        if end > owned {
-            return Err(format!(
-                "the range {addr:#x}+{len} runs {} bytes past the end of its allocation ({} bytes at {start:#x})",
-                end - owned,
-                b.requested
-            ));
-        }
-        let e = self.segments[b.seg as usize].as_ref().expect("a live block's segment is live");
-        Ok((Arc::clone(&e.seg), addr - e.base))
-    }
-
-    /// Whether `addr` lies in some block of a live segment.
-    pub(crate) fn holds(&self, addr: usize) -> bool {
-        self.by_addr.at_or_before(addr).is_some_and(|(start, id)| addr - start < self.blocks[id as usize].size)
-    }
-
-    /// Why a pointer that starts no block is not a live allocation.
-    fn classify_foreign(&self, ptr: usize) -> &'static str {
-        if self.holds(ptr) {
-            "not the start of a block (a pointer into an allocation)"
-        } else {
-            "not a pointer this allocator handed out"
-        }
-    }
-
+    /// Segments with their blocks (see [`Snapshot`]).
     pub(crate) fn snapshot(&self) -> Snapshot {
-        let mut segments: Vec<SegmentSnapshot> = Vec::new();
-        let mut by_seg: Vec<Vec<BlockSnapshot>> = vec![Vec::new(); self.segments.len()];
-        let free: std::collections::HashSet<BlockId> =
+        let free: HashSet<BlockId> =
             self.pools.iter().flat_map(|p| p.iter()).map(|k| k.3).chain(self.quick.ids()).collect();
-        let dead: std::collections::HashSet<BlockId> = self.free_ids.iter().copied().collect();
-        for (id, b) in self.blocks.iter().enumerate() {
-            let live = self.segments.get(b.seg as usize).is_some_and(Option::is_some) && !dead.contains(&(id as u32));
-            if !live {
-                continue;
-            }
-            let state = if free.contains(&(id as BlockId)) {
-                BlockState::Free
-            } else if b.allocated && b.requested == 0 {
-                BlockState::PendingFree
-            } else {
-                BlockState::Allocated
-            };
-            by_seg[b.seg as usize].push(BlockSnapshot {
-                offset: b.offset,
-                size: b.size,
-                requested: b.requested,
-                state,
-            });
-        }
-        for (i, s) in self.segments.iter().enumerate() {
-            if let Some(s) = s {
-                let mut blocks = std::mem::take(&mut by_seg[i]);
-                blocks.sort_by_key(|b| b.offset);
-                segments.push(SegmentSnapshot {
-                    address: s.base,
-                    size: s.size,
-                    pool: pool_name(s.pool),
-                    stream: s.stream,
-                    blocks,
-                });
-            }
-        }
-        segments.sort_by_key(|s| s.address);
-        Snapshot { segments }
-    }
-}
-
-impl Pool {
-    /// Checks every structural invariant of the pool and its stats; the first one broken is
-    /// the error. For tests, fuzzers and model checks (it walks everything: O(blocks)).
-    pub(crate) fn check_invariants(&self) -> std::result::Result<(), String> {
-        let dead: std::collections::HashSet<BlockId> = self.free_ids.iter().copied().collect();
-        if dead.len() != self.free_ids.len() {
-            return Err("a block id is on the free-id list twice".into());
-        }
-        let live_seg = |i: u32| self.segments.get(i as usize).is_some_and(Option::is_some);
-        let mut per_seg: Vec<Vec<BlockId>> = vec![Vec::new(); self.segments.len()];
-        for (id, b) in self.blocks.iter().enumerate() {
-            let id = id as BlockId;
-            if dead.contains(&id) {
-                continue;
-            }
-            if !live_seg(b.seg) {
-                return Err(format!("live block {id} is in released segment {}", b.seg));
-            }
-            if b.size == 0 {
-                return Err(format!("block {id} is empty"));
-            }
-            per_seg[b.seg as usize].push(id);
-        }
-        // Blocks tile each segment (an expandable one up to its mapped end), in link order.
-        let mut by_addr = 0usize;
-        let mut reserved = [0i64; 3];
-        let mut segments = [0i64; 3];
-        for (si, entry) in self.segments.iter().enumerate() {
-            let Some(e) = entry else {
-                if !per_seg[si].is_empty() {
-                    return Err(format!("released segment {si} still has blocks"));
-                }
-                continue;
-            };
-            let mut ids = std::mem::take(&mut per_seg[si]);
-            ids.sort_by_key(|&id| self.blocks[id as usize].offset);
-            let mut at = 0;
-            for (k, &id) in ids.iter().enumerate() {
-                let b = &self.blocks[id as usize];
-                if b.offset != at {
-                    return Err(format!("segment {si}: block {id} starts at {} where {at} was expected", b.offset));
-                }
-                at += b.size;
-                let (want_prev, want_next) = (k.checked_sub(1).map(|p| ids[p]), ids.get(k + 1).copied());
-                if b.prev != want_prev || b.next != want_next {
-                    return Err(format!(
-                        "segment {si}: block {id} links prev {:?} next {:?}, address order says {want_prev:?} {want_next:?}",
-                        b.prev, b.next
-                    ));
-                }
-                if b.pool != e.pool || b.stream != e.stream {
-                    return Err(format!(
-                        "block {id} has pool/queue {}/{}, its segment {}/{}",
-                        b.pool, b.stream, e.pool, e.stream
-                    ));
-                }
-                if self.by_addr.get(e.base + b.offset) != Some(id) {
-                    return Err(format!("block {id} is not in the address table"));
-                }
-                by_addr += 1;
-            }
-            if at != e.size {
-                return Err(format!("segment {si}: blocks cover {at} of its {} bytes", e.size));
-            }
-            let mut bytes = e.size as i64;
-            if let Some(exp) = &e.exp {
-                let (from, to) = (0, e.size / exp.page);
-                let holes = exp.holes_in(from, to);
-                if holes != exp.punched {
-                    return Err(format!("segment {si}: {} punched pages counted, {holes} marked", exp.punched));
-                }
-                bytes -= (holes * exp.page) as i64;
-                let tail = ids.last().copied();
-                if exp.tail != tail {
-                    return Err(format!("segment {si}: tail {:?}, the last block is {tail:?}", exp.tail));
-                }
-                // Punched pages lie wholly inside free pooled blocks: no page a block in use or
-                // in the quick cache touches is punched.
-                for &id in &ids {
-                    let b = &self.blocks[id as usize];
-                    let (f, t) = exp.outer_pages(b.offset, b.size);
-                    if (b.allocated || b.in_quick) && exp.holes_in(f, t) > 0 {
-                        return Err(format!("segment {si}: block {id} (in use or cached) touches punched pages"));
-                    }
-                }
-            }
-            reserved[0] += bytes;
-            reserved[e.pool] += bytes;
-            segments[0] += 1;
-            segments[e.pool] += 1;
-        }
-        if by_addr != self.by_addr.len() {
-            return Err(format!("the address table has {} entries for {by_addr} blocks", self.by_addr.len()));
-        }
-        for p in 0..3 {
-            if self.stats.reserved_bytes[p].current != reserved[p] {
-                return Err(format!(
-                    "reserved bytes[{p}] {} but segments hold {}",
-                    self.stats.reserved_bytes[p].current, reserved[p]
-                ));
-            }
-            if self.stats.segment[p].current != segments[p] {
-                return Err(format!(
-                    "segment count[{p}] {} but {} are live",
-                    self.stats.segment[p].current, segments[p]
-                ));
-            }
-        }
-        // Pool membership, quick cache, merging, and the hot stats.
-        let quick: std::collections::HashSet<BlockId> = self.quick.ids().into_iter().collect();
-        if quick.len() != self.quick.len() {
-            return Err(format!("the quick cache counts {} blocks, lists {}", self.quick.len(), quick.len()));
-        }
-        let mut pooled = 0;
-        for (p, set) in self.pools.iter().enumerate() {
-            for &k in set {
-                let id = k.3;
-                if dead.contains(&id) || self.key(id) != k || self.blocks[id as usize].pool != p {
-                    return Err(format!("pool {p} holds a stale key {k:?}"));
-                }
-                pooled += 1;
-            }
-        }
-        let (mut alloc, mut alloc_bytes, mut req_bytes, mut inactive, mut inactive_bytes, mut pend) =
-            ([0i64; 3], [0i64; 3], [0i64; 3], [0i64; 3], [0i64; 3], [0i64; 3]);
-        let mut free_pooled = 0;
-        for (id, b) in self.blocks.iter().enumerate() {
-            let id = id as BlockId;
-            if dead.contains(&id) {
-                continue;
-            }
-            let in_pool = self.pools[b.pool].contains(&self.key(id));
-            if b.in_quick != quick.contains(&id) {
-                return Err(format!("block {id}: in_quick {} but the quick cache says {}", b.in_quick, !b.in_quick));
-            }
-            let add = |a: &mut [i64; 3], v: i64| {
-                a[0] += v;
-                a[b.pool] += v;
-            };
-            if b.allocated {
-                if in_pool || b.in_quick {
-                    return Err(format!("allocated block {id} is also cached"));
-                }
-                if b.requested > 0 {
-                    add(&mut alloc, 1);
-                    add(&mut alloc_bytes, b.size as i64);
-                    add(&mut req_bytes, b.requested as i64);
+        let dead: HashSet<BlockId> = self.free_ids.iter().copied().collect();
+        let segments = self.segments.iter().map(|s| s.as_ref().map(|s| (s.base, s.size, s.pool, s.stream)));
+        let blocks =
+            self.blocks.iter().enumerate().filter(|&(id, _)| !dead.contains(&(id as BlockId))).map(|(id, b)| {
+                let state = if free.contains(&(id as BlockId)) {
+                    BlockState::Free
+                } else if b.allocated && b.requested == 0 {
+                    BlockState::PendingFree
                 } else {
-                    add(&mut pend, 1);
-                }
-                if b.raw && b.requested == 0 {
-                    return Err(format!("raw block {id} has no request"));
-                }
-            } else {
-                if b.raw || b.raw_used {
-                    return Err(format!("free block {id} is still marked raw"));
-                }
-                if in_pool == b.in_quick {
-                    return Err(format!("free block {id}: in its pool {in_pool}, in the quick cache {}", b.in_quick));
-                }
-                if in_pool {
-                    free_pooled += 1;
-                    for n in [b.prev, b.next].into_iter().flatten() {
-                        let nb = &self.blocks[n as usize];
-                        if !nb.allocated && !nb.in_quick {
-                            return Err(format!("free pooled neighbours {id} and {n} were not merged"));
-                        }
-                    }
-                }
-                if b.is_split() {
-                    add(&mut inactive, 1);
-                    add(&mut inactive_bytes, b.size as i64);
-                }
-            }
-        }
-        if free_pooled != pooled {
-            return Err(format!("the pools hold {pooled} keys for {free_pooled} free pooled blocks"));
-        }
-        let checks = [
-            ("allocation", stats::ALLOCATION, alloc),
-            ("allocated bytes", stats::ALLOCATED_BYTES, alloc_bytes),
-            ("requested bytes", stats::REQUESTED_BYTES, req_bytes),
-            ("inactive split", stats::INACTIVE_SPLIT, inactive),
-            ("inactive split bytes", stats::INACTIVE_SPLIT_BYTES, inactive_bytes),
-        ];
-        for (name, field, want) in checks {
-            let have = self.hot.current(field);
-            if have != want {
-                return Err(format!("{name}: stats say {have:?}, the blocks {want:?}"));
-            }
-        }
-        let have_pend = [self.pending[0].current, self.pending[1].current, self.pending[2].current];
-        if have_pend != pend {
-            return Err(format!("pending frees: stats say {have_pend:?}, the blocks {pend:?}"));
-        }
-        for (&id, uses) in &self.raw_uses {
-            let b = &self.blocks[id as usize];
-            if !b.raw_used || !b.allocated || uses.is_empty() {
-                return Err(format!("raw-uses entry for block {id} that is not a raw block used elsewhere"));
-            }
-        }
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::source::SparseSource;
-
-    fn pool(conf: &str) -> Pool {
-        Pool::new(Box::new(SparseSource), Config::parse(conf).unwrap(), 1 << 30)
-    }
-
-    fn got(o: Result<Outcome>) -> Handed {
-        match o.unwrap() {
-            Outcome::Got(h) => h,
-            Outcome::WaitForPending => panic!("nothing is pending"),
-        }
-    }
-
-    /// Issue 9, defect 9: `Allocation`'s segment pointer is sound only if a segment never goes
-    /// back to its source while one of its blocks is handed out. `release_block` checks that
-    /// in every build (it was a `debug_assert!`), so a bug elsewhere leaks instead of freeing
-    /// memory in use.
-    #[test]
-    fn release_block_refuses_blocks_in_use_split_or_cached() {
-        let mut p = pool("expandable_segments:False");
-        let whole = got(p.allocate(4 << 20, 0, false, false)).id;
-        assert!(p.blocks[whole as usize].allocated);
-        assert!(!p.release_block(whole), "released an allocated block's segment");
-        let part = got(p.allocate(4096, 0, false, false)).id;
-        assert!(p.blocks[part as usize].is_split());
-        let rest = p.blocks[part as usize].next.unwrap();
-        assert!(!p.release_block(rest), "released the segment under an allocated neighbour");
-        p.apply(FreeMsg::Free(part));
-        assert!(p.blocks[part as usize].in_quick);
-        assert!(!p.release_block(part), "released a quick-cached block");
-        assert_eq!(p.stats.segment[stats::AGGREGATE].current, 2);
-        p.check_invariants().unwrap();
-        p.apply(FreeMsg::Free(whole));
-        p.release_cached(None);
-        assert_eq!(p.stats.segment[stats::AGGREGATE].current, 0);
-        p.check_invariants().unwrap();
-    }
-
-    /// Issue 9, defect 11: under `RLIMIT_AS` an expandable segment takes at most a quarter of
-    /// the room left, never the rest of the address space; otherwise four times the allowed
-    /// memory, capped so hundreds of queues fit.
-    #[test]
-    fn reservations_leave_room_under_an_address_space_limit() {
-        const G: u64 = 1 << 30;
-        assert_eq!(reservation_len_within(G, CHUNK, None), 4 << 30);
-        assert_eq!(reservation_len_within(1 << 40, CHUNK, None), 1 << 38);
-        assert_eq!(reservation_len_within(G, CHUNK, Some(2 * G)), (G / 2) as usize);
-        // Never less than the request, whatever the room.
-        assert_eq!(reservation_len_within(G, 64 << 20, Some(16 << 20)), 64 << 20);
-        assert_eq!(reservation_len_within(0, 1, Some(0)), CHUNK);
-    }
-
-    /// Issue 9, defect 7: a gone queue's segments go back as soon as their blocks are free.
-    #[test]
-    fn a_gone_queues_segments_go_when_their_last_block_is_freed() {
-        for conf in ["expandable_segments:False", "expandable_segments:True"] {
-            let mut p = pool(conf);
-            let a = got(p.allocate(4096, 7, false, false)).id;
-            let b = got(p.allocate(3 << 20, 7, false, false)).id;
-            let other = got(p.allocate(4096, 8, false, false)).id;
-            p.queue_gone(7);
-            p.check_invariants().unwrap();
-            assert_eq!(p.stats.segment[stats::AGGREGATE].current, 3, "{conf}: blocks are live");
-            p.apply(FreeMsg::Free(a));
-            assert_eq!(p.stats.segment[stats::AGGREGATE].current, 2, "{conf}");
-            p.apply(FreeMsg::Free(b));
-            assert_eq!(p.stats.segment[stats::AGGREGATE].current, 1, "{conf}");
-            assert!(p.gone.is_empty() && p.expandable.keys().all(|k| k.0 != 7), "{conf}");
-            p.check_invariants().unwrap();
-            p.apply(FreeMsg::Free(other));
-            p.check_invariants().unwrap();
-        }
+                    BlockState::Allocated
+                };
+                (b.seg, BlockSnapshot { offset: b.offset, size: b.size, requested: b.requested, state })
+            });
+        Snapshot::build(segments, blocks)
     }
 }

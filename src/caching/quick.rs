@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use super::pool::{BlockId, MIN_BLOCK, SMALL_SIZE};
+use super::block::{BlockId, MIN_BLOCK, SMALL_SIZE};
 
 /// No block.
 const NONE: BlockId = BlockId::MAX;
@@ -187,6 +187,25 @@ impl Quick {
         }
         out
     }
+
+    /// Every block held with the (queue, size) list it is on, in no particular order (for
+    /// the pool's invariant checks).
+    pub(crate) fn entries(&self) -> Vec<(u64, usize, BlockId)> {
+        let mut out = Vec::with_capacity(self.len);
+        let mut chain = Vec::new();
+        for (i, &head) in self.heads.iter().enumerate() {
+            chain.clear();
+            self.chain(head, &mut chain);
+            let (stream, size) = (self.streams[i / CLASSES], (i % CLASSES) * MIN_BLOCK);
+            out.extend(chain.iter().map(|&id| (stream, size, id)));
+        }
+        for (&(stream, size), &head) in &self.large {
+            chain.clear();
+            self.chain(head, &mut chain);
+            out.extend(chain.iter().map(|&id| (stream, size, id)));
+        }
+        out
+    }
 }
 
 #[cfg(test)]
@@ -209,6 +228,9 @@ mod tests {
         assert_eq!(q.pop(2, 4096), Some(3));
         assert_eq!(q.pop(2, 4096), None);
         assert_eq!(q.pop(1, 8 << 20), Some(6));
+        let mut entries = q.entries();
+        entries.sort_unstable();
+        assert_eq!(entries, [(1, 4096, 7), (1, 8 << 20, 5)]);
         let mut rest = q.ids();
         rest.sort_unstable();
         assert_eq!(rest, [5, 7]);

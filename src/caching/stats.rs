@@ -2,6 +2,8 @@
 
 use std::fmt::Write;
 
+use super::block::PoolKind;
+
 /// One counter: its current value, its peak, and the totals added and removed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stat {
@@ -54,17 +56,22 @@ pub const SMALL_POOL: usize = 1;
 /// Index of the large-pool entry.
 pub const LARGE_POOL: usize = 2;
 
-/// The aggregate entry and `pool`'s entry, without bounds checks (any pool but the small one
-/// counts as large).
+/// The aggregate entry and `pool`'s entry, without bounds checks.
 #[inline(always)]
-fn pair(a: &mut StatArray, pool: usize) -> (&mut Stat, &mut Stat) {
+fn pair(a: &mut StatArray, pool: PoolKind) -> (&mut Stat, &mut Stat) {
     let [all, small, large] = a;
-    (all, if pool == SMALL_POOL { small } else { large })
+    (
+        all,
+        match pool {
+            PoolKind::Small => small,
+            PoolKind::Large => large,
+        },
+    )
 }
 
 /// Adds `amount` (>= 0) to the aggregate and the pool's entry.
 #[inline(always)]
-pub(crate) fn inc_array(a: &mut StatArray, pool: usize, amount: i64) {
+pub(crate) fn inc_array(a: &mut StatArray, pool: PoolKind, amount: i64) {
     let (all, p) = pair(a, pool);
     all.inc(amount);
     p.inc(amount);
@@ -72,7 +79,7 @@ pub(crate) fn inc_array(a: &mut StatArray, pool: usize, amount: i64) {
 
 /// Subtracts `amount` (>= 0) from the aggregate and the pool's entry.
 #[inline(always)]
-pub(crate) fn dec_array(a: &mut StatArray, pool: usize, amount: i64) {
+pub(crate) fn dec_array(a: &mut StatArray, pool: PoolKind, amount: i64) {
     let (all, p) = pair(a, pool);
     all.dec(amount);
     p.dec(amount);
@@ -121,18 +128,20 @@ const FIELDS: [fn(&Hot) -> &Stat; 5] = [
 ];
 
 impl HotStats {
-    /// `pool`'s counters, the other pool's, and the aggregate peaks (any pool but the small
-    /// one counts as large).
+    /// `pool`'s counters, the other pool's, and the aggregate peaks.
     #[inline(always)]
-    fn split(&mut self, pool: usize) -> (&mut Hot, &Hot, &mut [i64; 5]) {
+    fn split(&mut self, pool: PoolKind) -> (&mut Hot, &Hot, &mut [i64; 5]) {
         let [small, large] = &mut self.pools;
-        let (mine, other) = if pool == SMALL_POOL { (small, &*large) } else { (large, &*small) };
+        let (mine, other) = match pool {
+            PoolKind::Small => (small, &*large),
+            PoolKind::Large => (large, &*small),
+        };
         (mine, other, &mut self.peaks)
     }
 
     /// A block of `size` bytes handed out for a request of `requested`.
     #[inline(always)]
-    pub(crate) fn on_alloc(&mut self, pool: usize, size: i64, requested: i64) {
+    pub(crate) fn on_alloc(&mut self, pool: PoolKind, size: i64, requested: i64) {
         let (h, o, peaks) = self.split(pool);
         h.allocation.inc(1);
         h.allocated_bytes.inc(size);
@@ -144,7 +153,7 @@ impl HotStats {
 
     /// The caller let go of a block of `size` bytes asked for as `requested`.
     #[inline(always)]
-    pub(crate) fn on_free_request(&mut self, pool: usize, size: i64, requested: i64) {
+    pub(crate) fn on_free_request(&mut self, pool: PoolKind, size: i64, requested: i64) {
         let (h, _, _) = self.split(pool);
         h.allocation.dec(1);
         h.allocated_bytes.dec(size);
@@ -153,7 +162,7 @@ impl HotStats {
 
     /// A free block of `size` bytes starts (`entering`) or stops counting as inactive split.
     #[inline(always)]
-    pub(crate) fn inactive(&mut self, pool: usize, size: i64, entering: bool) {
+    pub(crate) fn inactive(&mut self, pool: PoolKind, size: i64, entering: bool) {
         let (h, o, peaks) = self.split(pool);
         if entering {
             h.inactive_split.inc(1);
@@ -208,6 +217,112 @@ pub(crate) const ALLOCATED_BYTES: usize = 1;
 pub(crate) const REQUESTED_BYTES: usize = 2;
 pub(crate) const INACTIVE_SPLIT: usize = 3;
 pub(crate) const INACTIVE_SPLIT_BYTES: usize = 4;
+
+/// The allocator's stats as the pool keeps them: the fast path moves only the hot stats and
+/// (rarely) the pending ones, and [`PoolStats::derive`] assembles PyTorch's `DeviceStats`.
+#[derive(Debug, Clone)]
+pub(crate) struct PoolStats {
+    /// Every stat but those in `hot` and `active`/`active_bytes`, which `derive` derives.
+    pub(crate) device: DeviceStats,
+    /// The stats the fast path moves: allocation, allocated, requested, inactive split.
+    pub(crate) hot: HotStats,
+    /// Blocks (and their bytes) whose free waits for other queues' events.
+    pending: StatArray,
+    pending_bytes: StatArray,
+    /// Peaks of active blocks (and bytes) reached while frees were pending; otherwise active
+    /// equals allocated and the allocation peaks are the active peaks.
+    active_peak: [i64; 3],
+    active_bytes_peak: [i64; 3],
+}
+
+impl PoolStats {
+    pub(crate) fn new(max_split_size: u64) -> Self {
+        Self {
+            device: DeviceStats { max_split_size, ..Default::default() },
+            hot: HotStats::default(),
+            pending: StatArray::default(),
+            pending_bytes: StatArray::default(),
+            active_peak: [0; 3],
+            active_bytes_peak: [0; 3],
+        }
+    }
+
+    /// The stats. Active blocks are allocated blocks plus those whose free is pending, so the
+    /// hot path keeps only the allocation stats and the (rare) pending ones, and `active` is
+    /// derived here: current and totals add up, and its peak is the allocation peak unless a
+    /// higher one was reached while frees were pending.
+    pub(crate) fn derive(&self) -> DeviceStats {
+        let mut d = self.device.clone();
+        d.allocation = self.hot.array(ALLOCATION);
+        d.allocated_bytes = self.hot.array(ALLOCATED_BYTES);
+        d.requested_bytes = self.hot.array(REQUESTED_BYTES);
+        d.inactive_split = self.hot.array(INACTIVE_SPLIT);
+        d.inactive_split_bytes = self.hot.array(INACTIVE_SPLIT_BYTES);
+        let derive = |alloc: &StatArray, pending: &StatArray, extra: &[i64; 3]| -> StatArray {
+            std::array::from_fn(|i| Stat {
+                current: alloc[i].current + pending[i].current,
+                peak: alloc[i].peak.max(extra[i]),
+                allocated: alloc[i].allocated,
+                freed: alloc[i].freed - pending[i].allocated + pending[i].freed,
+            })
+        };
+        d.active = derive(&d.allocation, &self.pending, &self.active_peak);
+        d.active_bytes = derive(&d.allocated_bytes, &self.pending_bytes, &self.active_bytes_peak);
+        d
+    }
+
+    /// Zeroes the accumulated counters.
+    pub(crate) fn reset_accumulated(&mut self) {
+        self.device.reset_accumulated();
+        self.hot.reset_accumulated();
+        for s in self.pending.iter_mut().chain(self.pending_bytes.iter_mut()) {
+            s.reset_accumulated();
+        }
+    }
+
+    /// Sets every peak to its current value.
+    pub(crate) fn reset_peak(&mut self) {
+        self.device.reset_peak();
+        self.hot.reset_peak();
+        let (allocation, bytes) = (self.hot.current(ALLOCATION), self.hot.current(ALLOCATED_BYTES));
+        for i in 0..3 {
+            self.active_peak[i] = allocation[i] + self.pending[i].current;
+            self.active_bytes_peak[i] = bytes[i] + self.pending_bytes[i].current;
+        }
+    }
+
+    /// A block of `size` bytes in `pool` starts waiting for other queues before its free.
+    pub(crate) fn pending_begin(&mut self, pool: PoolKind, size: i64) {
+        inc_array(&mut self.pending, pool, 1);
+        inc_array(&mut self.pending_bytes, pool, size);
+    }
+
+    /// It stopped waiting: its free completes.
+    pub(crate) fn pending_end(&mut self, pool: PoolKind, size: i64) {
+        dec_array(&mut self.pending, pool, 1);
+        dec_array(&mut self.pending_bytes, pool, size);
+    }
+
+    /// Whether some free is waiting for other queues (active then exceeds allocated).
+    #[inline(always)]
+    pub(crate) fn any_pending(&self) -> bool {
+        self.pending[AGGREGATE].current > 0
+    }
+
+    /// The blocks waiting, as (all, small, large).
+    pub(crate) fn pending_current(&self) -> [i64; 3] {
+        self.pending.map(|s| s.current)
+    }
+
+    /// After a hand-out in `pool` while frees are pending: raises the active peaks.
+    pub(crate) fn note_active_peak(&mut self, pool: PoolKind) {
+        let (allocation, bytes) = (self.hot.current(ALLOCATION), self.hot.current(ALLOCATED_BYTES));
+        for i in [AGGREGATE, pool.index()] {
+            self.active_peak[i] = self.active_peak[i].max(allocation[i] + self.pending[i].current);
+            self.active_bytes_peak[i] = self.active_bytes_peak[i].max(bytes[i] + self.pending_bytes[i].current);
+        }
+    }
+}
 
 /// PyTorch's `DeviceStats`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -372,9 +487,32 @@ mod tests {
     }
 
     #[test]
+    fn active_is_allocated_plus_pending_with_its_own_peak() {
+        let mut p = PoolStats::new(u64::MAX);
+        p.hot.on_alloc(PoolKind::Small, 512, 100);
+        p.hot.on_alloc(PoolKind::Large, 4 << 20, 4 << 20);
+        // The large block's free waits for another queue: no longer allocated, still active.
+        p.hot.on_free_request(PoolKind::Large, 4 << 20, 4 << 20);
+        p.pending_begin(PoolKind::Large, 4 << 20);
+        assert!(p.any_pending());
+        p.hot.on_alloc(PoolKind::Small, 512, 100);
+        p.note_active_peak(PoolKind::Small);
+        let d = p.derive();
+        assert_eq!((d.allocation[AGGREGATE].current, d.active[AGGREGATE].current), (2, 3));
+        assert_eq!((d.allocation[AGGREGATE].peak, d.active[AGGREGATE].peak), (2, 3));
+        assert_eq!(d.active_bytes[LARGE_POOL].current, 4 << 20);
+        p.pending_end(PoolKind::Large, 4 << 20);
+        let d = p.derive();
+        assert_eq!((d.active[AGGREGATE].current, d.active[AGGREGATE].freed), (2, 1));
+        assert_eq!(p.pending_current(), [0, 0, 0]);
+        p.reset_peak();
+        assert_eq!(p.derive().active[AGGREGATE].peak, 2);
+    }
+
+    #[test]
     fn json_has_pytorch_key_names() {
         let mut d = DeviceStats::default();
-        inc_array(&mut d.allocated_bytes, SMALL_POOL, 512);
+        inc_array(&mut d.allocated_bytes, PoolKind::Small, 512);
         let j = d.to_json();
         assert!(j.contains("\"allocated_bytes.all.current\":512"));
         assert!(j.contains("\"allocated_bytes.small_pool.peak\":512"));

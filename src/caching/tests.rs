@@ -25,6 +25,13 @@ fn alloc(cfg: &str, capacity: usize) -> CachingAllocator {
         .unwrap()
 }
 
+/// Checks every invariant of the pool (after each step of these tests).
+fn ok(a: &CachingAllocator) {
+    if let Err(why) = a.check_invariants() {
+        panic!("{why}");
+    }
+}
+
 fn classic() -> CachingAllocator {
     alloc("expandable_segments:False", 64 * MB)
 }
@@ -33,6 +40,7 @@ fn classic() -> CachingAllocator {
 fn a_freed_block_is_reused_and_the_stats_follow() {
     let a = classic();
     let x = a.allocate(1000, None).unwrap();
+    ok(&a);
     assert_eq!(x.len(), 1000);
     let st = a.stats();
     assert_eq!(st.allocation[AGGREGATE].current, 1);
@@ -41,17 +49,22 @@ fn a_freed_block_is_reused_and_the_stats_follow() {
     assert_eq!(st.num_device_alloc, 1);
     let p = x.as_ptr();
     drop(x);
+    ok(&a);
     let st = a.stats();
     assert_eq!((st.allocation[AGGREGATE].current, st.allocation[AGGREGATE].freed), (0, 1));
     let y = a.allocate(1000, None).unwrap();
+    ok(&a);
     assert_eq!(y.as_ptr(), p, "the cached block was not reused");
     let z = a.allocate(600, None).unwrap();
+    ok(&a);
     let st = a.stats();
     assert_eq!(st.num_device_alloc, 1, "both came from the cached segment");
     assert_eq!(st.allocated_bytes[AGGREGATE].peak, 2048);
     assert_eq!(st.simple().num_allocs, 3);
     drop((y, z));
+    ok(&a);
     a.empty_cache();
+    ok(&a);
     let st = a.stats();
     assert_eq!((st.reserved_bytes[AGGREGATE].current, st.segment[AGGREGATE].current), (0, 0));
     assert_eq!(st.simple().num_frees, 3);
@@ -69,20 +82,27 @@ fn blocks_split_and_merge_back_and_whole_segments_are_released() {
     let mut it = blocks.into_iter();
     let (b0, b1, b2, b3) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
     drop(b1);
+    ok(&a);
     drop(b2);
+    ok(&a);
     // Freed blocks wait unmerged for an exact-size reuse (the quick cache)...
     let st = a.stats();
     assert_eq!(st.inactive_split[AGGREGATE].current, 2);
     let again = a.allocate(512 * KB, None).unwrap();
+    ok(&a);
     assert_eq!(a.stats().inactive_split[AGGREGATE].current, 1, "an exact-size request reused a freed block");
     drop(again);
+    ok(&a);
     // ...and a request no cached block fits merges them: 1 MiB, split for 700 KiB.
     let c = a.allocate(700 * KB, None).unwrap();
+    ok(&a);
     let st = a.stats();
     assert_eq!(st.segment[AGGREGATE].current, 1, "the merged hole served the request");
     assert_eq!(st.inactive_split_bytes[AGGREGATE].current as usize, MB - 700 * KB);
     drop((b0, b3, c));
+    ok(&a);
     a.empty_cache();
+    ok(&a);
     let st = a.stats();
     assert_eq!(st.inactive_split[AGGREGATE].current, 0);
     assert_eq!(st.segment[AGGREGATE].current, 0, "the segment merged back whole and was released");
@@ -93,21 +113,31 @@ fn blocks_split_and_merge_back_and_whole_segments_are_released() {
 fn raw_blocks_are_checked_reused_and_bounded() {
     let a = classic();
     let p = a.allocate_raw(4096, None).unwrap();
+    ok(&a);
     assert_eq!(a.raw_size(p).unwrap(), 4096);
     assert_eq!(a.raw_mem(p, 4096).unwrap().len(), 4096);
     assert!(matches!(a.raw_mem(p, 4097), Err(Error::OutOfBounds { .. })));
     assert_eq!(a.mem_at(p.wrapping_add(100), 100).unwrap().len(), 100);
     assert!(a.free_raw(p.wrapping_add(512)).is_err(), "an interior pointer was freed");
+    ok(&a);
     assert!(a.free_raw(std::ptr::null_mut()).is_err());
+    ok(&a);
     let owned = a.allocate(4096, None).unwrap();
+    ok(&a);
     assert!(a.free_raw(owned.as_ptr()).is_err(), "an Allocation's pointer was freed raw");
+    ok(&a);
     a.free_raw(p).unwrap();
+    ok(&a);
     assert!(a.free_raw(p).is_err(), "a double free was accepted");
+    ok(&a);
     assert!(a.raw_size(p).is_err());
     let q = a.allocate_raw(4096, None).unwrap();
+    ok(&a);
     assert_eq!(q, p, "the freed raw block was not reused");
     a.free_raw(q).unwrap();
+    ok(&a);
     drop(owned);
+    ok(&a);
     let st = a.stats();
     assert_eq!(st.allocation[AGGREGATE].current, 0);
     assert_eq!(st.simple().num_frees, 3);
@@ -118,13 +148,16 @@ fn frees_made_while_the_lock_is_held_are_applied_by_the_next_holder() {
     let a = classic();
     a.record_history(true);
     let x = a.allocate(4096, None).unwrap();
+    ok(&a);
     let y = a.allocate(8192, None).unwrap();
+    ok(&a);
     let held = a.inner.pool.lock().unwrap();
     // Neither free may wait for the lock (this thread holds it; the other joins under it).
     drop(x);
     std::thread::spawn(move || drop(y)).join().unwrap();
     assert!(!a.inner.frees.is_empty(), "the frees were not queued");
     drop(held);
+    ok(&a);
     let st = a.stats();
     assert_eq!(st.allocation[AGGREGATE].current, 0);
     assert_eq!(st.allocation[AGGREGATE].freed, 2);
@@ -148,6 +181,11 @@ fn threads_allocate_and_free_at_once() {
                     if i % 3 == 0 {
                         live.swap_remove((i * 7) % live.len());
                     }
+                    // Every few steps (each check walks every block under the lock, and three
+                    // threads take 3000 steps), and every step under Miri.
+                    if cfg!(miri) || i % 32 == 0 {
+                        ok(&a);
+                    }
                 }
                 // The rest is freed on another thread.
                 std::thread::spawn(move || drop(live)).join().unwrap();
@@ -160,6 +198,7 @@ fn threads_allocate_and_free_at_once() {
     assert_eq!(st.simple().num_allocs, (THREADS * EACH) as i64);
     assert_eq!(st.simple().num_frees, (THREADS * EACH) as i64);
     a.empty_cache();
+    ok(&a);
     assert_eq!(a.stats().reserved_bytes[AGGREGATE].current, 0, "{:?}", a.snapshot());
 }
 
@@ -182,7 +221,9 @@ fn blocks_hold_their_own_bytes() {
 fn an_expandable_segment_grows_in_place_and_punching_spares_live_blocks() {
     let a = alloc("expandable_segments:True", 8 * MB);
     let x = a.allocate(3 * MB, None).unwrap();
+    ok(&a);
     let y = a.allocate(2 * MB, None).unwrap();
+    ok(&a);
     let st = a.stats();
     assert_eq!(st.segment[AGGREGATE].current, 1, "one growing segment");
     assert_eq!(y.as_ptr() as usize, x.as_ptr() as usize + 3 * MB, "the second block follows the first");
@@ -191,8 +232,10 @@ fn an_expandable_segment_grows_in_place_and_punching_spares_live_blocks() {
     y.cpu_access(Access::Write).unwrap().fill(0, 64, 0xa5).unwrap();
     assert!(xv.write(x.len(), &[1]).is_err());
     drop(y);
+    ok(&a);
     let reserved = a.stats().reserved_bytes[AGGREGATE].current;
     a.empty_cache();
+    ok(&a);
     let st = a.stats();
     assert!(st.reserved_bytes[AGGREGATE].current < reserved, "nothing was given back");
     assert!(st.reserved_bytes[AGGREGATE].current as usize >= 3 * MB, "the live block lost pages");

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::ring::RingError;
-use super::{Mem, Shared};
+use super::{Mem, QueueShared};
 use crate::copy;
 use crate::sys;
 
@@ -79,7 +79,7 @@ pub(super) fn cpu_fill(dst: &Mem, byte: u8) -> std::result::Result<(), Arc<str>>
     })
 }
 
-pub(super) fn kernel_copy(shared: &Shared, dst: &Mem, src: &Mem) -> std::result::Result<(), Arc<str>> {
+pub(super) fn kernel_copy(shared: &QueueShared, dst: &Mem, src: &Mem) -> std::result::Result<(), Arc<str>> {
     let (d, sp) = match (dst.ptr(), src.ptr()) {
         (Ok(d), Ok(s)) => (d, s),
         _ => return Err("copy side has no CPU mapping".into()),

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::QueueId;
 use crate::error::{Error, Result};
 
 /// What a completion hook is told: success, or why the event failed.
@@ -30,14 +31,14 @@ static WAITS: Mutex<Vec<Waiting>> = Mutex::new(Vec::new());
 
 /// Queue `me`'s executor waits for `generation` of `event`, recorded on queue `on`.
 struct Waiting {
-    me: u64,
-    on: u64,
+    me: QueueId,
+    on: QueueId,
     event: Event,
     generation: u64,
 }
 
 /// An entry of [`WAITS`] for as long as a wait lasts.
-struct WaitEdge(u64);
+struct WaitEdge(QueueId);
 
 impl WaitEdge {
     /// Enters "queue `me` waits for `generation` of `event`, recorded on queue `on`", unless
@@ -47,7 +48,7 @@ impl WaitEdge {
     /// behind the wait that blocks its queue, so none can ever complete.
     ///
     /// Lock order: `WAITS`, then an event's state; callers hold no event lock.
-    fn enter(me: u64, on: u64, event: &Event, generation: u64) -> Result<WaitEdge> {
+    fn enter(me: QueueId, on: QueueId, event: &Event, generation: u64) -> Result<WaitEdge> {
         let mut waits = WAITS.lock().unwrap_or_else(|p| p.into_inner());
         let mut at = on;
         for _ in 0..=waits.len() {
@@ -91,10 +92,10 @@ impl Drop for WaitEdge {
 /// counts as complete. Cloning shares the event.
 #[derive(Clone)]
 pub struct Event {
-    inner: Arc<Inner>,
+    inner: Arc<EventShared>,
 }
 
-struct Inner {
+struct EventShared {
     state: Mutex<State>,
     cv: Condvar,
 }
@@ -118,7 +119,7 @@ struct State {
     sleepers: usize,
     /// The queue each pending generation was recorded on (kernel fences have none): a wait on
     /// such a generation from that queue's own executor thread (a callback) could never end.
-    owners: BTreeMap<u64, u64>,
+    owners: BTreeMap<u64, QueueId>,
 }
 
 impl State {
@@ -170,7 +171,7 @@ impl Default for Event {
 impl Event {
     /// A new, never-recorded event (it counts as complete).
     pub fn new() -> Self {
-        Self { inner: Arc::new(Inner { state: Mutex::new(State::default()), cv: Condvar::new() }) }
+        Self { inner: Arc::new(EventShared { state: Mutex::new(State::default()), cv: Condvar::new() }) }
     }
 
     /// An event that completes when the kernel signals the fence in `sync_file` (a sync_file
@@ -180,16 +181,16 @@ impl Event {
     pub fn from_sync_file(sync_file: OwnedFd) -> Result<Self> {
         crate::sys::sync_file::status(std::os::fd::AsFd::as_fd(&sync_file))
             .map_err(|e| Error::BadImport { reason: format!("not a sync_file (SYNC_IOC_FILE_INFO: {e})") })?;
-        Self::watching(sync_file, super::fence::Kind::SyncFile)
+        Self::watching(sync_file, super::fence::WatchedFdKind::SyncFile)
     }
 
     /// An event that completes when `fd` becomes readable (an eventfd another runtime signals,
     /// a pipe); it fails if the fd reports an error or hang-up without becoming readable.
     pub fn from_readable_fd(fd: OwnedFd) -> Result<Self> {
-        Self::watching(fd, super::fence::Kind::Readable)
+        Self::watching(fd, super::fence::WatchedFdKind::Readable)
     }
 
-    fn watching(fd: OwnedFd, kind: super::fence::Kind) -> Result<Self> {
+    fn watching(fd: OwnedFd, kind: super::fence::WatchedFdKind) -> Result<Self> {
         let ev = Self::new();
         let generation = ev.begin_record();
         super::fence::watch(fd, ev.clone(), generation, kind)?;
@@ -214,7 +215,7 @@ impl Event {
     }
 
     /// Starts a new generation recorded on queue `queue`; returns it.
-    pub(crate) fn begin_record_on(&self, queue: u64) -> u64 {
+    pub(crate) fn begin_record_on(&self, queue: QueueId) -> u64 {
         let mut s = self.lock();
         s.recorded += 1;
         let generation = s.recorded;
@@ -237,7 +238,7 @@ impl Event {
 
     /// Whether the latest record is pending on queue `queue` (its completion then waits for
     /// everything that queue runs before it).
-    pub(crate) fn pending_on(&self, queue: u64) -> bool {
+    pub(crate) fn pending_on(&self, queue: QueueId) -> bool {
         let s = self.lock();
         s.owners.get(&s.recorded) == Some(&queue)
     }

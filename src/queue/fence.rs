@@ -19,7 +19,7 @@ use crate::sys;
 
 /// What the watched fd is, which decides what "readable" means.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
+pub(crate) enum WatchedFdKind {
     /// A sync_file: readable when its fences signalled; then its status says whether they
     /// signalled with an error.
     SyncFile,
@@ -31,11 +31,11 @@ struct Pending {
     fd: OwnedFd,
     event: Event,
     generation: u64,
-    kind: Kind,
+    kind: WatchedFdKind,
 }
 
 #[derive(Default)]
-struct Shared {
+struct WatcherInbox {
     incoming: Vec<Pending>,
     /// Why the watcher stopped, once it has.
     dead: Option<String>,
@@ -43,7 +43,7 @@ struct Shared {
 
 struct Watcher {
     wake: OwnedFd,
-    shared: Mutex<Shared>,
+    shared: Mutex<WatcherInbox>,
 }
 
 fn watcher() -> Result<&'static Watcher> {
@@ -56,18 +56,18 @@ fn watcher() -> Result<&'static Watcher> {
             .name("dmabuf-rt-fences".into())
             .spawn(move || run(ring))
             .map_err(|e| e.to_string())?;
-        Ok(Watcher { wake, shared: Mutex::new(Shared::default()) })
+        Ok(Watcher { wake, shared: Mutex::new(WatcherInbox::default()) })
     })
     .as_ref()
     .map_err(|e| Error::Io { op: "start the fence watcher", source: std::io::Error::other(e.clone()) })
 }
 
-fn lock(w: &Watcher) -> std::sync::MutexGuard<'_, Shared> {
+fn lock(w: &Watcher) -> std::sync::MutexGuard<'_, WatcherInbox> {
     w.shared.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Completes `event`'s `generation` when `fd` becomes readable.
-pub(crate) fn watch(fd: OwnedFd, event: Event, generation: u64, kind: Kind) -> Result<()> {
+pub(crate) fn watch(fd: OwnedFd, event: Event, generation: u64, kind: WatchedFdKind) -> Result<()> {
     let w = watcher()?;
     {
         let mut s = lock(w);
@@ -155,7 +155,7 @@ fn outcome(p: &Pending, res: i32) -> std::result::Result<(), std::sync::Arc<str>
     if !revents.contains(PollFlags::IN) {
         return Err(format!("fence fd reported {revents:?} without becoming readable").into());
     }
-    if p.kind == Kind::SyncFile {
+    if p.kind == WatchedFdKind::SyncFile {
         match sys::sync_file::status(p.fd.as_fd()) {
             Ok(s) if s < 0 => {
                 return Err(format!("fence signalled with an error: {}", std::io::Error::from_raw_os_error(-s)).into());

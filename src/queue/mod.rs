@@ -26,6 +26,7 @@
 mod engine;
 mod event;
 mod fence;
+mod id;
 mod mem;
 mod ring;
 
@@ -36,6 +37,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 pub use event::{Completion, Event};
+pub use id::QueueId;
 pub use mem::{HostBuffer, Mem};
 use ring::Ring;
 
@@ -88,9 +90,8 @@ impl QueueBuilder {
     /// Creates the queue: its ring and its executor thread.
     pub fn build(&self) -> Result<Queue> {
         let ring = Ring::new(64).map_err(setup_error)?;
-        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-        let shared = Arc::new(Shared {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+        let shared = Arc::new(QueueShared {
+            id: QueueId::next(),
             state: Mutex::new(State::default()),
             work: Condvar::new(),
             ring: Mutex::new(Some(ring)),
@@ -172,8 +173,8 @@ impl State {
     }
 }
 
-struct Shared {
-    id: u64,
+struct QueueShared {
+    id: QueueId,
     state: Mutex<State>,
     work: Condvar,
     /// The queue's io_uring; closed when the executor exits, so that handles which outlive the
@@ -187,7 +188,7 @@ struct Shared {
     inline_max: usize,
 }
 
-impl Shared {
+impl QueueShared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -213,7 +214,7 @@ type ExitHook = Box<dyn FnOnce() + Send>;
 
 /// A stream of operations executed in order; see the module documentation.
 pub struct Queue {
-    shared: Arc<Shared>,
+    shared: Arc<QueueShared>,
     worker: Option<JoinHandle<()>>,
 }
 
@@ -321,8 +322,8 @@ impl Queue {
         submit(&self.shared, op)
     }
 
-    /// This queue's identity (never 0; 0 stands for "no queue" in the allocator).
-    pub fn id(&self) -> u64 {
+    /// This queue's identity.
+    pub fn id(&self) -> QueueId {
         self.shared.id
     }
 
@@ -337,7 +338,7 @@ impl Queue {
 /// See [`Queue::handle`].
 #[derive(Clone)]
 pub struct QueueHandle {
-    shared: Arc<Shared>,
+    shared: Arc<QueueShared>,
 }
 
 impl std::fmt::Debug for QueueHandle {
@@ -348,7 +349,7 @@ impl std::fmt::Debug for QueueHandle {
 
 impl QueueHandle {
     /// The queue's identity.
-    pub fn id(&self) -> u64 {
+    pub fn id(&self) -> QueueId {
         self.shared.id
     }
 
@@ -418,9 +419,8 @@ thread_local! {
 }
 
 /// The queue whose executor thread this is, if any: code running in a host callback.
-pub fn executing_queue() -> Option<u64> {
-    let id = EXECUTING.with(std::cell::Cell::get);
-    (id != 0).then_some(id)
+pub fn executing_queue() -> Option<QueueId> {
+    QueueId::from_raw(EXECUTING.with(std::cell::Cell::get))
 }
 
 /// Runs `f` once every queue in `queues` has passed its current end: an event is recorded on
@@ -452,7 +452,7 @@ pub fn after_queues(queues: impl IntoIterator<Item = QueueHandle>, f: impl FnOnc
     }
 }
 
-fn submit(shared: &Shared, op: Op) -> Result<()> {
+fn submit(shared: &QueueShared, op: Op) -> Result<()> {
     let mut s = shared.lock();
     if s.dead {
         return Err(Error::OperationFailed { reason: "the queue's executor thread died".into() });
@@ -535,11 +535,11 @@ fn check_copy(dst: &Mem, src: &Mem) -> Result<()> {
 
 /// Whether a copy goes to the kernel: the kernel engine, a memfd side, and no overlap (a
 /// pwrite from a mapping of the very pages it writes would read bytes it already changed).
-fn kernel_copy_applies(shared: &Shared, dst: &Mem, src: &Mem) -> bool {
+fn kernel_copy_applies(shared: &QueueShared, dst: &Mem, src: &Mem) -> bool {
     shared.engine == CopyEngine::Kernel && (dst.memfd().is_some() || src.memfd().is_some()) && !dst.overlaps(src)
 }
 
-fn inline_ok(shared: &Shared, op: &Op) -> bool {
+fn inline_ok(shared: &QueueShared, op: &Op) -> bool {
     match op {
         Op::Copy { dst, .. } | Op::Fill { dst, .. } => dst.len() <= shared.inline_max,
         Op::Record { .. } => true,
@@ -549,7 +549,7 @@ fn inline_ok(shared: &Shared, op: &Op) -> bool {
 }
 
 /// If the executor thread unwinds (a bug: user code is caught), fail everything it leaves.
-struct ExecutorGuard<'a>(&'a Shared);
+struct ExecutorGuard<'a>(&'a QueueShared);
 
 impl Drop for ExecutorGuard<'_> {
     fn drop(&mut self) {
@@ -581,9 +581,9 @@ fn cancel(op: Op, why: &Arc<str>) {
     }
 }
 
-fn executor(shared: &Shared) {
+fn executor(shared: &QueueShared) {
     let _guard = ExecutorGuard(shared);
-    EXECUTING.with(|e| e.set(shared.id));
+    EXECUTING.with(|e| e.set(shared.id.get()));
     loop {
         let (queued, failed) = {
             let mut s = shared.lock();
@@ -612,7 +612,7 @@ fn executor(shared: &Shared) {
 /// Runs one operation (or skips it if the queue failed in its epoch, `failed` being that
 /// failure) and posts its completion. Returns the event a record reached, to be completed by
 /// [`finish`] once the queue no longer counts the operation as running.
-fn execute(shared: &Shared, queued: Queued, failed: Option<Arc<str>>) -> Option<(Event, u64, Completion)> {
+fn execute(shared: &QueueShared, queued: Queued, failed: Option<Arc<str>>) -> Option<(Event, u64, Completion)> {
     let Queued { op, epoch } = queued;
     let mut completes = None;
     let result: std::result::Result<(), Arc<str>> = match (op, failed) {
@@ -659,7 +659,7 @@ fn execute(shared: &Shared, queued: Queued, failed: Option<Arc<str>>) -> Option<
 /// may run inline the moment the queue is idle) never completes before this one, whoever sees
 /// the event complete also sees the queue idle if nothing else was queued, and
 /// `Queue::synchronize` never returns before the hooks of earlier records have run.
-fn finish(shared: &Shared, completes: Option<(Event, u64, Completion)>) {
+fn finish(shared: &QueueShared, completes: Option<(Event, u64, Completion)>) {
     if let Some((event, generation, result)) = &completes {
         event.run_hooks(*generation, result);
     }
@@ -681,10 +681,10 @@ fn finish(shared: &Shared, completes: Option<(Event, u64, Completion)>) {
     }
 }
 
-fn post_deferred_completion(shared: &Shared) -> std::result::Result<(), Arc<str>> {
+fn post_deferred_completion(shared: &QueueShared) -> std::result::Result<(), Arc<str>> {
     shared.with_ring(|r| r.complete_cpu_deferred())?.map_err(|e| Arc::from(format!("io_uring completion: {e}")))
 }
 
-fn post_cpu_completion(shared: &Shared) -> std::result::Result<(), Arc<str>> {
+fn post_cpu_completion(shared: &QueueShared) -> std::result::Result<(), Arc<str>> {
     shared.with_ring(|r| r.complete_cpu())?.map_err(|e| Arc::from(format!("io_uring completion: {e}")))
 }

@@ -1,0 +1,211 @@
+//! The free path's application, under the pool's lock: the frees pushed onto the lock-free
+//! list are drained oldest first, each block goes into the quick cache (unmerged, for exact
+//! reuse) or into its pool merged with its free neighbours, and the stats follow.
+
+use super::super::block::{BlockId, FreeMsg};
+use super::super::free_list::{FreeList, Node};
+use super::super::snapshot::HistoryKind;
+use super::{Pool, QUICK_MAX};
+
+impl Pool {
+    /// Applies every free pushed since the last drain, oldest first (the caller checks the
+    /// list is not empty first, on its fast path).
+    #[inline]
+    pub(crate) fn drain(&mut self, frees: &FreeList<FreeMsg>) {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        frees.drain_oldest_first(&mut scratch, |n| {
+            let m = n.value;
+            self.recycle(n);
+            self.apply(m);
+        });
+        self.scratch = scratch;
+    }
+
+    pub(super) fn recycle(&mut self, node: Box<Node<FreeMsg>>) {
+        if self.nodes.len() < 4096 {
+            self.nodes.push(node);
+        }
+    }
+
+    #[inline(always)]
+    pub(super) fn apply(&mut self, m: FreeMsg) {
+        match m {
+            FreeMsg::Free(id) => {
+                self.free_now(id);
+                self.after_free(id);
+            }
+            FreeMsg::QueueGone(queue) => self.queue_gone(queue.get()),
+            FreeMsg::Requested(id) => {
+                self.account_free_request(id);
+                let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
+                self.stats.pending_begin(pool, size);
+                let (addr, size, stream) =
+                    (self.addr(id), self.blocks[id as usize].size, self.blocks[id as usize].stream);
+                self.log(HistoryKind::FreeRequested, addr, size, stream);
+            }
+            FreeMsg::Completed(id) => {
+                let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
+                self.stats.pending_end(pool, size);
+                self.free_block(id);
+                self.after_free(id);
+            }
+        }
+    }
+
+    /// After a free: the last block of a gone queue's segment lets the segment go.
+    #[inline(always)]
+    pub(super) fn after_free(&mut self, id: BlockId) {
+        if !self.gone.is_empty() {
+            let stream = self.blocks[id as usize].stream;
+            if self.gone.contains(&stream) {
+                self.release_gone(stream);
+            }
+        }
+    }
+
+    /// Frees a block no other queue used. The usual case takes the short way: straight into
+    /// the quick cache with the fewest stat updates.
+    #[inline(always)]
+    pub(super) fn free_now(&mut self, id: BlockId) {
+        let quick_ok = !self.history.record_all && !self.config.no_caching && self.quick.len() < QUICK_MAX;
+        let b = &mut self.blocks[id as usize];
+        if !quick_ok || b.size >= self.config.max_split_size {
+            self.account_free_request(id);
+            self.free_block(id);
+            return;
+        }
+        let (pool, size, requested, stream, split) = (b.pool, b.size, b.requested, b.stream, b.is_split());
+        b.allocated = false;
+        b.requested = 0;
+        b.cached_at = self.misses;
+        b.in_quick = true;
+        self.stats.hot.on_free_request(pool, size as i64, requested as i64);
+        if split {
+            self.stats.hot.inactive(pool, size as i64, true);
+        }
+        self.quick.push(stream, size, id);
+    }
+
+    /// A free-list node for a new allocation (reused when possible).
+    pub(crate) fn take_node(&mut self) -> Box<Node<FreeMsg>> {
+        self.nodes.pop().unwrap_or_else(|| Node::new(FreeMsg::Free(0)))
+    }
+
+    /// The caller let go: it no longer counts as allocated (it stays active until free).
+    pub(super) fn account_free_request(&mut self, id: BlockId) {
+        let b = &self.blocks[id as usize];
+        let (pool, size, requested) = (b.pool, b.size as i64, b.requested as i64);
+        self.stats.hot.on_free_request(pool, size, requested);
+        if b.size >= self.config.max_split_size {
+            self.stats.device.oversize_allocations.update(-1);
+        }
+        // A block still allocated with nothing requested is waiting for its events.
+        self.blocks[id as usize].requested = 0;
+    }
+
+    /// Returns a block: into the quick cache (unmerged, for exact reuse) when caching, else
+    /// into its pool, merged with free neighbours.
+    pub(super) fn free_block(&mut self, id: BlockId) {
+        // Make room first, while this block still counts as allocated (so the flush's merges
+        // leave it alone).
+        if self.quick.len() >= QUICK_MAX {
+            self.flush_quick();
+        }
+        let (size, stream) = {
+            let b = &self.blocks[id as usize];
+            (b.size, b.stream)
+        };
+        if self.history.record_all {
+            let addr = self.addr(id);
+            self.log(HistoryKind::FreeCompleted, addr, size, stream);
+        }
+        let misses = self.misses;
+        let b = &mut self.blocks[id as usize];
+        b.allocated = false;
+        b.requested = 0;
+        b.cached_at = misses;
+        if !self.config.no_caching && size < self.config.max_split_size {
+            self.quick_insert(id);
+            return;
+        }
+        self.pool_free(id);
+    }
+
+    pub(super) fn quick_insert(&mut self, id: BlockId) {
+        let b = &mut self.blocks[id as usize];
+        b.in_quick = true;
+        self.quick.push(b.stream, b.size, id);
+        self.account_inactive(id, true);
+    }
+
+    /// Takes a block out of the quick cache's accounting (it was popped from its list).
+    #[inline(always)]
+    pub(super) fn quick_leave(&mut self, id: BlockId) {
+        self.blocks[id as usize].in_quick = false;
+        self.account_inactive(id, false);
+    }
+
+    #[inline(always)]
+    pub(super) fn quick_take(&mut self, stream: u64, size: usize) -> Option<BlockId> {
+        let id = self.quick.pop(stream, size)?;
+        self.quick_leave(id);
+        Some(id)
+    }
+
+    /// Moves every quick-cached block into its pool, merging neighbours.
+    pub(crate) fn flush_quick(&mut self) {
+        if self.quick.len() == 0 {
+            return;
+        }
+        let ids = self.quick.take_all();
+        // One at a time: a neighbour still marked quick is not merged until its own turn.
+        for id in ids {
+            self.quick_leave(id);
+            self.pool_free(id);
+        }
+    }
+
+    /// Puts a free block into its pool, merged with its free (pooled) neighbours.
+    pub(super) fn pool_free(&mut self, id: BlockId) {
+        if let Some(p) = self.blocks[id as usize].prev.filter(|&p| self.blocks[p as usize].is_pooled_free()) {
+            self.merge(id, p);
+        }
+        if let Some(n) = self.blocks[id as usize].next.filter(|&n| self.blocks[n as usize].is_pooled_free()) {
+            self.merge(id, n);
+        }
+        self.pool_insert(id);
+        if self.config.no_caching && !self.blocks[id as usize].is_split() && !self.is_expandable(id) {
+            let _ = self.release_block(id);
+        }
+    }
+
+    /// Absorbs free neighbour `other` into `id`.
+    pub(super) fn merge(&mut self, id: BlockId, other: BlockId) {
+        self.pool_remove(other);
+        let (id_addr, other_addr) = (self.addr(id), self.addr(other));
+        if other_addr < id_addr {
+            // `id` now starts where `other` did.
+            self.raw.addrs.remove(id_addr);
+            self.raw.addrs.insert(other_addr, id);
+        } else {
+            self.raw.addrs.remove(other_addr);
+        }
+        let o = self.blocks[other as usize].clone();
+        let b = &mut self.blocks[id as usize];
+        if o.offset < b.offset {
+            b.offset = o.offset;
+            b.prev = o.prev;
+            if let Some(pp) = o.prev {
+                self.blocks[pp as usize].next = Some(id);
+            }
+        } else {
+            b.next = o.next;
+            if let Some(nn) = o.next {
+                self.blocks[nn as usize].prev = Some(id);
+            }
+        }
+        self.blocks[id as usize].size += o.size;
+        self.free_ids.push(other);
+        self.fix_tail(id);
+    }
+}

@@ -1,0 +1,256 @@
+//! The pool's side of expandable segments: when to grow the (queue, pool) segment, which free
+//! pages to punch and when (the trim policy), and the accounting of punched pages that come
+//! back into use. The page arithmetic and the calls to the segment are in `expandable.rs`.
+
+use std::sync::Arc;
+
+use super::super::block::{BlockId, PoolKind};
+use super::super::expandable::{self, Budget, ExpState, Reservation};
+use super::super::snapshot::HistoryKind;
+use super::super::stats;
+use super::{Key, Pool, SegEntry};
+
+impl Pool {
+    pub(super) fn uses_expandable(&self) -> bool {
+        self.config.expandable_segments && !self.config.no_caching && !self.expandable_unsupported
+    }
+
+    pub(super) fn is_expandable(&self, id: BlockId) -> bool {
+        self.segments[self.blocks[id as usize].seg as usize].as_ref().is_some_and(|e| e.exp.is_some())
+    }
+
+    /// Grows the (stream, pool) expandable segment so that its free tail holds `rounded`
+    /// bytes; returns that tail block. Before the reserved bytes grow, [`Pool::trim`] punches
+    /// free pages elsewhere if they would go past its bound or the allowed memory. Making the
+    /// reservation and each growth (one `mmap` of more of the memfd) are calls to the memory
+    /// source, counted in `num_device_alloc`.
+    pub(super) fn grow_expandable(
+        &mut self,
+        rounded: usize,
+        pool: PoolKind,
+        stream: u64,
+        cause: &mut String,
+    ) -> Option<BlockId> {
+        let idx = match self.expandable.get(&(stream, pool)) {
+            Some(&i) => i,
+            None => match expandable::reserve(&*self.source, self.allowed, rounded) {
+                Reservation::Made(seg, exp) => {
+                    let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
+                    let entry = SegEntry { seg: Arc::new(seg), base, size: 0, pool, stream, exp: Some(exp) };
+                    let i = self.add_segment(entry);
+                    self.expandable.insert((stream, pool), i);
+                    i
+                }
+                Reservation::Unsupported => {
+                    // Heaps and GEM objects cannot grow in place: use classic segments.
+                    self.expandable_unsupported = true;
+                    return None;
+                }
+                Reservation::Failed(e) => {
+                    // Not even the request fits: classic segments from here on.
+                    *cause = format!("; {} cannot reserve address space: {e}", self.source.name());
+                    self.note_source_error(e);
+                    self.expandable_unsupported = true;
+                    return None;
+                }
+            },
+        };
+        // Free blocks the quick cache holds unmerged can neither extend the tail nor be punched
+        // (normally it is empty here: the miss that led here flushed it).
+        self.flush_quick();
+        let (mapped, reserved_len, tail) = {
+            let e = self.segments[idx as usize].as_ref().expect("live expandable segment");
+            let exp = e.exp.as_ref().expect("expandable");
+            (e.size, exp.reserved_len(), exp.tail)
+        };
+        let tail_free = tail.filter(|&t| self.blocks[t as usize].is_pooled_free());
+        let have = tail_free.map_or(0, |t| self.blocks[t as usize].size);
+        let grow = ExpState::growth(rounded, have);
+        if mapped + grow > reserved_len {
+            *cause = format!("; the expandable segment's {reserved_len}-byte reservation is full");
+            return None;
+        }
+        // The request takes all of the free tail: its punched pages count again too.
+        let need = (grow + tail_free.map_or(0, |t| self.punched_bytes(t, usize::MAX))) as u64;
+        self.trim(need, rounded as u64, tail_free);
+        let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
+        if reserved + need > self.allowed {
+            *cause = format!(
+                "; the allowed memory ({} bytes = fraction {} of capacity) would be exceeded",
+                self.allowed, self.config.per_process_memory_fraction
+            );
+            return None;
+        }
+        let e = self.segments[idx as usize].as_mut().expect("live expandable segment");
+        if let Err(err) = e.exp.as_mut().expect("expandable").grow(&e.seg, mapped, grow) {
+            *cause = format!("; {err}");
+            self.note_source_error(err);
+            return None;
+        }
+        e.size = mapped + grow;
+        self.stats.device.num_device_alloc += 1;
+        stats::inc_array(&mut self.stats.device.reserved_bytes, pool, grow as i64);
+        match tail_free {
+            Some(t) => {
+                self.pool_remove(t);
+                self.blocks[t as usize].size += grow;
+                self.pool_insert(t);
+                Some(t)
+            }
+            None => {
+                let id = self.new_block(idx, (mapped, grow), stream, pool, tail, None);
+                if let Some(t) = tail {
+                    self.blocks[t as usize].next = Some(id);
+                }
+                self.fix_tail(id);
+                self.pool_insert(id);
+                Some(id)
+            }
+        }
+    }
+
+    /// Bytes of the punched pages that the first `len` bytes of an expandable block touch (0
+    /// for any other block).
+    pub(super) fn punched_bytes(&self, id: BlockId, len: usize) -> usize {
+        let b = &self.blocks[id as usize];
+        let Some(exp) = self.segments[b.seg as usize].as_ref().and_then(|e| e.exp.as_ref()) else { return 0 };
+        exp.punched_bytes(b.offset, len.min(b.size))
+    }
+
+    /// Whether pooled block `id` can be handed out for a `rounded`-byte request: the punched
+    /// pages that part of it touches count as reserved again once handed out (touching them
+    /// brings them back, with no call to the source), so first the trim policy makes room as
+    /// for a growth, and then they must fit in the allowed memory. On the slow path of
+    /// [`Pool::allocate`] only, and cheap unless the block's segment has punched pages.
+    pub(super) fn reback_fits(&mut self, id: BlockId, rounded: usize) -> bool {
+        let mut need = self.punched_bytes(id, rounded) as u64;
+        if need == 0 {
+            return true;
+        }
+        if self.quick.len() > 0 && self.budget().trim_excess(need, rounded as u64) > 0 {
+            // Memory in the quick cache cannot be punched: merge it first, with `id` out of
+            // its pool and marked allocated meanwhile so that no merge absorbs it; then `id`
+            // goes back through `pool_free`, which absorbs its free neighbours (leaving them
+            // unmerged would strand them: nothing merges two pooled blocks later). `id` keeps
+            // its id, so the caller's choice stands; it may start earlier now.
+            self.pool_remove(id);
+            self.blocks[id as usize].allocated = true;
+            self.flush_quick();
+            self.blocks[id as usize].allocated = false;
+            self.pool_free(id);
+            need = self.punched_bytes(id, rounded) as u64;
+        }
+        self.trim(need, rounded as u64, Some(id));
+        self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64 + need <= self.allowed
+    }
+
+    /// Counts the punched pages under an expandable block that is being handed out as
+    /// reserved again ([`Pool::reback_fits`] made room for them). Called on the slow path of
+    /// [`Pool::allocate`], the only way out of the pools (see `Pool::hand_out`).
+    pub(super) fn back_chunks(&mut self, id: BlockId) {
+        let b = &self.blocks[id as usize];
+        let (seg, off, size, pool) = (b.seg, b.offset, b.size, b.pool);
+        let Some(exp) = self.segments[seg as usize].as_mut().and_then(|e| e.exp.as_mut()) else { return };
+        let added = exp.back(off, size);
+        if added > 0 {
+            stats::inc_array(&mut self.stats.device.reserved_bytes, pool, added as i64);
+        }
+    }
+
+    /// Gives every backed page that a free expandable block wholly covers back to the kernel;
+    /// returns the bytes released.
+    pub(super) fn punch_free(&mut self, id: BlockId) -> usize {
+        self.punch_block(id, u64::MAX)
+    }
+
+    /// Gives back at least `want` bytes (or all it has) of the backed pages that a free
+    /// expandable block wholly covers, taken from its end (best fit splits blocks from the
+    /// front, so the end is reused last), with one `fallocate(PUNCH_HOLE)`: a call to the
+    /// source, counted in `num_device_free`. Returns the bytes released.
+    pub(super) fn punch_block(&mut self, id: BlockId, want: u64) -> usize {
+        let b = &self.blocks[id as usize];
+        let (seg, off, size, pool) = (b.seg, b.offset, b.size, b.pool);
+        if self.queue_busy(b.stream) {
+            // Work queued before the free may still use the block: a punch would not wait.
+            return 0;
+        }
+        let Some(entry) = self.segments[seg as usize].as_mut() else { return 0 };
+        let Some(exp) = entry.exp.as_mut() else { return 0 };
+        let Some((from_b, freed)) = exp.punch(&entry.seg, off, size, want) else { return 0 };
+        let (addr, stream) = (entry.base + from_b, entry.stream);
+        self.stats.device.num_device_free += 1;
+        stats::dec_array(&mut self.stats.device.reserved_bytes, pool, freed as i64);
+        self.log(HistoryKind::SegmentFree, addr, freed, stream);
+        freed
+    }
+
+    /// The numbers the trim policy weighs, now.
+    pub(super) fn budget(&self) -> Budget {
+        let bytes = self.stats.hot.array(stats::ALLOCATED_BYTES)[stats::AGGREGATE];
+        Budget {
+            reserved: self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64,
+            allocated: bytes.current as u64,
+            allocated_peak: bytes.peak as u64,
+            allowed: self.allowed,
+            trim_ratio: self.config.trim_ratio,
+        }
+    }
+
+    /// The trim policy, which keeps reserved memory close to the allocated peak. It runs only
+    /// where the reserved bytes are about to grow by `need` for a request of `rounded` bytes,
+    /// on the slow path: a miss that grows an expandable segment, or a cached block handed out
+    /// over pages punched earlier. If they would end up above `Config::trim_ratio` times the
+    /// allocated peak (counting this request), or past the allowed memory, it punches free
+    /// pages of pooled blocks in every expandable segment (either pool), largest blocks first
+    /// (fewest calls), each from its end, down to the low mark (`TRIM_LOW_SHARE`). A block
+    /// bound to a queue with work in flight is left alone: that work was queued before the
+    /// free and may still read or write it, and a punch is not ordered after it.
+    /// `keep` (the block the request will take) is spared. A periodic workload whose pages all
+    /// fit within the bound stops punching once warm; one that touches more pages per
+    /// iteration than that punches some every iteration.
+    pub(super) fn trim(&mut self, need: u64, rounded: u64, keep: Option<BlockId>) {
+        let excess = self.budget().trim_excess(need, rounded);
+        if excess > 0 {
+            self.punch_largest(excess, keep);
+        }
+    }
+
+    /// Punches at least `excess` bytes of free pages from pooled expandable blocks, largest
+    /// first (both pools walked from their largest key down and merged by size: exact for one
+    /// queue, per queue otherwise), sparing `keep` and the blocks of queues with work in
+    /// flight; returns what is left of `excess`. Walks the pools in place: no collecting, no
+    /// sorting.
+    pub(super) fn punch_largest(&mut self, mut excess: u64, keep: Option<BlockId>) -> u64 {
+        let mut below: [Option<Key>; 2] = [None, None];
+        let mut done = [false; 2];
+        loop {
+            let mut peek = [None, None];
+            for i in 0..2 {
+                if !done[i] {
+                    let set = &self.pools[i];
+                    peek[i] = match below[i] {
+                        None => set.iter().next_back().copied(),
+                        Some(k) => set.range(..k).next_back().copied(),
+                    };
+                    done[i] = peek[i].is_none();
+                }
+            }
+            let i = match (peek[0], peek[1]) {
+                (None, None) => return excess,
+                (Some(_), None) => 0,
+                (None, Some(_)) => 1,
+                (Some(a), Some(b)) => usize::from(b.1 >= a.1),
+            };
+            let k = peek[i].expect("picked a present key");
+            below[i] = Some(k);
+            if Some(k.3) == keep || !self.is_expandable(k.3) || self.queue_busy(k.0) {
+                continue;
+            }
+            // Punching keeps the block in its pool under the same key.
+            excess = excess.saturating_sub(self.punch_block(k.3, excess) as u64);
+            if excess == 0 {
+                return 0;
+            }
+        }
+    }
+}

@@ -1,0 +1,74 @@
+//! The raw API's entry points (C callers and seed 002's raw deleter name blocks by address):
+//! the checks are the raw table's (`raw.rs`), the frees go through the free path.
+
+use std::sync::Arc;
+
+use super::super::block::FreeMsg;
+use super::super::raw::RawDeferred;
+use super::super::snapshot::HistoryKind;
+use super::{Handed, Pool};
+use crate::queue::Queue;
+use crate::segment::Segment;
+
+impl Pool {
+    /// Marks a block just handed out as a raw allocation; returns its address.
+    pub(crate) fn hand_out_raw(&mut self, h: Handed) -> usize {
+        self.blocks[h.id as usize].raw = true;
+        self.addr(h.id)
+    }
+
+    /// [`Pool::try_quick`] for a raw caller.
+    #[inline]
+    pub(crate) fn try_quick_raw(&mut self, size: usize, stream: u64) -> Option<usize> {
+        let h = self.try_quick(size, stream)?;
+        Some(self.hand_out_raw(h))
+    }
+
+    /// Frees the raw allocation at `addr`: applied at once, or, if other queues used it, its
+    /// request applied and the block and queues returned for the caller to wait on. A pointer
+    /// that is not a live raw allocation is refused (and logged), changing nothing else.
+    #[inline]
+    pub(crate) fn free_raw(&mut self, addr: usize) -> std::result::Result<Option<RawDeferred>, &'static str> {
+        let id = match self.raw.live_raw_at(addr, &self.blocks) {
+            Ok(id) => id,
+            Err(why) => {
+                self.history.log_always(HistoryKind::InvalidFree, addr, 0, 0);
+                return Err(why);
+            }
+        };
+        if !self.raw.release(id, &mut self.blocks) {
+            self.apply(FreeMsg::Free(id));
+            return Ok(None);
+        }
+        let uses = self.raw.take_uses(id);
+        self.apply(FreeMsg::Requested(id));
+        Ok(Some((id, uses)))
+    }
+
+    /// Records that `queue` uses the raw allocation at `addr`.
+    pub(crate) fn record_queue_raw(&mut self, addr: usize, queue: &Queue) -> std::result::Result<(), &'static str> {
+        let id = self.raw.live_raw_at(addr, &self.blocks)?;
+        self.raw.record_use(id, queue, &mut self.blocks);
+        Ok(())
+    }
+
+    /// The segment, offset and requested size of the raw allocation at `addr`.
+    pub(crate) fn raw_block(&self, addr: usize) -> std::result::Result<(Arc<Segment>, usize, usize), &'static str> {
+        let b = &self.blocks[self.raw.live_raw_at(addr, &self.blocks)? as usize];
+        let seg = Arc::clone(&self.segments[b.seg as usize].as_ref().expect("live segment").seg);
+        Ok((seg, b.offset, b.requested))
+    }
+
+    /// The live allocation that holds `[addr, addr + len)` wholly: its segment and the offset
+    /// of `addr` in the segment (see [`RawTable::live_range`]).
+    pub(crate) fn live_range(&self, addr: usize, len: usize) -> std::result::Result<(Arc<Segment>, usize), String> {
+        let id = self.raw.live_range(addr, len, &self.blocks)?;
+        let e = self.segments[self.blocks[id as usize].seg as usize].as_ref().expect("a live block's segment is live");
+        Ok((Arc::clone(&e.seg), addr - e.base))
+    }
+
+    /// Whether `addr` lies in some block of a live segment.
+    pub(crate) fn holds(&self, addr: usize) -> bool {
+        self.raw.holding(addr, &self.blocks).is_some()
+    }
+}

@@ -1,0 +1,276 @@
+//! Unit tests of the pool. Every step is followed by `check_invariants` ([`step!`]).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::*;
+use crate::segment::SegmentKind;
+use crate::source::SparseSource;
+
+/// Runs one call on the pool, then checks every invariant, naming the call if one broke.
+macro_rules! step {
+    ($p:ident . $($call:tt)*) => {{
+        let r = $p.$($call)*;
+        if let Err(why) = $p.check_invariants() {
+            panic!("after {}: {why}", stringify!($($call)*));
+        }
+        r
+    }};
+}
+
+fn pool(conf: &str) -> Pool {
+    Pool::new(Box::new(SparseSource), Config::parse(conf).unwrap(), 1 << 30)
+}
+
+fn got(o: Result<Outcome>) -> Handed {
+    match o.unwrap() {
+        Outcome::Got(h) => h,
+        Outcome::WaitForPending => panic!("nothing is pending"),
+    }
+}
+
+const MB: usize = 1 << 20;
+
+/// A source that refuses its next `refusals` requests (as out of memory, or with `error`),
+/// then serves them from sparse memory, counting the calls.
+#[derive(Debug)]
+struct Refusing {
+    refusals: Arc<AtomicUsize>,
+    calls: Arc<AtomicUsize>,
+    permission: bool,
+}
+
+impl MemorySource for Refusing {
+    fn name(&self) -> String {
+        "refusing".into()
+    }
+    fn kind(&self) -> SegmentKind {
+        SegmentKind::Device
+    }
+    fn allocate(&self, len: usize) -> Result<Segment> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let refuse = self.refusals.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok();
+        if !refuse {
+            return SparseSource.allocate(len);
+        }
+        let kind = if self.permission { std::io::ErrorKind::PermissionDenied } else { std::io::ErrorKind::OutOfMemory };
+        let source = std::io::Error::from(kind);
+        Err(if self.permission {
+            Error::Open { path: "/dev/refusing".into(), source, why: "a test".into() }
+        } else {
+            Error::OutOfMemory { requested: len as u64, source_name: self.name(), source }
+        })
+    }
+}
+
+/// A pool over a [`Refusing`] source, with its refusal and call counters.
+fn refusing_pool(conf: &str, permission: bool) -> (Pool, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    refusing_pool_with(Config::parse(conf).unwrap(), permission)
+}
+
+fn refusing_pool_with(config: Config, permission: bool) -> (Pool, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    let (refusals, calls) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let source = Refusing { refusals: Arc::clone(&refusals), calls: Arc::clone(&calls), permission };
+    (Pool::new(Box::new(source), config, 1 << 30), refusals, calls)
+}
+
+fn segment_events(p: &Pool) -> Vec<(HistoryKind, usize)> {
+    p.history()
+        .into_iter()
+        .filter(|e| matches!(e.kind, HistoryKind::SegmentAlloc | HistoryKind::SegmentFree))
+        .map(|e| (e.kind, e.size))
+        .collect()
+}
+
+/// Issue 9, defect 9: `Allocation`'s segment pointer is sound only if a segment never goes
+/// back to its source while one of its blocks is handed out. `release_block` checks that
+/// in every build (it was a `debug_assert!`), so a bug elsewhere leaks instead of freeing
+/// memory in use.
+#[test]
+fn release_block_refuses_blocks_in_use_split_or_cached() {
+    let mut p = pool("expandable_segments:False");
+    let whole = got(step!(p.allocate(4 * MB, 0, false, false))).id;
+    assert!(p.blocks[whole as usize].allocated);
+    assert!(!step!(p.release_block(whole)), "released an allocated block's segment");
+    let part = got(step!(p.allocate(4096, 0, false, false))).id;
+    assert!(p.blocks[part as usize].is_split());
+    let rest = p.blocks[part as usize].next.unwrap();
+    assert!(!step!(p.release_block(rest)), "released the segment under an allocated neighbour");
+    step!(p.apply(FreeMsg::Free(part)));
+    assert!(p.blocks[part as usize].in_quick);
+    assert!(!step!(p.release_block(part)), "released a quick-cached block");
+    assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 2);
+    step!(p.apply(FreeMsg::Free(whole)));
+    step!(p.release_cached(None));
+    assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 0);
+}
+
+/// Issue 9, defect 7: a gone queue's segments go back as soon as their blocks are free.
+#[test]
+fn a_gone_queues_segments_go_when_their_last_block_is_freed() {
+    for conf in ["expandable_segments:False", "expandable_segments:True"] {
+        let mut p = pool(conf);
+        let a = got(step!(p.allocate(4096, 7, false, false))).id;
+        let b = got(step!(p.allocate(3 * MB, 7, false, false))).id;
+        let other = got(step!(p.allocate(4096, 8, false, false))).id;
+        step!(p.queue_gone(7));
+        assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 3, "{conf}: blocks are live");
+        step!(p.apply(FreeMsg::Free(a)));
+        assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 2, "{conf}");
+        step!(p.apply(FreeMsg::Free(b)));
+        assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 1, "{conf}");
+        assert!(p.gone.is_empty() && p.expandable.keys().all(|k| k.0 != 7), "{conf}");
+        step!(p.apply(FreeMsg::Free(other)));
+    }
+}
+
+/// Best fit takes the smallest cached block that fits, splits it when the rest is worth
+/// keeping, and the free merges it back.
+#[test]
+fn best_fit_splits_and_the_free_merges_back() {
+    let mut p = pool("expandable_segments:False");
+    let a = got(step!(p.allocate(4 * MB, 0, false, false))).id;
+    let b = got(step!(p.allocate(6 * MB, 0, false, false))).id;
+    assert_eq!(p.blocks[a as usize].seg, p.blocks[b as usize].seg, "one 20 MiB segment, split");
+    step!(p.apply(FreeMsg::Free(a)));
+    step!(p.flush_quick());
+    // 2 MiB fits the freed 4 MiB block best (not the 10 MiB rest after `b`): reused, and
+    // split, as more than 1 MiB remains.
+    let c = got(step!(p.allocate(2 * MB, 0, false, false))).id;
+    assert_eq!((p.blocks[c as usize].offset, p.blocks[c as usize].size), (0, 2 * MB));
+    // 1 MiB more of the 2 MiB left would leave 1 MiB: not worth a large-pool split.
+    let d = got(step!(p.allocate(MB + 512, 0, false, false))).id;
+    assert_eq!((p.blocks[d as usize].offset, p.blocks[d as usize].size), (2 * MB, 2 * MB));
+    step!(p.apply(FreeMsg::Free(d)));
+    step!(p.apply(FreeMsg::Free(b)));
+    step!(p.apply(FreeMsg::Free(c)));
+    step!(p.flush_quick());
+    assert_eq!(p.pools[PoolKind::Large.slot()].len(), 1, "merged back into one block");
+    assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 1);
+}
+
+/// The ladder's last rungs: a source that refuses once is asked again after every cached
+/// block went back (rung 7), and the retry is counted once, with no OOM.
+#[test]
+fn a_refusal_is_retried_after_the_cached_blocks_are_released() {
+    let (mut p, refusals, calls) = refusing_pool("expandable_segments:False", false);
+    let a = got(step!(p.allocate(30 * MB, 0, false, false))).id;
+    step!(p.apply(FreeMsg::Free(a)));
+    refusals.store(1, Ordering::Relaxed);
+    let b = got(step!(p.allocate(40 * MB, 0, false, false)));
+    assert_eq!(p.blocks[b.id as usize].size, 40 * MB);
+    assert_eq!(calls.load(Ordering::Relaxed), 3, "the first segment, the refusal, the retry");
+    let d = p.stats();
+    assert_eq!((d.num_alloc_retries, d.num_ooms, d.num_device_alloc, d.num_device_free), (1, 0, 2, 1));
+    assert_eq!(
+        segment_events(&p),
+        [
+            (HistoryKind::SegmentAlloc, 30 * MB),
+            (HistoryKind::SegmentFree, 30 * MB),
+            (HistoryKind::SegmentAlloc, 40 * MB)
+        ]
+    );
+}
+
+/// Rung 4 comes before rung 7: cached oversize blocks go back first, and the cached small
+/// segment survives.
+#[test]
+fn cached_oversize_blocks_go_back_before_the_rest() {
+    let (mut p, refusals, _) = refusing_pool("expandable_segments:False,max_split_size_mb:40", false);
+    let small = got(step!(p.allocate(4096, 0, false, false))).id;
+    let big = got(step!(p.allocate(80 * MB, 0, false, false))).id;
+    step!(p.apply(FreeMsg::Free(small)));
+    step!(p.apply(FreeMsg::Free(big)));
+    refusals.store(1, Ordering::Relaxed);
+    // 50 MiB: the 80 MiB oversize block (40 MiB and up) is more than 20 MiB too large for it.
+    got(step!(p.allocate(50 * MB, 0, false, false)));
+    let d = p.stats();
+    assert_eq!((d.num_alloc_retries, d.num_ooms, d.num_device_free), (1, 0, 1));
+    assert_eq!(d.segment[stats::SMALL_POOL].current, 1, "rung 7 did not run");
+    assert_eq!(segment_events(&p)[2..], [(HistoryKind::SegmentFree, 80 * MB), (HistoryKind::SegmentAlloc, 50 * MB)]);
+}
+
+/// With deferred frees outstanding the ladder stops once for the caller to wait, then runs
+/// to the end: one retry and one OOM for the request, with the source's reason.
+#[test]
+fn the_ladder_stops_once_for_pending_frees_then_fails_with_the_reason() {
+    let (mut p, refusals, calls) = refusing_pool("expandable_segments:False", false);
+    refusals.store(usize::MAX, Ordering::Relaxed);
+    assert!(matches!(step!(p.allocate(4096, 0, true, false)), Ok(Outcome::WaitForPending)));
+    assert_eq!(calls.load(Ordering::Relaxed), 1, "rung 2 only: nothing cached to release");
+    let err = match step!(p.allocate(4096, 0, true, true)) {
+        Err(e) => e,
+        Ok(_) => panic!("the source refuses everything"),
+    };
+    let Error::AllocatorOom { requested, cause, .. } = &err else { panic!("not an OOM: {err}") };
+    assert_eq!(*requested, 4096);
+    assert!(cause.starts_with("; refusing refused: "), "{cause}");
+    let d = p.stats();
+    assert_eq!((d.num_alloc_retries, d.num_ooms), (1, 1), "counted once per request");
+    assert_eq!(p.history().last().map(|e| e.kind), Some(HistoryKind::Oom));
+    // Without pending frees: no stop, one more retry and OOM.
+    assert!(step!(p.allocate(4096, 0, false, false)).is_err());
+    assert_eq!((p.stats().num_alloc_retries, p.stats().num_ooms), (2, 2));
+}
+
+/// A request no segment within the allowed memory can hold fails before the ladder: no
+/// miss, no retry, no call to the source.
+#[test]
+fn a_request_beyond_the_allowed_memory_fails_at_once() {
+    let (mut p, _, calls) = refusing_pool("expandable_segments:False", false);
+    let Err(Error::AllocatorOom { cause, .. }) = step!(p.allocate(2 << 30, 0, false, false)) else {
+        panic!("2 GiB of a 1 GiB device")
+    };
+    assert!(cause.contains("more than the allowed memory"), "{cause}");
+    assert_eq!(
+        (calls.load(Ordering::Relaxed), p.misses, p.stats().num_alloc_retries, p.stats().num_ooms),
+        (0, 0, 0, 1)
+    );
+}
+
+/// A source failure that is not a lack of memory is reported as itself, not as an OOM.
+#[test]
+fn a_permission_failure_is_reported_as_itself() {
+    let (mut p, refusals, _) = refusing_pool("expandable_segments:False", true);
+    refusals.store(usize::MAX, Ordering::Relaxed);
+    let Err(e) = step!(p.allocate(4096, 0, false, false)) else { panic!("refused") };
+    assert!(matches!(e, Error::Open { .. }), "{e}");
+    assert_eq!((p.stats().num_alloc_retries, p.stats().num_ooms), (1, 0));
+}
+
+/// Caching off: no retry rungs (nothing cached to release), the OOM comes at once.
+#[test]
+fn without_caching_a_refusal_is_an_oom_without_retry() {
+    let mut config = Config::parse("expandable_segments:False").unwrap();
+    config.no_caching = true;
+    let (mut p, refusals, calls) = refusing_pool_with(config, false);
+    refusals.store(1, Ordering::Relaxed);
+    assert!(step!(p.allocate(4096, 0, false, false)).is_err());
+    assert_eq!((calls.load(Ordering::Relaxed), p.stats().num_alloc_retries, p.stats().num_ooms), (1, 0, 1));
+    // The next request is served, and freed straight back to the source.
+    let h = got(step!(p.allocate(4096, 0, false, false)));
+    step!(p.apply(FreeMsg::Free(h.id)));
+    assert_eq!(p.stats().segment[stats::AGGREGATE].current, 0);
+}
+
+/// Expandable segments: a growth, a punch under `empty_cache`, and the punched pages counted
+/// again when a block over them is handed out.
+#[test]
+fn expandable_growth_punch_and_reback() {
+    let mut p = pool("expandable_segments:True");
+    let a = got(step!(p.allocate(3 * MB, 0, false, false))).id;
+    let b = got(step!(p.allocate(MB + 512, 0, false, false))).id;
+    assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 1, "one reservation, grown");
+    let reserved = |p: &Pool| p.stats.device.reserved_bytes[stats::AGGREGATE].current;
+    let grown = reserved(&p);
+    step!(p.apply(FreeMsg::Free(a)));
+    step!(p.release_cached(None));
+    let after_punch = reserved(&p);
+    assert!(grown - after_punch >= 3 * MB as i64, "the free 3 MiB (and the free tail) gave their pages back");
+    let c = got(step!(p.allocate(3 * MB, 0, false, false))).id;
+    assert_eq!(p.blocks[c as usize].offset, 0, "the punched block is reused");
+    assert_eq!(reserved(&p) - after_punch, 3 * MB as i64, "its pages count as reserved again");
+    step!(p.apply(FreeMsg::Free(b)));
+    step!(p.apply(FreeMsg::Free(c)));
+    step!(p.release_cached(None));
+    assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 0, "wholly free: the reservation goes");
+}
