@@ -1,8 +1,8 @@
 //! The process-wide runtime behind the C ABI and the Paddle plugin: a list of
-//! [`Device`](crate::Device)s configured from the environment, the current device of each
+//! [`Device`]s configured from the environment, the current device of each
 //! thread, and the live streams (a C "stream" is a [`Queue`]), events, host and unified blocks,
 //! so that every handle and pointer a C caller passes is checked before it is used. Rust users
-//! build their [`Device`](crate::Device)s themselves and need none of this.
+//! build their [`Device`]s themselves and need none of this.
 //!
 //! Devices: device 0 is the embedded default (shmem: sealed memfds, which udmabuf can export
 //! as dma-bufs); each DMA-BUF heap and each DRM card node this process may

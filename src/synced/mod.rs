@@ -54,7 +54,7 @@
 //! # Borrowed memory
 //!
 //! `set_host_data` / `set_device_data` take a [`Mem`] of exactly `size` bytes (a
-//! [`HostAllocation::mem`], an [`Allocation::mem`], another `SyncedMemory`'s device view, or
+//! [`HostAllocation::mem`](crate::caching::HostAllocation::mem), an [`Allocation::mem`](crate::caching::Allocation::mem), another `SyncedMemory`'s device view, or
 //! from C a [`Mem::from_raw`] range) and clear `owns_host_data` / `owns_device_data`. The
 //! `SyncedMemory` keeps only the counted reference: it never frees the block behind it, which
 //! stays allocated until its owner drops it, and it writes into it when a transition moves data
@@ -97,8 +97,8 @@
 //! | `head()`, `size()` | [`SyncedMemory::head`], [`SyncedMemory::size`] |
 //! | `own_cpu_data_`, `own_gpu_data_` | [`SyncedMemory::owns_host_data`], [`SyncedMemory::owns_device_data`] |
 //! | `to_cpu()`, `to_gpu()` | private `sync_host`, `sync_device` |
-//! | `CaffeMallocHost` (`cudaMallocHost`), `CaffeFreeHost` | [`HostCachingAllocator::allocate`], dropping the [`HostAllocation`] |
-//! | `cudaMalloc`, `cudaFree` | [`CachingAllocator::allocate`], dropping the [`Allocation`] |
+//! | `CaffeMallocHost` (`cudaMallocHost`), `CaffeFreeHost` | [`HostCachingAllocator::allocate`], dropping the [`HostAllocation`](crate::caching::HostAllocation) |
+//! | `cudaMalloc`, `cudaFree` | [`CachingAllocator::allocate`], dropping the [`Allocation`](crate::caching::Allocation) |
 //! | `caffe_memset`, `caffe_gpu_memset` (first access) | zero fill on first access (a queue fill for a separate device buffer when there is a queue) |
 //! | `caffe_gpu_memcpy` (`cudaMemcpy`) | a copy on the builder's queue, waited for (or [`crate::queue::copy_now`]); counted by [`SyncedMemory::copies`] |
 //! | `cudaMemcpyAsync(.., stream)` in `async_gpu_push` | [`Queue::copy`] then [`Queue::record`] |
@@ -112,14 +112,18 @@
 //! and a push when already `Synced` does nothing; accessors wait for a push in flight instead
 //! of assuming the caller synchronized the stream.
 
+mod host_view;
+mod store;
+
 use std::sync::Arc;
 
-use crate::caching::{Allocation, CachingAllocator, HostAllocation, HostCachingAllocator};
+use crate::caching::{CachingAllocator, HostCachingAllocator};
 use crate::error::{Error, Result};
-use crate::queue::{Event, HostBuffer, Mem, Queue, copy_now};
+use crate::queue::{Event, Mem, Queue, copy_now};
 use crate::segment::Access;
 use crate::sys::dma_buf;
-use crate::view::CpuView;
+pub use host_view::{HostView, HostViewMut};
+use store::{Buf, Store};
 
 /// Where the newest data of a [`SyncedMemory`] is (Caffe's `SyncedHead`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -144,101 +148,6 @@ impl Head {
             Head::Synced => "SYNCED",
         }
     }
-}
-
-/// One buffer a `SyncedMemory` uses: its own block from one of the allocators, or a range lent
-/// by the caller.
-#[derive(Debug)]
-enum Buf {
-    /// A block of the caching allocator (owned, freed on drop).
-    Device(Allocation),
-    /// A pinned host block (owned, freed on drop).
-    Host(HostAllocation),
-    /// The caller's memory: only the counted reference is ours.
-    Borrowed(Mem),
-}
-
-impl Buf {
-    fn mem(&self) -> Mem {
-        match self {
-            Buf::Device(a) => a.mem(),
-            Buf::Host(h) => h.mem(),
-            Buf::Borrowed(m) => m.clone(),
-        }
-    }
-
-    fn is_owned(&self) -> bool {
-        !matches!(self, Buf::Borrowed(_))
-    }
-
-    fn record_queue(&mut self, queue: &Queue) {
-        match self {
-            Buf::Device(a) => a.record_queue(queue),
-            Buf::Host(h) => h.record_queue(queue),
-            // The lender decides when its memory is freed.
-            Buf::Borrowed(_) => {}
-        }
-    }
-
-    /// CPU access to the buffer (owned blocks are exactly `size` bytes, borrowed ranges are
-    /// checked to be).
-    fn cpu(&self, access: Access) -> Result<HostAccess<'_>> {
-        match self {
-            Buf::Device(a) => Ok(HostAccess::Mapped(a.cpu_access(access)?)),
-            Buf::Host(h) => Ok(HostAccess::Mapped(h.cpu_access(access)?)),
-            Buf::Borrowed(m) => {
-                if access != Access::Read && !m.writable() {
-                    return Err(Error::ReadOnly);
-                }
-                Ok(HostAccess::Staged { mem: m.clone(), access })
-            }
-        }
-    }
-}
-
-/// The buffers behind the two views.
-#[derive(Debug)]
-enum Store {
-    /// One buffer is both views (nothing yet: `None`).
-    Aliased(Option<Buf>),
-    /// A host buffer and a device buffer, kept coherent by copies; each allocated when first
-    /// needed.
-    Split { host: Option<Buf>, device: Option<Buf> },
-}
-
-impl Store {
-    fn host(&self) -> Option<&Buf> {
-        match self {
-            Store::Aliased(b) | Store::Split { host: b, .. } => b.as_ref(),
-        }
-    }
-
-    fn device(&self) -> Option<&Buf> {
-        match self {
-            Store::Aliased(b) | Store::Split { device: b, .. } => b.as_ref(),
-        }
-    }
-
-    fn host_buf(&self) -> Result<&Buf> {
-        self.host().ok_or_else(|| missing("host"))
-    }
-
-    fn device_buf(&self) -> Result<&Buf> {
-        self.device().ok_or_else(|| missing("device"))
-    }
-
-    fn bufs_mut(&mut self) -> impl Iterator<Item = &mut Buf> {
-        let (a, b) = match self {
-            Store::Aliased(b) => (b.as_mut(), None),
-            Store::Split { host, device } => (host.as_mut(), device.as_mut()),
-        };
-        a.into_iter().chain(b)
-    }
-}
-
-/// A broken internal invariant, reported rather than panicking.
-fn missing(side: &str) -> Error {
-    Error::Unsupported { what: format!("SyncedMemory bug: the head says the {side} view holds data, but it has none") }
 }
 
 /// Settings for a [`SyncedMemory`]; see [`SyncedMemory::builder`].
@@ -743,159 +652,5 @@ impl Drop for SyncedMemory {
         // Drop cannot report a failed end of access; nothing else needs doing here: owned
         // blocks free themselves (after the queues recorded on them), borrowed ones are not ours.
         let _ = self.end_window();
-    }
-}
-
-/// CPU access to a buffer of a `SyncedMemory`.
-#[derive(Debug)]
-enum HostAccess<'a> {
-    /// A block of ours: its bounded view, which holds the dma-buf bracket.
-    Mapped(CpuView<'a>),
-    /// A borrowed range, reached only through queue-checked copies ([`copy_now`], which
-    /// brackets dma-bufs per copy), staged through a private buffer: a [`Mem`] offers no
-    /// direct CPU access outside the queue module.
-    Staged { mem: Mem, access: Access },
-}
-
-impl HostAccess<'_> {
-    fn len(&self) -> usize {
-        match self {
-            HostAccess::Mapped(cpu) => cpu.len(),
-            HostAccess::Staged { mem, .. } => mem.len(),
-        }
-    }
-
-    fn check(&self, offset: usize, len: usize) -> Result<()> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len() => Ok(()),
-            _ => Err(Error::OutOfBounds { offset, len, size: self.len() }),
-        }
-    }
-
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.check(offset, dst.len())?;
-        match self {
-            HostAccess::Mapped(cpu) => cpu.read(offset, dst),
-            HostAccess::Staged { .. } if dst.is_empty() => Ok(()),
-            HostAccess::Staged { mem, .. } => {
-                let stage = HostBuffer::new(dst.len())?;
-                copy_now(&stage, mem.range(offset, dst.len())?)?;
-                stage.read(0, dst)
-            }
-        }
-    }
-
-    fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
-        self.check(offset, src.len())?;
-        match self {
-            HostAccess::Mapped(cpu) => cpu.write(offset, src),
-            HostAccess::Staged { access: Access::Read, .. } => Err(Error::ReadOnly),
-            HostAccess::Staged { .. } if src.is_empty() => Ok(()),
-            HostAccess::Staged { mem, .. } => copy_now(mem.range(offset, src.len())?, &HostBuffer::from_slice(src)?),
-        }
-    }
-
-    fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
-        self.check(offset, len)?;
-        match self {
-            HostAccess::Mapped(cpu) => cpu.fill(offset, len, byte),
-            HostAccess::Staged { access: Access::Read, .. } => Err(Error::ReadOnly),
-            HostAccess::Staged { .. } if len == 0 => Ok(()),
-            HostAccess::Staged { mem, .. } => {
-                copy_now(mem.range(offset, len)?, &HostBuffer::from_slice(&vec![byte; len])?)
-            }
-        }
-    }
-
-    fn to_vec(&self) -> Result<Vec<u8>> {
-        let mut v = vec![0; self.len()];
-        self.read(0, &mut v)?;
-        Ok(v)
-    }
-
-    fn end(self) -> Result<()> {
-        match self {
-            HostAccess::Mapped(cpu) => cpu.end(),
-            HostAccess::Staged { .. } => Ok(()),
-        }
-    }
-}
-
-/// The host view of a [`SyncedMemory`] for reading ([`SyncedMemory::host_data`]). Reads are
-/// bounds-checked copies; a dma-buf is inside a `DMA_BUF_IOCTL_SYNC` read bracket until the
-/// view drops or [`HostView::end`].
-#[derive(Debug)]
-pub struct HostView<'a> {
-    inner: HostAccess<'a>,
-}
-
-impl HostView<'_> {
-    /// The size in bytes.
-    pub fn len(&self) -> usize {
-        self.inner.len()
-    }
-
-    /// Always false (sizes are never 0).
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Copies `dst.len()` bytes at `offset` out.
-    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.inner.read(offset, dst)
-    }
-
-    /// The whole contents, copied out.
-    pub fn to_vec(&self) -> Result<Vec<u8>> {
-        self.inner.to_vec()
-    }
-
-    /// Ends the access now and reports whether the end of the dma-buf bracket succeeded.
-    pub fn end(self) -> Result<()> {
-        self.inner.end()
-    }
-}
-
-/// The host view of a [`SyncedMemory`] for reading and writing
-/// ([`SyncedMemory::mutable_host_data`]); as [`HostView`], with a read-write bracket.
-#[derive(Debug)]
-pub struct HostViewMut<'a> {
-    inner: HostAccess<'a>,
-}
-
-impl HostViewMut<'_> {
-    /// The size in bytes.
-    pub fn len(&self) -> usize {
-        self.inner.len()
-    }
-
-    /// Always false (sizes are never 0).
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Copies `dst.len()` bytes at `offset` out.
-    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.inner.read(offset, dst)
-    }
-
-    /// The whole contents, copied out.
-    pub fn to_vec(&self) -> Result<Vec<u8>> {
-        self.inner.to_vec()
-    }
-
-    /// Copies `src` in at `offset`.
-    pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
-        self.inner.write(offset, src)
-    }
-
-    /// Sets `len` bytes at `offset` to `byte`.
-    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
-        self.inner.fill(offset, len, byte)
-    }
-
-    /// Ends the access now and reports whether the end of the dma-buf bracket succeeded.
-    pub fn end(self) -> Result<()> {
-        self.inner.end()
     }
 }
