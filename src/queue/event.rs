@@ -1,7 +1,6 @@
 //! Events: points in a queue's work, or kernel fences, that complete once.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -172,35 +171,6 @@ impl Event {
     /// A new, never-recorded event (it counts as complete).
     pub fn new() -> Self {
         Self { inner: Arc::new(EventShared { state: Mutex::new(State::default()), cv: Condvar::new() }) }
-    }
-
-    /// An event that completes when the kernel signals the fence in `sync_file` (a sync_file
-    /// fd, e.g. from [`crate::Segment::export_sync_file`] or a driver). io_uring watches it
-    /// (`IORING_OP_POLL_ADD`), so waiting on it costs no thread; a fence that signals with an
-    /// error fails the event. An fd that is not a sync_file is refused.
-    pub fn from_sync_file(sync_file: OwnedFd) -> Result<Self> {
-        crate::sys::sync_file::status(std::os::fd::AsFd::as_fd(&sync_file))
-            .map_err(|e| Error::BadImport { reason: format!("not a sync_file (SYNC_IOC_FILE_INFO: {e})") })?;
-        Self::watching(sync_file, super::fence::WatchedFdKind::SyncFile)
-    }
-
-    /// An event that completes when `fd` becomes readable (an eventfd another runtime signals,
-    /// a pipe); it fails if the fd reports an error or hang-up without becoming readable.
-    pub fn from_readable_fd(fd: OwnedFd) -> Result<Self> {
-        Self::watching(fd, super::fence::WatchedFdKind::Readable)
-    }
-
-    fn watching(fd: OwnedFd, kind: super::fence::WatchedFdKind) -> Result<Self> {
-        let ev = Self::new();
-        let generation = ev.begin_record();
-        super::fence::watch(fd, ev.clone(), generation, kind)?;
-        Ok(ev)
-    }
-
-    /// An event for a dma-buf's implicit fences: it completes when the work a CPU access of
-    /// this direction would wait for is done (`DMA_BUF_IOCTL_EXPORT_SYNC_FILE`).
-    pub fn from_dma_buf(seg: &crate::Segment, access: crate::Access) -> Result<Self> {
-        Self::from_sync_file(seg.export_sync_file(access)?)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
