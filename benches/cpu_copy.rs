@@ -21,7 +21,7 @@ fn main() {
         let iters = ((1usize << 30) / size).clamp(8, 200_000);
         let src = vec![0x5au8; size];
         let mut dst = vec![0u8; size];
-        let seg = ShmemSource::new().allocate(size).unwrap();
+        let seg = ShmemSource::new().create_segment(size).unwrap();
         let map = seg.mapping().unwrap();
         // Warm up all three.
         dst.copy_from_slice(&src);

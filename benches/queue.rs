@@ -20,7 +20,7 @@ fn iters(size: usize) -> usize {
 }
 
 fn seg(len: usize) -> Arc<Segment> {
-    Arc::new(ShmemSource::new().allocate(len).unwrap())
+    Arc::new(ShmemSource::new().create_segment(len).unwrap())
 }
 
 /// Single-thread memcpy between two private buffers, best of 3 runs, GB/s.

@@ -56,7 +56,7 @@ fn time_source(src: &dyn MemorySource, size: usize, data: &[u8]) -> Result<Durat
     let mut samples = Vec::with_capacity(rounds(size));
     for _ in 0..rounds(size) {
         let t = Instant::now();
-        let seg = src.allocate(size)?;
+        let seg = src.create_segment(size)?;
         seg.cpu_access(Access::Write)?.write(0, &data[..size])?;
         drop(black_box(seg));
         samples.push(t.elapsed());

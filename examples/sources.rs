@@ -8,7 +8,7 @@ use dmabuf_rt::source::{GemSource, HeapSource, HostSource, MemorySource, ShmemSo
 use dmabuf_rt::{Access, Result};
 
 fn exercise(src: &dyn MemorySource) -> Result<()> {
-    let seg = src.allocate(256 << 10)?;
+    let seg = src.create_segment(256 << 10)?;
     let msg = format!("hello from {}", src.name());
     let cpu = seg.cpu_access(Access::Write)?;
     cpu.write(0, msg.as_bytes())?;

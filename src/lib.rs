@@ -32,7 +32,7 @@
 //! use dmabuf_rt::segment::Access;
 //!
 //! let src = ShmemSource::new();
-//! let seg = src.allocate(1 << 20)?;
+//! let seg = src.create_segment(1 << 20)?;
 //! let cpu = seg.cpu_access(Access::Write)?;
 //! cpu.write(0, b"hello")?;
 //! cpu.end()?;

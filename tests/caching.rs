@@ -39,7 +39,7 @@ impl MemorySource for Budget {
     fn kind(&self) -> SegmentKind {
         SegmentKind::Device
     }
-    fn allocate(&self, len: usize) -> Result<Segment> {
+    fn create_segment(&self, len: usize) -> Result<Segment> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         let mut left = self.left.load(Ordering::SeqCst);
         loop {
@@ -55,7 +55,7 @@ impl MemorySource for Budget {
                 Err(l) => left = l,
             }
         }
-        self.inner.allocate(len)
+        self.inner.create_segment(len)
     }
 }
 
@@ -469,7 +469,7 @@ impl MemorySource for Gate {
     fn kind(&self) -> SegmentKind {
         SegmentKind::Device
     }
-    fn allocate(&self, len: usize) -> Result<Segment> {
+    fn create_segment(&self, len: usize) -> Result<Segment> {
         if self.ctl.armed.swap(false, Ordering::SeqCst) {
             if let Some(tx) = self.ctl.entered.lock().unwrap().take() {
                 tx.send(()).unwrap();
@@ -478,7 +478,7 @@ impl MemorySource for Gate {
                 let _ = rx.recv_timeout(Duration::from_secs(20));
             }
         }
-        self.inner.allocate(len)
+        self.inner.create_segment(len)
     }
 }
 

@@ -44,7 +44,7 @@ fn system_heap_segment_written_under_sync_and_read_through_a_second_mapping() {
     let _serial = common::serial();
     let Some(heap) = or_skip("system_heap", HeapSource::open("system")) else { return };
     let fds = common::open_fds();
-    let seg = heap.allocate(3 * 4096 + 100).unwrap();
+    let seg = heap.create_segment(3 * 4096 + 100).unwrap();
     assert_eq!(seg.len(), 4 * 4096);
     assert!(seg.is_dma_buf());
     assert_eq!(seg.kind(), SegmentKind::Device);
@@ -77,9 +77,9 @@ fn system_heap_segment_written_under_sync_and_read_through_a_second_mapping() {
     assert!(poll_ready(&sf, Duration::ZERO));
 
     // Bad lengths get clear errors and leave nothing open.
-    assert!(matches!(heap.allocate(0), Err(Error::ZeroLength)));
-    assert!(matches!(heap.allocate(usize::MAX), Err(Error::TooLarge { .. })));
-    assert!(matches!(heap.allocate(1 << 50), Err(Error::TooLarge { .. })));
+    assert!(matches!(heap.create_segment(0), Err(Error::ZeroLength)));
+    assert!(matches!(heap.create_segment(usize::MAX), Err(Error::TooLarge { .. })));
+    assert!(matches!(heap.create_segment(1 << 50), Err(Error::TooLarge { .. })));
 
     drop((second, peer, sf, seg));
     assert_eq!(common::open_fds(), fds, "heap segment fds leaked");
@@ -182,7 +182,7 @@ fn shmem_exported_through_udmabuf_shows_the_same_bytes() {
     let _serial = common::serial();
     let fds = common::open_fds();
     let Some(udmabuf) = or_skip("udmabuf_export", Udmabuf::open()) else { return };
-    let memfd_seg = ShmemSource::new().allocate(1 << 20).unwrap();
+    let memfd_seg = ShmemSource::new().create_segment(1 << 20).unwrap();
     let data = pattern(memfd_seg.len(), 9);
     memfd_seg.cpu_access(Access::Write).unwrap().write(0, &data).unwrap();
 
@@ -222,7 +222,7 @@ fn shmem_exported_through_udmabuf_shows_the_same_bytes() {
 
     // A source that exports every allocation.
     let src = ShmemSource::with_udmabuf().unwrap();
-    let seg = src.allocate(3 * 4096).unwrap();
+    let seg = src.create_segment(3 * 4096).unwrap();
     assert!(seg.is_dma_buf());
     assert!(seg.memfd().is_some());
     seg.cpu_access(Access::Write).unwrap().write(0, b"xyz").unwrap();
@@ -239,8 +239,8 @@ fn udmabuf_list_concatenates_segments() {
     let _serial = common::serial();
     let Some(udmabuf) = or_skip("udmabuf_list", Udmabuf::open()) else { return };
     let shmem = ShmemSource::new();
-    let a = shmem.allocate(2 * 4096).unwrap();
-    let b = shmem.allocate(4096).unwrap();
+    let a = shmem.create_segment(2 * 4096).unwrap();
+    let b = shmem.create_segment(4096).unwrap();
     a.cpu_access(Access::Write).unwrap().fill(0, a.len(), 0xaa).unwrap();
     b.cpu_access(Access::Write).unwrap().fill(0, b.len(), 0xbb).unwrap();
     let joined = udmabuf.export_list(&[&a, &b]).unwrap();
@@ -257,7 +257,7 @@ fn udmabuf_limit_is_named_in_the_error() {
     let Some(udmabuf) = or_skip("udmabuf_limit", Udmabuf::open()) else { return };
     let limit_mb = Udmabuf::size_limit_mb();
     let fds = common::open_fds();
-    let big = ShmemSource::new().reserve(false).allocate(((limit_mb + 1) << 20) as usize).unwrap();
+    let big = ShmemSource::new().reserve(false).create_segment(((limit_mb + 1) << 20) as usize).unwrap();
     let e = udmabuf.export(&big).unwrap_err();
     match &e {
         Error::UdmabufLimit { requested, limit_mb: l } => {
@@ -269,14 +269,14 @@ fn udmabuf_limit_is_named_in_the_error() {
     assert!(e.to_string().contains(&format!("{limit_mb} MiB")) && e.to_string().contains("size_limit_mb"), "{e}");
     // The source refuses before allocating anything.
     let src = ShmemSource::with_udmabuf().unwrap();
-    assert!(matches!(src.allocate(big.len()), Err(Error::UdmabufLimit { .. })));
+    assert!(matches!(src.create_segment(big.len()), Err(Error::UdmabufLimit { .. })));
     // Exactly at the limit still works.
-    let at = src.allocate((limit_mb << 20) as usize).unwrap();
+    let at = src.create_segment((limit_mb << 20) as usize).unwrap();
     assert_eq!(at.len() as u64, limit_mb << 20);
     // The limit is read from the module parameter, not assumed: lower it where we may.
     let param = "/sys/module/udmabuf/parameters/size_limit_mb";
     if std::fs::write(param, b"2").is_ok() {
-        let three = ShmemSource::new().allocate(3 << 20).unwrap();
+        let three = ShmemSource::new().create_segment(3 << 20).unwrap();
         let e = udmabuf.export(&three);
         std::fs::write(param, limit_mb.to_string()).unwrap();
         assert!(matches!(e, Err(Error::UdmabufLimit { limit_mb: 2, .. })), "{e:?}");
@@ -294,7 +294,7 @@ fn udmabuf_limit_is_named_in_the_error() {
     let odd = Segment::import(&{ odd }, SegmentKind::Unified).unwrap();
     let e = udmabuf.export(&odd).unwrap_err();
     assert!(e.to_string().contains("whole pages"), "{e}");
-    let heap_seg = HeapSource::open("system").ok().map(|h| h.allocate(4096).unwrap());
+    let heap_seg = HeapSource::open("system").ok().map(|h| h.create_segment(4096).unwrap());
     if let Some(h) = &heap_seg {
         assert!(matches!(udmabuf.export(h), Err(Error::Unsupported { .. })));
     }
@@ -309,7 +309,7 @@ fn vgem_gem_object_prime_export_map_write_reimport_and_close() {
     let fds = common::open_fds();
     let Some(gem) = or_skip("vgem_gem", GemSource::open_first(Some("vgem"))) else { return };
     assert_eq!(gem.driver(), "vgem");
-    let seg = gem.allocate(1 << 20).unwrap();
+    let seg = gem.create_segment(1 << 20).unwrap();
     assert!(seg.is_dma_buf());
     assert_eq!(seg.kind(), SegmentKind::Device);
     assert!(seg.len() >= 1 << 20);
@@ -344,10 +344,10 @@ fn vgem_gem_object_prime_export_map_write_reimport_and_close() {
     assert_eq!(read_all(&peer)[..4096], data[..4096]);
 
     // Bad lengths: clear errors, no handle or fd left behind (checked by the count below).
-    assert!(matches!(gem.allocate(0), Err(Error::ZeroLength)));
-    assert!(matches!(gem.allocate(usize::MAX), Err(Error::TooLarge { .. })));
+    assert!(matches!(gem.create_segment(0), Err(Error::ZeroLength)));
+    assert!(matches!(gem.create_segment(usize::MAX), Err(Error::TooLarge { .. })));
     // Not a GEM object of this source: refused, not mapped through some other handle.
-    let shm = ShmemSource::new().allocate(4096).unwrap();
+    let shm = ShmemSource::new().create_segment(4096).unwrap();
     assert!(matches!(gem.map_dumb(&shm), Err(Error::Unsupported { .. })));
     assert!(matches!(gem2.map_dumb(&seg), Err(Error::Unsupported { .. })));
     drop(shm);
@@ -357,7 +357,7 @@ fn vgem_gem_object_prime_export_map_write_reimport_and_close() {
     if let Some(render) = or_skip("vgem_render_node", render.ok_or("no render node")) {
         let r = GemSource::open(&render.node.path).unwrap();
         assert!(r.is_render_node());
-        let e = r.allocate(4096).unwrap_err();
+        let e = r.create_segment(4096).unwrap_err();
         assert!(matches!(e, Error::Unsupported { .. }) && e.to_string().contains("render nodes"), "{e}");
         let imported = r.import(&seg).unwrap();
         assert!(imported.handle() > 0);
@@ -376,7 +376,7 @@ fn vgem_gem_object_prime_export_map_write_reimport_and_close() {
 fn vgem_fence_blocks_the_sync_file_until_signalled() {
     let _serial = common::serial();
     let Some(gem) = or_skip("vgem_fence", GemSource::open_first(Some("vgem"))) else { return };
-    let seg = gem.allocate(4096).unwrap();
+    let seg = gem.create_segment(4096).unwrap();
     let fence = gem.vgem_attach_fence(&seg, true).unwrap();
     let sf = seg.export_sync_file(Access::Read).unwrap();
     assert!(!poll_ready(&sf, Duration::from_millis(50)), "sync_file ready before the fence signalled");
@@ -387,7 +387,7 @@ fn vgem_fence_blocks_the_sync_file_until_signalled() {
     let fence2 = gem.vgem_attach_fence(&seg, true).unwrap();
     let pending = seg.export_sync_file(Access::Read).unwrap();
     if let Some(heap) = or_skip("vgem_fence_into_heap_buffer", HeapSource::open("system")) {
-        let other = heap.allocate(4096).unwrap();
+        let other = heap.create_segment(4096).unwrap();
         other.import_sync_file(Access::Write, &pending).unwrap();
         let waits = other.export_sync_file(Access::Read).unwrap();
         assert!(!poll_ready(&waits, Duration::from_millis(50)));
@@ -395,7 +395,7 @@ fn vgem_fence_blocks_the_sync_file_until_signalled() {
         assert!(poll_ready(&waits, Duration::from_secs(5)));
     }
     // Only GEM objects of this source's fd take vgem fences.
-    let shm = ShmemSource::new().allocate(4096).unwrap();
+    let shm = ShmemSource::new().create_segment(4096).unwrap();
     assert!(matches!(gem.vgem_attach_fence(&shm, false), Err(Error::Unsupported { .. })));
 }
 
@@ -416,7 +416,7 @@ fn pinned_host_memory_says_what_pins_it() {
         s.lines().find(|l| l.starts_with("VmLck:")).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap()
     };
     let locked_before = vmlck();
-    let seg = match host.allocate(1 << 20) {
+    let seg = match host.create_segment(1 << 20) {
         Ok(s) => s,
         Err(e) => {
             // An mlock refused by RLIMIT_MEMLOCK must say so.
@@ -439,7 +439,7 @@ fn pinned_host_memory_says_what_pins_it() {
     }
     // The explicit mlock path works everywhere.
     let m = HostSource::mlocked();
-    match m.allocate(4096) {
+    match m.create_segment(4096) {
         Ok(s) => assert_eq!(*s.origin(), Origin::MlockedMemfd),
         Err(e) => assert!(e.to_string().contains("RLIMIT_MEMLOCK"), "{e}"),
     }

@@ -279,7 +279,7 @@ fn warm_runtime() {
 /// Everything works: the Rust API (a shmem segment, the caching allocator, a queue copying
 /// into its block and back) and the C API (alloc, synchronous and stream round trips, free).
 fn works_again(r: &mut Report, when: &str, big: usize) {
-    r.rust_ok(&format!("{when}: ShmemSource::allocate({big})"), ShmemSource::new().allocate(big));
+    r.rust_ok(&format!("{when}: ShmemSource::allocate({big})"), ShmemSource::new().create_segment(big));
     let a = CachingAllocator::builder(ShmemSource::new()).capacity(4 << 30).build();
     if let Some(a) = r.rust_ok(&format!("{when}: CachingAllocator::build"), a) {
         let q = r.rust_ok(&format!("{when}: Queue::new"), Queue::new());
@@ -341,7 +341,7 @@ fn rlimit_nofile_tiny() {
         setrlimit(Resource::Nofile, Rlimit { current: Some(cap), maximum: saved.maximum }).expect("setrlimit");
         r.row("limit", &format!("RLIMIT_NOFILE soft {cap} ({} fds open)", before.n));
 
-        r.rust_err("ShmemSource::allocate(1 MiB)", ShmemSource::new().allocate(MB), NOFILE_WORDS);
+        r.rust_err("ShmemSource::allocate(1 MiB)", ShmemSource::new().create_segment(MB), NOFILE_WORDS);
         r.rust_err("CachingAllocator::allocate(1 MiB)", alloc.allocate(MB, None), NOFILE_WORDS);
         r.rust_err("Queue::new", Queue::new(), NOFILE_WORDS);
         let (s, _) = c_alloc(0, 8 * MB);
@@ -390,7 +390,11 @@ fn rlimit_memlock_zero() {
         let mut r = common::unprivileged(move || {
             let mut r = Report::new("RLIMIT_MEMLOCK 0");
             r.row("limit", "RLIMIT_MEMLOCK soft 0, on a thread without CAP_IPC_LOCK");
-            r.rust_err("HostSource::mlocked().allocate(1 MiB)", HostSource::mlocked().allocate(MB), MEMLOCK_WORDS);
+            r.rust_err(
+                "HostSource::mlocked().allocate(1 MiB)",
+                HostSource::mlocked().create_segment(MB),
+                MEMLOCK_WORDS,
+            );
             let q = r.rust_ok_or_clear("Queue::new", Queue::new(), MEMLOCK_WORDS);
             drop(q);
             let a = CachingAllocator::builder(ShmemSource::new()).capacity(1 << 30).build().expect("allocator");
@@ -428,7 +432,7 @@ fn rlimit_memlock_zero() {
             if s == DMABUF_RT_OK {
                 r.c_ok("limit lifted: dmabuf_rt_host_free", dmabuf_rt_host_free(p));
             }
-            r.rust_ok("limit lifted: HostSource::mlocked().allocate(1 MiB)", HostSource::mlocked().allocate(MB));
+            r.rust_ok("limit lifted: HostSource::mlocked().allocate(1 MiB)", HostSource::mlocked().create_segment(MB));
             works_again(&mut r, "limit lifted", MB);
             r
         });
@@ -553,7 +557,7 @@ fn io_uring_refused(name: &'static str, label: &'static str, errno: i32, words: 
         r.rust_err("Queue::new", Queue::new(), words);
         let a = CachingAllocator::builder(ShmemSource::new()).capacity(1 << 30).build().expect("allocator");
         r.rust_ok("CachingAllocator::allocate(1 MiB) (no ring needed)", a.allocate(MB, None));
-        r.rust_ok("ShmemSource::allocate(1 MiB)", ShmemSource::new().allocate(MB));
+        r.rust_ok("ShmemSource::allocate(1 MiB)", ShmemSource::new().create_segment(MB));
         let (s, p) = c_alloc(0, MB);
         if r.c_ok("dmabuf_rt_device_alloc(0, 1 MiB)", s) {
             match c_round_trip(p, MB, 0) {

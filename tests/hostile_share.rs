@@ -226,7 +226,7 @@ fn ranges_that_overflow_or_pass_the_end_are_refused() {
     let _s = serial();
     no_fd_leaked("ranges", || {
         let (a, b) = Channel::pair("ranges").unwrap();
-        let seg = ShmemSource::new().allocate(2 * PAGE).unwrap();
+        let seg = ShmemSource::new().create_segment(2 * PAGE).unwrap();
         let size = seg.len() as u64;
         let expect = Expect::new(SegmentKind::Unified).fd_kind(FdKind::Memfd);
         let bad = [
@@ -467,7 +467,7 @@ fn segments_cross_one_channel_from_several_threads_at_once() {
             let src = ShmemSource::new();
             let segs: Vec<_> = (0..SENDERS)
                 .map(|t| {
-                    let s = src.allocate(PAGE).unwrap();
+                    let s = src.create_segment(PAGE).unwrap();
                     s.cpu_access(Access::Write).unwrap().write(0, &t.to_le_bytes()).unwrap();
                     Arc::new(s)
                 })
@@ -678,7 +678,7 @@ fn a_socket_with_so_passcred_still_carries_fds() {
             rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None).unwrap();
         rustix::net::sockopt::set_socket_passcred(&y, true).unwrap();
         let (a, b) = (Channel::from_fd(x, "creds").unwrap(), Channel::from_fd(y, "creds").unwrap());
-        let seg = ShmemSource::new().allocate(PAGE).unwrap();
+        let seg = ShmemSource::new().create_segment(PAGE).unwrap();
         let expect = Expect::new(SegmentKind::Unified);
         for n in 0u32..4 {
             a.send_segment(&n.to_le_bytes(), &seg).unwrap();

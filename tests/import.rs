@@ -39,7 +39,7 @@ fn sealed_memfd_is_imported_with_the_size_the_fd_reports() {
 #[test]
 fn our_own_segments_round_trip_through_import() {
     let _serial = common::serial();
-    let seg = ShmemSource::new().allocate(1 << 16).unwrap();
+    let seg = ShmemSource::new().create_segment(1 << 16).unwrap();
     seg.cpu_access(Access::Write).unwrap().write(10, b"abc").unwrap();
     let peer = Segment::import(&seg, SegmentKind::Unified).unwrap();
     assert_eq!(peer.len(), seg.len());

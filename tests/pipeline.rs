@@ -303,7 +303,7 @@ fn device_source(test: &str, source: PipelineSource) {
     let bufs = dma_buf_objects();
     if let Some(b) = bufs {
         // The count sees a live buffer of this source: the leak check below means something.
-        let seg = source.open().unwrap().allocate(4096).unwrap();
+        let seg = source.open().unwrap().create_segment(4096).unwrap();
         assert_eq!(dma_buf_objects(), Some(b + 1), "debugfs does not count a live {source} buffer");
         drop(seg);
         assert_eq!(dma_buf_objects(), Some(b));

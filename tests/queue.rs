@@ -16,7 +16,7 @@ use dmabuf_rt::source::{GemSource, HeapSource, HostSource, MemorySource, ShmemSo
 use dmabuf_rt::{Access, Error, Segment, SegmentKind};
 
 fn seg(len: usize) -> Arc<Segment> {
-    Arc::new(ShmemSource::new().allocate(len).unwrap())
+    Arc::new(ShmemSource::new().create_segment(len).unwrap())
 }
 
 /// True if `ev` is still pending after waiting `d` for it. For checks that something has not
@@ -70,7 +70,7 @@ fn copies_between_two_devices_and_within_one_segment() {
     for (name, q) in queues() {
         // Two different sources: shmem (unified) and pinned host memory.
         let a = seg(1 << 20);
-        let pinned = Arc::new(HostSource::mlocked().allocate(1 << 20).unwrap());
+        let pinned = Arc::new(HostSource::mlocked().create_segment(1 << 20).unwrap());
         let host = HostBuffer::from_slice(&pattern(1 << 20, 4)).unwrap();
         q.copy(&a, &host).unwrap();
         q.copy(&pinned, &a).unwrap();
@@ -439,7 +439,7 @@ fn records_complete_in_order_and_after_the_hooks_of_earlier_records() {
 #[test]
 fn kernel_lane_a_queue_waits_for_a_vgem_fence() {
     let Some(gem) = or_skip("queue_vgem_fence", GemSource::open_first(Some("vgem"))) else { return };
-    let src = Arc::new(gem.allocate(1 << 20).unwrap());
+    let src = Arc::new(gem.create_segment(1 << 20).unwrap());
     let data = pattern(src.len(), 8);
     src.cpu_access(Access::Write).unwrap().write(0, &data).unwrap();
     let fence = gem.vgem_attach_fence(&src, true).unwrap();
@@ -466,7 +466,7 @@ fn kernel_lane_a_queue_waits_for_a_vgem_fence() {
 
     // Device-to-device across two sources (p2p): GEM to the system heap.
     if let Some(heap) = or_skip("queue_p2p_heap", HeapSource::open("system")) {
-        let dst = Arc::new(heap.allocate(src.len()).unwrap());
+        let dst = Arc::new(heap.create_segment(src.len()).unwrap());
         q.copy(&dst, &src).unwrap();
         q.synchronize().unwrap();
         let back = HostBuffer::new(src.len()).unwrap();

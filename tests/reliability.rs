@@ -261,7 +261,7 @@ impl MemorySource for NoFds {
     fn kind(&self) -> SegmentKind {
         SegmentKind::Device
     }
-    fn allocate(&self, _len: usize) -> dmabuf_rt::Result<Segment> {
+    fn create_segment(&self, _len: usize) -> dmabuf_rt::Result<Segment> {
         Err(Error::ResourceLimit {
             op: "memfd_create",
             resource: "this process's open files (RLIMIT_NOFILE)",

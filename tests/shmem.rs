@@ -15,7 +15,7 @@ use rustix::fs::SealFlags;
 fn shmem_segment_is_a_sealed_memfd_rounded_to_pages() {
     let _serial = common::serial();
     let src = ShmemSource::new();
-    let seg = src.allocate(page_size() * 3 + 1).unwrap();
+    let seg = src.create_segment(page_size() * 3 + 1).unwrap();
     assert_eq!(seg.len(), page_size() * 4);
     assert_eq!(seg.fd_kind(), FdKind::Memfd);
     assert_eq!(seg.kind(), SegmentKind::Unified);
@@ -31,7 +31,7 @@ fn shmem_segment_is_a_sealed_memfd_rounded_to_pages() {
 #[test]
 fn shmem_write_is_seen_through_a_second_mapping_and_by_another_implementation() {
     let _serial = common::serial();
-    let seg = ShmemSource::new().allocate(1 << 20).unwrap();
+    let seg = ShmemSource::new().create_segment(1 << 20).unwrap();
     let data = pattern(seg.len(), 7);
     let cpu = seg.cpu_access(Access::Write).unwrap();
     cpu.write(0, &data).unwrap();
@@ -60,7 +60,7 @@ fn shmem_write_is_seen_through_a_second_mapping_and_by_another_implementation() 
 #[test]
 fn shmem_fill_and_bounds() {
     let _serial = common::serial();
-    let seg = ShmemSource::new().allocate(8192).unwrap();
+    let seg = ShmemSource::new().create_segment(8192).unwrap();
     let cpu = seg.cpu_access(Access::ReadWrite).unwrap();
     cpu.fill(100, 50, 0xab).unwrap();
     let mut b = [0u8; 52];
@@ -81,7 +81,7 @@ fn shmem_fill_and_bounds() {
 #[test]
 fn zero_length_is_refused() {
     let _serial = common::serial();
-    let e = ShmemSource::new().allocate(0).unwrap_err();
+    let e = ShmemSource::new().create_segment(0).unwrap_err();
     assert!(matches!(e, Error::ZeroLength), "{e}");
 }
 
@@ -90,7 +90,7 @@ fn larger_than_the_machine_is_refused_before_the_kernel_is_asked() {
     let _serial = common::serial();
     let fds = common::open_fds();
     for len in [usize::MAX, usize::MAX - 4095, isize::MAX as usize, 1usize << 60] {
-        let e = ShmemSource::new().allocate(len).unwrap_err();
+        let e = ShmemSource::new().create_segment(len).unwrap_err();
         match &e {
             Error::TooLarge { requested, limit, what, source_name } => {
                 assert_eq!(*requested, len as u64);
@@ -109,7 +109,7 @@ fn larger_than_the_machine_is_refused_before_the_kernel_is_asked() {
 fn dropping_segments_closes_their_fds() {
     let _serial = common::serial();
     let before = common::open_fds();
-    let segs: Vec<_> = (0..16).map(|_| ShmemSource::new().allocate(4096).unwrap()).collect();
+    let segs: Vec<_> = (0..16).map(|_| ShmemSource::new().create_segment(4096).unwrap()).collect();
     assert_eq!(common::open_fds(), before + 16);
     drop(segs);
     assert_eq!(common::open_fds(), before);
@@ -118,7 +118,7 @@ fn dropping_segments_closes_their_fds() {
 #[test]
 fn sync_file_calls_on_a_memfd_are_refused_clearly() {
     let _serial = common::serial();
-    let seg = ShmemSource::new().allocate(4096).unwrap();
+    let seg = ShmemSource::new().create_segment(4096).unwrap();
     let e = seg.export_sync_file(Access::Read).unwrap_err();
     assert!(e.to_string().contains("not a dma-buf"), "{e}");
 }

@@ -545,7 +545,7 @@ fn dma_bufs_alias_inside_the_sync_bracket() {
             Box::new(udmabuf)
         }
     };
-    assert!(dev.allocate(4096).unwrap().is_dma_buf());
+    assert!(dev.create_segment(4096).unwrap().is_dma_buf());
     // Pinned host memory from the system heap is a dma-buf too; an mlocked memfd could hit
     // RLIMIT_MEMLOCK here, so plain shmem stands in for it.
     let pinned = HostSource::new();

@@ -27,9 +27,9 @@ impl MemorySource for Counting {
     fn kind(&self) -> SegmentKind {
         SegmentKind::Device
     }
-    fn allocate(&self, len: usize) -> Result<Segment> {
+    fn create_segment(&self, len: usize) -> Result<Segment> {
         self.classic.fetch_add(1, Ordering::SeqCst);
-        self.inner.allocate(len)
+        self.inner.create_segment(len)
     }
     fn reserve_expandable(&self, len: usize) -> Result<Segment> {
         self.expandable.fetch_add(1, Ordering::SeqCst);
@@ -47,8 +47,8 @@ fn allocator(expandable: bool) -> (CachingAllocator, Arc<Counting>) {
         fn kind(&self) -> SegmentKind {
             self.0.kind()
         }
-        fn allocate(&self, len: usize) -> Result<Segment> {
-            self.0.allocate(len)
+        fn create_segment(&self, len: usize) -> Result<Segment> {
+            self.0.create_segment(len)
         }
         fn reserve_expandable(&self, len: usize) -> Result<Segment> {
             self.0.reserve_expandable(len)

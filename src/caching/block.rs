@@ -200,7 +200,7 @@ mod tests {
 
     #[test]
     fn a_seg_ref_reaches_the_segment_and_its_counts() {
-        let seg = Arc::new(SparseSource.allocate(4096).unwrap());
+        let seg = Arc::new(SparseSource.create_segment(4096).unwrap());
         let r = SegRef::new(&seg);
         // SAFETY: `seg` is alive for the whole test.
         assert_eq!(unsafe { r.get() }.len(), 4096);

@@ -105,7 +105,7 @@ impl HostCachingAllocator {
             Some(seg) => seg,
             None => {
                 drop(s);
-                let seg = Arc::new(self.inner.source.allocate(rounded)?);
+                let seg = Arc::new(self.inner.source.create_segment(rounded)?);
                 s = self.lock();
                 s.stats.reserved_bytes += seg.len() as u64;
                 s.stats.num_source_allocs += 1;

@@ -686,7 +686,7 @@ impl Pool {
             );
             return None;
         }
-        let seg = match self.source.allocate(size) {
+        let seg = match self.source.create_segment(size) {
             Ok(s) => s,
             Err(e) => {
                 *cause = format!("; {} refused: {e}", self.source.name());

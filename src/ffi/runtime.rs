@@ -274,7 +274,7 @@ impl Runtime {
     /// `size` bytes of unified memory: a shared mapping of a sealed memfd, the same bytes for
     /// the CPU and any importer of its fd.
     pub fn unified_alloc(&self, size: usize) -> Result<*mut u8> {
-        let seg = Arc::new(ShmemSource::new().allocate(size)?);
+        let seg = Arc::new(ShmemSource::new().create_segment(size)?);
         let ptr = seg.mapping().map_or(std::ptr::null_mut(), |m| m.as_ptr());
         lock(&self.unified).insert(ptr as usize, seg);
         Ok(ptr)

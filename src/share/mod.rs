@@ -26,7 +26,7 @@
 //!
 //! // One end stays here, the other goes to another process (`Channel::into_fd`).
 //! let (here, there) = Channel::pair("example")?;
-//! let seg = ShmemSource::new().allocate(4096)?;
+//! let seg = ShmemSource::new().create_segment(4096)?;
 //! seg.cpu_access(Access::Write)?.write(0, b"hi")?;
 //! here.send_segment(&7u32.to_le_bytes(), &seg)?;
 //! // The other side: the segment comes back from the fd, its length from the fd itself.

@@ -30,7 +30,7 @@ impl PoolOwner {
     /// (and never again: frames reuse them).
     pub fn allocate(source: &(impl MemorySource + ?Sized), count: usize, size: usize) -> Result<Self> {
         super::ledger::check_len(count)?;
-        let buffers = (0..count).map(|_| source.allocate(size)).collect::<Result<Vec<_>>>()?;
+        let buffers = (0..count).map(|_| source.create_segment(size)).collect::<Result<Vec<_>>>()?;
         Self::new(buffers)
     }
 

@@ -73,7 +73,7 @@ fn frame(id: u32, seq: u64, len: u64) -> PoolMessage {
 #[test]
 fn segments_and_ranges_arrive_as_segments_that_share_the_memory() {
     let (a, b) = pair();
-    let seg = ShmemSource::new().allocate(8192).unwrap();
+    let seg = ShmemSource::new().create_segment(8192).unwrap();
     let cpu = seg.cpu_access(Access::Write).unwrap();
     cpu.write(4096, b"range!").unwrap();
     cpu.end().unwrap();

@@ -235,7 +235,7 @@ impl MemorySource for GemSource {
         SegmentKind::Device
     }
 
-    fn allocate(&self, len: usize) -> Result<Segment> {
+    fn create_segment(&self, len: usize) -> Result<Segment> {
         let len = checked_len(len, || self.name())?;
         if self.is_render_node() {
             return Err(Error::Unsupported {
@@ -327,7 +327,7 @@ mod tests {
         // The same number on another DRM fd is another object.
         assert!(b.own_handle(&seg).is_err());
         // A segment of another source holds no GEM handle.
-        let shmem = crate::source::ShmemSource::new().allocate(1).unwrap();
+        let shmem = crate::source::ShmemSource::new().create_segment(1).unwrap();
         assert_eq!(shmem.gem_handle(), None);
         assert!(a.own_handle(&shmem).is_err());
     }

@@ -81,7 +81,7 @@ impl MemorySource for HeapSource {
         self.kind
     }
 
-    fn allocate(&self, len: usize) -> Result<Segment> {
+    fn create_segment(&self, len: usize) -> Result<Segment> {
         let len = checked_len(len, || self.name())?;
         let fd =
             sys::dma_heap::alloc(&self.heap, len).map_err(alloc_error(len, self.name(), "DMA_HEAP_IOCTL_ALLOC"))?;

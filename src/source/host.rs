@@ -70,9 +70,9 @@ impl MemorySource for HostSource {
         SegmentKind::PinnedHost
     }
 
-    fn allocate(&self, len: usize) -> Result<Segment> {
+    fn create_segment(&self, len: usize) -> Result<Segment> {
         if let Some(h) = &self.heap {
-            return h.allocate(len);
+            return h.create_segment(len);
         }
         let len = checked_len(len, || self.name())?;
         let seg = self.shmem.memfd_segment(len, Origin::MlockedMemfd)?;

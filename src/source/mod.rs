@@ -29,7 +29,7 @@ use crate::segment::{Segment, SegmentKind};
 pub(crate) use crate::sys::limits::address_space_limit;
 
 /// A provider of [`Segment`]s. Implementations are cheap to share between threads; each
-/// `allocate` asks the kernel for a new buffer (caching is the allocator's job, not the source's).
+/// `create_segment` asks the kernel for a new buffer (caching is the allocator's job, not the source's).
 pub trait MemorySource: Send + Sync + Debug {
     /// A human-readable name: `shmem`, `dma-heap:system`, `gem:/dev/dri/card0 (vgem)`, ...
     fn name(&self) -> String;
@@ -38,7 +38,7 @@ pub trait MemorySource: Send + Sync + Debug {
     fn kind(&self) -> SegmentKind;
 
     /// A new segment of at least `len` bytes (rounded up to whole pages).
-    fn allocate(&self, len: usize) -> Result<Segment>;
+    fn create_segment(&self, len: usize) -> Result<Segment>;
 
     /// An expandable segment: `len` bytes of reserved address space over a sparse memfd,
     /// mapped and backed piece by piece as the caching allocator grows it. Sources whose memory

@@ -91,7 +91,7 @@ impl MemorySource for ShmemSource {
         super::memfd_expandable(len, self.kind)
     }
 
-    fn allocate(&self, len: usize) -> Result<Segment> {
+    fn create_segment(&self, len: usize) -> Result<Segment> {
         let len = checked_len(len, || self.name())?;
         match &self.udmabuf {
             None => self.memfd_segment(len, Origin::Memfd),

@@ -27,7 +27,7 @@ impl MemorySource for SparseSource {
         super::memfd_expandable(len, SegmentKind::Device)
     }
 
-    fn allocate(&self, len: usize) -> Result<Segment> {
+    fn create_segment(&self, len: usize) -> Result<Segment> {
         if len == 0 {
             return Err(Error::ZeroLength);
         }

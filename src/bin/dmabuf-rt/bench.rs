@@ -110,7 +110,7 @@ fn pair_malloc(size: usize, n: usize) -> f64 {
 }
 
 fn seg(len: usize) -> Result<Arc<Segment>, String> {
-    ShmemSource::new().allocate(len).map(Arc::new).map_err(|e| e.to_string())
+    ShmemSource::new().create_segment(len).map(Arc::new).map_err(|e| e.to_string())
 }
 
 /// Host-to-device copies of `size` on one queue, back to back, GB/s.

@@ -46,11 +46,11 @@ impl MemorySource for Refusing {
     fn kind(&self) -> SegmentKind {
         SegmentKind::Device
     }
-    fn allocate(&self, len: usize) -> Result<Segment> {
+    fn create_segment(&self, len: usize) -> Result<Segment> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         let refuse = self.refusals.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok();
         if !refuse {
-            return SparseSource.allocate(len);
+            return SparseSource.create_segment(len);
         }
         let kind = if self.permission { std::io::ErrorKind::PermissionDenied } else { std::io::ErrorKind::OutOfMemory };
         let source = std::io::Error::from(kind);
