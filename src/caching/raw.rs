@@ -211,6 +211,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "queues need io_uring")]
     fn uses_are_kept_until_the_raw_block_is_released() {
         let (mut t, mut blocks) = table();
         let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
