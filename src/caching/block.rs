@@ -184,7 +184,6 @@ impl SegRef {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::caching::stats::{LARGE_POOL, SMALL_POOL};
     use crate::source::{MemorySource, SparseSource};
 
     #[test]
@@ -193,7 +192,6 @@ mod tests {
         assert_eq!(PoolKind::for_size(SMALL_SIZE), PoolKind::Small);
         assert_eq!(PoolKind::for_size(SMALL_SIZE + MIN_BLOCK), PoolKind::Large);
         assert_eq!(PoolKind::for_size(usize::MAX), PoolKind::Large);
-        assert_eq!((PoolKind::Small.index(), PoolKind::Large.index()), (SMALL_POOL, LARGE_POOL));
         assert_eq!(PoolKind::BOTH.map(PoolKind::slot), [0, 1]);
         assert_eq!(PoolKind::BOTH.map(PoolKind::name), ["small", "large"]);
     }

@@ -474,6 +474,11 @@ mod tests {
     use super::*;
 
     #[test]
+    fn each_pool_kind_has_its_stat_entry() {
+        assert_eq!((PoolKind::Small.index(), PoolKind::Large.index()), (SMALL_POOL, LARGE_POOL));
+    }
+
+    #[test]
     fn stat_tracks_current_peak_and_totals() {
         let mut s = Stat::default();
         s.update(10);
