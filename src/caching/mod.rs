@@ -43,6 +43,24 @@
 //! The free path never takes the allocator's lock: dropping an [`Allocation`] (or a queue
 //! completion finishing a deferred free) pushes onto a lock-free list ([`free_list`]) that the
 //! next allocation, or any call that needs the pools, drains under the lock.
+//!
+//! # The allocate flow, top-down
+//! [`CachingAllocator::allocate`] takes the lock (draining the free list first), tries the
+//! quick cache (`Pool::try_quick`: an exact-size block freed on the same queue), and otherwise
+//! goes to `allocate_slow` -> `Pool::allocate`, which builds an `AllocParams` and runs
+//! `get_cached_block` (best fit in the pool of the size's `PoolKind`, split
+//! when the rest is worth keeping) `|| ladder`: the OOM ladder in `pool.rs`, whose
+//! `alloc_block` asks the [`MemorySource`] for a segment (or grows an expandable one,
+//! `pool/growth.rs`) and splits it. The block leaves as an [`Allocation`] (`wrap`).
+//!
+//! # The deferred-free flow, top-down
+//! Dropping an [`Allocation`] (`allocation.rs`) used only on its own queue pushes
+//! `FreeMsg::Free` onto the lock-free list. One used on other queues
+//! ([`Allocation::record_queue`]) pushes `FreeMsg::Requested` and records an event on each of
+//! those queues (`shared::complete_after`); the last event's completion hook, run by the queue
+//! that passes it, pushes `FreeMsg::Completed`. The next call that takes the lock drains the
+//! list (`Pool::drain` -> `apply` -> `free_block`, `pool/free_path.rs`), which merges the
+//! block with its free neighbours and returns it to its pool.
 
 mod addrs;
 mod allocation;

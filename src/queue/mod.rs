@@ -22,6 +22,17 @@
 //! [`HostBuffer`]) until they complete. Dropping a queue finishes the work already submitted
 //! (data is not lost), except that a wait for an event that has not completed is abandoned,
 //! which fails that wait and skips what follows it; no operation outlives its memory either way.
+//!
+//! # The copy flow, top-down
+//! [`Queue::copy`] checks the two ranges and calls `submit`, which runs the operation inline
+//! on the caller's thread when the queue is idle and the copy small, or queues it for the
+//! executor thread (`executor`). `execute` runs it through the engine (`engine.rs`: the CPU
+//! copy kernel inside the dma-buf sync bracket, or READ/WRITE SQEs on the queue's ring,
+//! `ring.rs`); its completion arrives as a CQE, and `finish` completes the events recorded
+//! behind it ([`Event`], `event.rs`), which wakes their waiters (host threads in
+//! [`Event::synchronize`], other queues' waits) and runs their completion hooks. Those hooks
+//! are where the caching allocator's deferred frees leave this module (see
+//! [`crate::caching`]). Kernel fences enter through `fence.rs`'s watcher instead of a queue.
 
 mod engine;
 mod event;
