@@ -120,45 +120,34 @@ impl HostView<'_> {
 }
 
 /// The host view of a [`SyncedMemory`] for reading and writing
-/// ([`SyncedMemory::mutable_host_data`]); as [`HostView`], with a read-write bracket.
+/// ([`SyncedMemory::mutable_host_data`]): a [`HostView`] (its reads through `Deref`) inside a
+/// read-write bracket, plus writes.
 #[derive(Debug)]
 pub struct HostViewMut<'a> {
-    pub(super) inner: HostAccess<'a>,
+    pub(super) view: HostView<'a>,
+}
+
+impl<'a> std::ops::Deref for HostViewMut<'a> {
+    type Target = HostView<'a>;
+
+    fn deref(&self) -> &HostView<'a> {
+        &self.view
+    }
 }
 
 impl HostViewMut<'_> {
-    /// The size in bytes.
-    pub fn len(&self) -> usize {
-        self.inner.len()
-    }
-
-    /// Always false (sizes are never 0).
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Copies `dst.len()` bytes at `offset` out.
-    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.inner.read(offset, dst)
-    }
-
-    /// The whole contents, copied out.
-    pub fn to_vec(&self) -> Result<Vec<u8>> {
-        self.inner.to_vec()
-    }
-
     /// Copies `src` in at `offset`.
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
-        self.inner.write(offset, src)
+        self.view.inner.write(offset, src)
     }
 
     /// Sets `len` bytes at `offset` to `byte`.
     pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
-        self.inner.fill(offset, len, byte)
+        self.view.inner.fill(offset, len, byte)
     }
 
     /// Ends the access now and reports whether the end of the dma-buf bracket succeeded.
     pub fn end(self) -> Result<()> {
-        self.inner.end()
+        self.view.end()
     }
 }

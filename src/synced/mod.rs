@@ -291,7 +291,7 @@ impl SyncedMemory {
         self.sync_host()?;
         let inner = self.store.host_buf()?.cpu(Access::ReadWrite)?;
         self.head = Head::AtHost;
-        Ok(HostViewMut { inner })
+        Ok(HostViewMut { view: HostView { inner } })
     }
 
     /// The device view for reading (Caffe's `gpu_data()`): allocates and zero-fills on first
