@@ -79,6 +79,43 @@ impl PoolKind {
     }
 }
 
+/// The pool's key for the queue a block is bound to: the queue's id as a plain integer, 0 for
+/// none, so the pool's ordered sets sort unbound blocks first and its hash tables hash one
+/// word (`Option<QueueId>` would hash a discriminant too, on the allocation fast path).
+/// Made only from a [`QueueId`] (or none), so it cannot name a queue that never existed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct QueueKey(u64);
+
+impl QueueKey {
+    /// The key of `queue` (none: [`QueueKey::NONE`]).
+    #[inline(always)]
+    pub(crate) fn of(queue: Option<QueueId>) -> QueueKey {
+        QueueKey(queue.map_or(0, QueueId::get))
+    }
+
+    /// The integer the snapshot and history show (0: none).
+    pub(crate) fn get(self) -> u64 {
+        self.0
+    }
+
+    /// Whether it names a queue.
+    pub(crate) fn is_some(self) -> bool {
+        self.0 != 0
+    }
+
+    /// A key for a made-up queue number (unit tests drive the pool without queues).
+    #[cfg(test)]
+    pub(crate) const fn test(n: u64) -> QueueKey {
+        QueueKey(n)
+    }
+}
+
+impl std::fmt::Display for QueueKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.is_some() { write!(f, "queue {}", self.0) } else { f.write_str("no queue") }
+    }
+}
+
 /// A block: a range of a segment, free or handed out, linked to its neighbours in address
 /// order.
 #[derive(Debug, Clone)]
@@ -87,8 +124,8 @@ pub(crate) struct Block {
     pub(crate) offset: usize,
     pub(crate) size: usize,
     pub(crate) requested: usize,
-    /// The queue it is bound to (`QueueId::get`; 0: none).
-    pub(crate) stream: u64,
+    /// The queue it is bound to.
+    pub(crate) queue: QueueKey,
     /// Handed out (or its free is waiting for events).
     pub(crate) allocated: bool,
     pub(crate) prev: Option<BlockId>,

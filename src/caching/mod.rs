@@ -82,7 +82,7 @@ mod tests;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use allocation::Allocation;
-use block::FreeMsg;
+use block::{FreeMsg, QueueKey};
 pub use config::Config;
 use free_list::{FreeList, Node, Pending};
 pub use host::{HostAllocation, HostCachingAllocator, HostStats};
@@ -201,9 +201,9 @@ impl CachingAllocator {
     /// that queue: after it is freed, only allocations on the same queue reuse it directly.
     pub fn allocate(&self, size: usize, queue: Option<&Queue>) -> Result<Allocation> {
         let queue_id = queue.map(Queue::id);
-        let stream = stream_key(queue_id);
+        let key = QueueKey::of(queue_id);
         let mut pool = self.lock();
-        let got = match pool.try_quick(size, stream) {
+        let got = match pool.try_quick(size, key) {
             Some(h) => h,
             None => {
                 drop(pool);
@@ -238,7 +238,7 @@ impl CachingAllocator {
         queue: Option<&Queue>,
         mut take: impl FnMut(MutexGuard<'_, Pool>, pool::Handed) -> T,
     ) -> Result<T> {
-        let stream = stream_key(queue.map(Queue::id));
+        let key = QueueKey::of(queue.map(Queue::id));
         let mut waited = false;
         loop {
             // The free list's protocol (see `free_list`): read the pending count first, then
@@ -265,7 +265,7 @@ impl CachingAllocator {
                     });
                 }
             }
-            match pool.allocate(size, stream, pending, waited)? {
+            match pool.allocate(size, key, pending, waited)? {
                 Outcome::Got(b) => return Ok(take(pool, b)),
                 Outcome::WaitForPending => {
                     drop(pool);
@@ -351,8 +351,8 @@ impl CachingAllocator {
     /// in its own table (no [`Allocation`] object, no reference counts): dropping the last
     /// handle of the allocator releases its memory, raw blocks included.
     pub fn allocate_raw(&self, size: usize, queue: Option<&Queue>) -> Result<*mut u8> {
-        let stream = stream_key(queue.map(Queue::id));
-        if let Some(addr) = self.lock().try_quick_raw(size, stream) {
+        let key = QueueKey::of(queue.map(Queue::id));
+        if let Some(addr) = self.lock().try_quick_raw(size, key) {
             return Ok(addr as *mut u8);
         }
         self.allocate_slow(size, queue, |mut pool, b| pool.hand_out_raw(b) as *mut u8)
@@ -436,11 +436,4 @@ impl CachingAllocator {
             self.lock().raw_block(ptr as usize).map_err(|why| Error::InvalidFree { ptr: ptr as usize, why })?;
         Mem::from(&seg).range(offset, size)?.range(0, len)
     }
-}
-
-/// The pool's key for a block's queue: its id, 0 for none (the pool's tables and the
-/// snapshot's `stream` fields store queues as integers, 0 sorting first).
-#[inline(always)]
-pub(crate) fn stream_key(queue: Option<QueueId>) -> u64 {
-    queue.map_or(0, QueueId::get)
 }

@@ -10,8 +10,8 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use super::block::{
-    Block, BlockId, FreeMsg, LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, PoolKind, ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE,
-    SegRef,
+    Block, BlockId, FreeMsg, LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, PoolKind, QueueKey, ROUND_LARGE, SMALL_BUFFER,
+    SMALL_SIZE, SegRef,
 };
 use super::config::Config;
 use super::expandable::{CHUNK, ExpState};
@@ -42,14 +42,14 @@ struct SegEntry {
     size: usize,
     pool: PoolKind,
     /// The queue it is bound to (`QueueId::get`; 0: none).
-    stream: u64,
+    queue: QueueKey,
     /// Set for expandable segments.
     exp: Option<ExpState>,
 }
 
 /// A free block's key in its pool: best fit is the first key at or after
-/// `(stream, size, 0, 0)`.
-type Key = (u64, usize, usize, BlockId);
+/// `(queue, size, 0, 0)`.
+type Key = (QueueKey, usize, usize, BlockId);
 
 /// What an allocation attempt came to.
 pub(crate) enum Outcome {
@@ -76,7 +76,7 @@ struct AllocParams {
     /// The classic segment a miss asks the source for.
     alloc_size: usize,
     pool: PoolKind,
-    stream: u64,
+    queue: QueueKey,
     /// Deferred frees were outstanding when the caller took the lock.
     pending: bool,
     /// The caller already waited for them: the ladder's second pass.
@@ -92,14 +92,14 @@ struct AllocParams {
 }
 
 impl AllocParams {
-    fn new(size: usize, rounded: usize, alloc_size: usize, stream: u64, pending: bool, waited: bool) -> Self {
+    fn new(size: usize, rounded: usize, alloc_size: usize, queue: QueueKey, pending: bool, waited: bool) -> Self {
         let pool = PoolKind::for_size(rounded);
         Self {
             size,
             rounded,
             alloc_size,
             pool,
-            stream,
+            queue,
             pending,
             waited,
             block: None,
@@ -136,22 +136,22 @@ pub(crate) struct Pool {
     #[allow(clippy::vec_box, reason = "the nodes are boxes in the list and are recycled as boxes")]
     scratch: Vec<Box<Node<FreeMsg>>>,
     /// The queues blocks were allocated on, to tell whether one still has work in flight.
-    queues: HashMap<u64, QueueHandle, FxBuild>,
+    queues: HashMap<QueueKey, QueueHandle, FxBuild>,
     /// Every block of every live segment by address, and the queues that used raw blocks:
     /// raw frees, `record_queue_raw` and ranges look their pointers up here.
     raw: RawTable,
-    /// Freed blocks kept unmerged for exact reuse, by (stream, size): the fast path for
+    /// Freed blocks kept unmerged for exact reuse, by (queue, size): the fast path for
     /// periodic workloads. Flushed into the pools (with merging) on a miss.
     quick: Quick,
-    /// The expandable segment of each (stream, pool).
-    expandable: HashMap<(u64, PoolKind), u32>,
+    /// The expandable segment of each (queue, pool).
+    expandable: HashMap<(QueueKey, PoolKind), u32>,
     /// The source cannot make expandable segments: classic segments are used instead.
     expandable_unsupported: bool,
     /// The latest failure of the source during the current request that was not a lack of
     /// memory (fd limit, permission, I/O): reported as itself, not as out-of-memory.
     source_error: Option<Error>,
     /// Queues that are gone but still have segments with blocks in use.
-    gone: std::collections::HashSet<u64>,
+    gone: std::collections::HashSet<QueueKey>,
 }
 
 /// How many freed blocks the quick cache holds before it is flushed into the pools.
@@ -222,8 +222,8 @@ impl Pool {
         self.history.record_all = on;
     }
 
-    fn log(&mut self, kind: HistoryKind, addr: usize, size: usize, stream: u64) {
-        self.history.log(kind, addr, size, stream);
+    fn log(&mut self, kind: HistoryKind, addr: usize, size: usize, queue: QueueKey) {
+        self.history.log(kind, addr, size, queue.get());
     }
 
     fn addr(&self, id: BlockId) -> usize {
@@ -233,7 +233,7 @@ impl Pool {
 
     fn key(&self, id: BlockId) -> Key {
         let b = &self.blocks[id as usize];
-        (b.stream, b.size, self.addr(id), id)
+        (b.queue, b.size, self.addr(id), id)
     }
 
     // ---- rounding and pool choice (seed 003) ----
@@ -296,12 +296,12 @@ impl Pool {
     }
 
     /// Files a new free block (not yet in a pool): `[offset, offset + size)` of segment `seg`,
-    /// bound to `stream`, between `prev` and `next`.
+    /// bound to `queue`, between `prev` and `next`.
     fn new_block(
         &mut self,
         seg: u32,
         (offset, size): (usize, usize),
-        stream: u64,
+        queue: QueueKey,
         pool: PoolKind,
         prev: Option<BlockId>,
         next: Option<BlockId>,
@@ -311,7 +311,7 @@ impl Pool {
             offset,
             size,
             requested: 0,
-            stream,
+            queue,
             allocated: false,
             prev,
             next,
@@ -347,17 +347,17 @@ impl Pool {
         }
     }
 
-    /// New memory for a request: a new segment, or more of the stream's expandable segment.
+    /// New memory for a request: a new segment, or more of the queue's expandable segment.
     fn new_memory(
         &mut self,
         alloc_size: usize,
         rounded: usize,
         pool: PoolKind,
-        stream: u64,
+        queue: QueueKey,
         cause: &mut String,
     ) -> Option<BlockId> {
         if self.uses_expandable() {
-            let got = self.grow_expandable(rounded, pool, stream, cause);
+            let got = self.grow_expandable(rounded, pool, queue, cause);
             if got.is_some() {
                 return got;
             }
@@ -366,7 +366,7 @@ impl Pool {
             // serves the request, and its result is what counts.
             self.source_error = None;
         }
-        self.alloc_segment(alloc_size, pool, stream, cause)
+        self.alloc_segment(alloc_size, pool, queue, cause)
     }
 
     // ---- allocation (seed 003's malloc) ----
@@ -383,14 +383,14 @@ impl Pool {
     /// queue. `None` sends the caller to [`Pool::allocate`], which handles everything else
     /// (rounding options, bad sizes, misses) and tries the quick cache again itself.
     #[inline(always)]
-    pub(crate) fn try_quick(&mut self, size: usize, stream: u64) -> Option<Handed> {
+    pub(crate) fn try_quick(&mut self, size: usize, queue: QueueKey) -> Option<Handed> {
         // Plain 512-byte rounding of a sane size (1 byte to 1 TiB).
         if !self.config.roundup_power2_divisions.is_empty() || size.wrapping_sub(1) >= 1 << 40 {
             return None;
         }
         let rounded = size.max(MIN_BLOCK).next_multiple_of(MIN_BLOCK);
-        let id = self.quick_take(stream, rounded)?;
-        Some(self.hand_out(id, size, stream))
+        let id = self.quick_take(queue, rounded)?;
+        Some(self.hand_out(id, size, queue))
     }
 
     /// Seed 003's malloc, read as PyTorch's `malloc` reads: after the quick cache (an exact fit
@@ -398,7 +398,7 @@ impl Pool {
     /// ([`Pool::ladder`]). With deferred frees outstanding (`pending`), the ladder stops once
     /// with [`Outcome::WaitForPending`] so the caller can wait for them without holding the
     /// lock, then call again with `waited`.
-    pub(crate) fn allocate(&mut self, size: usize, stream: u64, pending: bool, waited: bool) -> Result<Outcome> {
+    pub(crate) fn allocate(&mut self, size: usize, queue: QueueKey, pending: bool, waited: bool) -> Result<Outcome> {
         if size == 0 {
             return Err(Error::ZeroLength);
         }
@@ -411,18 +411,18 @@ impl Pool {
         let rounded = self.round_size(size).filter(|&r| r <= isize::MAX as usize).ok_or_else(too_large)?;
         self.source_error = None;
         // The fast path: a block of exactly this size freed on this queue.
-        if let Some(id) = self.quick_take(stream, rounded) {
-            return Ok(Outcome::Got(self.hand_out(id, size, stream)));
+        if let Some(id) = self.quick_take(queue, rounded) {
+            return Ok(Outcome::Got(self.hand_out(id, size, queue)));
         }
         let alloc_size = self.allocation_size(rounded).ok_or_else(too_large)?;
-        let mut p = AllocParams::new(size, rounded, alloc_size, stream, pending, waited);
+        let mut p = AllocParams::new(size, rounded, alloc_size, queue, pending, waited);
         let _ = self.get_cached_block(&mut p) || self.ladder(&mut p);
         if p.wait {
             return Ok(Outcome::WaitForPending);
         }
         if p.exact {
             let id = p.block.expect("an exact fit was found");
-            return Ok(Outcome::Got(self.hand_out(id, size, stream)));
+            return Ok(Outcome::Got(self.hand_out(id, size, queue)));
         }
         if p.block.is_some_and(|id| !self.reback_fits(id, rounded)) {
             p.block = None;
@@ -432,7 +432,7 @@ impl Pool {
         }
         let Some(id) = p.block else { return Err(self.out_of_memory(p)) };
         self.take_from_pool(id, rounded);
-        Ok(Outcome::Got(self.hand_out(id, size, stream)))
+        Ok(Outcome::Got(self.hand_out(id, size, queue)))
     }
 
     /// The OOM ladder: what a request that no cached block fits goes through, cheapest and
@@ -478,13 +478,13 @@ impl Pool {
     /// Best fit among the cached blocks, merging the quick cache first if that is what it
     /// takes.
     fn get_cached_block(&mut self, p: &mut AllocParams) -> bool {
-        p.block = self.find_cached(p.rounded, p.stream, p.pool);
+        p.block = self.find_cached(p.rounded, p.queue, p.pool);
         p.block.is_some()
     }
 
     /// Best fit in the pool as it is.
     fn get_free_block(&mut self, p: &mut AllocParams) -> bool {
-        p.block = self.best_fit(p.rounded, p.stream, p.pool);
+        p.block = self.best_fit(p.rounded, p.queue, p.pool);
         p.block.is_some()
     }
 
@@ -508,7 +508,7 @@ impl Pool {
 
     /// Rungs 2, 4 and 8: new memory for the request (see [`Pool::new_memory`]).
     fn alloc_block(&mut self, p: &mut AllocParams) -> bool {
-        p.block = self.new_memory(p.alloc_size, p.rounded, p.pool, p.stream, &mut p.cause);
+        p.block = self.new_memory(p.alloc_size, p.rounded, p.pool, p.queue, &mut p.cause);
         p.block.is_some()
     }
 
@@ -526,7 +526,7 @@ impl Pool {
 
     /// Rung 4: seed 003's `release_available_cached_blocks`.
     fn release_available_cached_blocks(&mut self, p: &AllocParams) -> bool {
-        self.release_available_cached(p.rounded, p.stream)
+        self.release_available_cached(p.rounded, p.queue)
     }
 
     /// Rung 5: stops the ladder so the caller can wait for deferred frees (once).
@@ -538,7 +538,7 @@ impl Pool {
     /// Rung 6: a block freed since the first look: an exact fit in the quick cache (handed out
     /// as it is), or best fit after merging.
     fn get_freed_meanwhile(&mut self, p: &mut AllocParams) -> bool {
-        if let Some(id) = self.quick_take(p.stream, p.rounded) {
+        if let Some(id) = self.quick_take(p.queue, p.rounded) {
             (p.block, p.exact) = (Some(id), true);
             return true;
         }
@@ -559,7 +559,7 @@ impl Pool {
             return e;
         }
         self.stats.device.num_ooms += 1;
-        self.log(HistoryKind::Oom, 0, p.size, p.stream);
+        self.log(HistoryKind::Oom, 0, p.size, p.queue);
         let largest = self.pools.iter().flat_map(|p| p.iter()).map(|k| k.1).max().unwrap_or(0);
         let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
         let allocated = self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE] as u64;
@@ -580,8 +580,7 @@ impl Pool {
         self.pool_remove(id);
         if self.should_split(id, rounded) {
             let b = self.blocks[id as usize].clone();
-            let rest =
-                self.new_block(b.seg, (b.offset + rounded, b.size - rounded), b.stream, b.pool, Some(id), b.next);
+            let rest = self.new_block(b.seg, (b.offset + rounded, b.size - rounded), b.queue, b.pool, Some(id), b.next);
             if let Some(n) = b.next {
                 self.blocks[n as usize].prev = Some(rest);
             }
@@ -597,22 +596,22 @@ impl Pool {
 
     /// A cached block for the request: best fit in the pool, after merging the quick cache if
     /// that is what it takes.
-    fn find_cached(&mut self, rounded: usize, stream: u64, pool: PoolKind) -> Option<BlockId> {
+    fn find_cached(&mut self, rounded: usize, queue: QueueKey, pool: PoolKind) -> Option<BlockId> {
         if self.config.no_caching {
             return None;
         }
-        let found = self.best_fit(rounded, stream, pool);
+        let found = self.best_fit(rounded, queue, pool);
         if found.is_some() || self.quick.len() == 0 {
             return found;
         }
         // Unmerged frees may add up to a fit.
         self.flush_quick();
-        self.best_fit(rounded, stream, pool)
+        self.best_fit(rounded, queue, pool)
     }
 
     /// Marks a block allocated for a request of `size` and accounts for it.
     #[inline(always)]
-    fn hand_out(&mut self, id: BlockId, size: usize, stream: u64) -> Handed {
+    fn hand_out(&mut self, id: BlockId, size: usize, queue: QueueKey) -> Handed {
         let b = &mut self.blocks[id as usize];
         b.allocated = true;
         b.requested = size;
@@ -622,7 +621,7 @@ impl Pool {
         // their pool only through `allocate`'s slow path, which counts their pages again
         // (`back_chunks`), and the quick cache holds only blocks that were handed out.
         if self.stats.any_pending() || bsize >= self.config.max_split_size || self.history.record_all {
-            self.hand_out_rare(id, stream);
+            self.hand_out_rare(id, queue);
         }
         let segment = SegRef::new(&self.segments[bseg as usize].as_ref().expect("live segment").seg);
         Handed { id, segment, offset: boff }
@@ -631,7 +630,7 @@ impl Pool {
     /// What a hand-out may need besides: active peaks while frees are pending, oversize
     /// counts, history.
     #[cold]
-    fn hand_out_rare(&mut self, id: BlockId, stream: u64) {
+    fn hand_out_rare(&mut self, id: BlockId, queue: QueueKey) {
         let (bsize, bpool) = (self.blocks[id as usize].size, self.blocks[id as usize].pool);
         if self.stats.any_pending() {
             self.stats.note_active_peak(bpool);
@@ -641,14 +640,14 @@ impl Pool {
         }
         if self.history.record_all {
             let addr = self.addr(id);
-            self.log(HistoryKind::Alloc, addr, bsize, stream);
+            self.log(HistoryKind::Alloc, addr, bsize, queue);
         }
     }
 
-    /// Best fit in `pool` for `size` on `stream`, honouring the oversize rules.
-    fn best_fit(&mut self, size: usize, stream: u64, pool: PoolKind) -> Option<BlockId> {
-        let key = *self.pools[pool.slot()].range((stream, size, 0, 0)..).next()?;
-        if key.0 != stream {
+    /// Best fit in `pool` for `size` on `queue`, honouring the oversize rules.
+    fn best_fit(&mut self, size: usize, queue: QueueKey, pool: PoolKind) -> Option<BlockId> {
+        let key = *self.pools[pool.slot()].range((queue, size, 0, 0)..).next()?;
+        if key.0 != queue {
             return None;
         }
         let max_split = self.config.max_split_size;
@@ -677,7 +676,7 @@ impl Pool {
     }
 
     /// Gets a segment from the source, within the allowed memory; returns its single block.
-    fn alloc_segment(&mut self, size: usize, pool: PoolKind, stream: u64, cause: &mut String) -> Option<BlockId> {
+    fn alloc_segment(&mut self, size: usize, pool: PoolKind, queue: QueueKey, cause: &mut String) -> Option<BlockId> {
         let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
         if reserved.saturating_add(size as u64) > self.allowed {
             *cause = format!(
@@ -696,8 +695,8 @@ impl Pool {
         };
         let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
         let seg_size = seg.len();
-        let seg_idx = self.add_segment(SegEntry { seg: Arc::new(seg), base, size: seg_size, pool, stream, exp: None });
-        let id = self.new_block(seg_idx, (0, seg_size), stream, pool, None, None);
+        let seg_idx = self.add_segment(SegEntry { seg: Arc::new(seg), base, size: seg_size, pool, queue, exp: None });
+        let id = self.new_block(seg_idx, (0, seg_size), queue, pool, None, None);
         self.pool_insert(id);
         Some(id)
     }
@@ -705,7 +704,7 @@ impl Pool {
     /// Files a new segment (classic, or an expandable one with nothing mapped yet) and
     /// accounts for it.
     fn add_segment(&mut self, entry: SegEntry) -> u32 {
-        let (base, size, pool, stream) = (entry.base, entry.size, entry.pool, entry.stream);
+        let (base, size, pool, queue) = (entry.base, entry.size, entry.pool, entry.queue);
         let idx = match self.free_segs.pop() {
             Some(i) => {
                 self.segments[i as usize] = Some(entry);
@@ -722,7 +721,7 @@ impl Pool {
         if size >= self.config.max_split_size {
             self.stats.device.oversize_segments.update(1);
         }
-        self.log(HistoryKind::SegmentAlloc, base, size, stream);
+        self.log(HistoryKind::SegmentAlloc, base, size, queue);
         idx
     }
 
@@ -731,7 +730,7 @@ impl Pool {
         let free: HashSet<BlockId> =
             self.pools.iter().flat_map(|p| p.iter()).map(|k| k.3).chain(self.quick.ids()).collect();
         let dead: HashSet<BlockId> = self.free_ids.iter().copied().collect();
-        let segments = self.segments.iter().map(|s| s.as_ref().map(|s| (s.base, s.size, s.pool, s.stream)));
+        let segments = self.segments.iter().map(|s| s.as_ref().map(|s| (s.base, s.size, s.pool, s.queue.get())));
         let blocks =
             self.blocks.iter().enumerate().filter(|&(id, _)| !dead.contains(&(id as BlockId))).map(|(id, b)| {
                 let state = if free.contains(&(id as BlockId)) {

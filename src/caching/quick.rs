@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use super::block::{BlockId, MIN_BLOCK, SMALL_SIZE};
+use super::block::{BlockId, MIN_BLOCK, QueueKey, SMALL_SIZE};
 
 /// No block.
 const NONE: BlockId = BlockId::MAX;
@@ -45,13 +45,13 @@ pub(crate) type FxBuild = BuildHasherDefault<FxHasher>;
 pub(crate) struct Quick {
     /// The queues with small classes, in the order they came; queue `i` owns
     /// `heads[i * CLASSES..][..CLASSES]` and `used[i * WORDS..][..WORDS]`.
-    streams: Vec<u64>,
+    queues: Vec<QueueKey>,
     /// The queue index used last (queues are few and used in runs).
     last: usize,
     heads: Vec<BlockId>,
     /// A set bit: the class has held a block since the last flush.
     used: Vec<u64>,
-    large: HashMap<(u64, usize), BlockId, FxBuild>,
+    large: HashMap<(QueueKey, usize), BlockId, FxBuild>,
     /// The link of each block id.
     next: Vec<BlockId>,
     len: usize,
@@ -72,52 +72,52 @@ impl Quick {
     }
 
     #[inline]
-    fn find(&mut self, stream: u64) -> Option<usize> {
-        if self.streams.get(self.last) == Some(&stream) {
+    fn find(&mut self, queue: QueueKey) -> Option<usize> {
+        if self.queues.get(self.last) == Some(&queue) {
             return Some(self.last);
         }
-        let i = self.streams.iter().position(|&s| s == stream)?;
+        let i = self.queues.iter().position(|&s| s == queue)?;
         self.last = i;
         Some(i)
     }
 
     #[cold]
-    fn add_stream(&mut self, stream: u64) -> usize {
-        self.streams.push(stream);
-        self.heads.resize(self.streams.len() * CLASSES, NONE);
-        self.used.resize(self.streams.len() * WORDS, 0);
-        self.last = self.streams.len() - 1;
+    fn add_queue(&mut self, queue: QueueKey) -> usize {
+        self.queues.push(queue);
+        self.heads.resize(self.queues.len() * CLASSES, NONE);
+        self.used.resize(self.queues.len() * WORDS, 0);
+        self.last = self.queues.len() - 1;
         self.last
     }
 
-    /// Drops the table of `stream`, whose queue is gone. The cache must hold none of its
+    /// Drops the table of `queue`, whose queue is gone. The cache must hold none of its
     /// blocks (the pool flushes it first).
-    pub(crate) fn forget_stream(&mut self, stream: u64) {
-        self.large.retain(|k, _| k.0 != stream);
-        let Some(i) = self.streams.iter().position(|&s| s == stream) else { return };
+    pub(crate) fn forget_queue(&mut self, queue: QueueKey) {
+        self.large.retain(|k, _| k.0 != queue);
+        let Some(i) = self.queues.iter().position(|&s| s == queue) else { return };
         debug_assert!(self.heads[i * CLASSES..][..CLASSES].iter().all(|&h| h == NONE));
-        let last = self.streams.len() - 1;
+        let last = self.queues.len() - 1;
         if i != last {
             self.heads.copy_within(last * CLASSES..(last + 1) * CLASSES, i * CLASSES);
             self.used.copy_within(last * WORDS..(last + 1) * WORDS, i * WORDS);
-            self.streams[i] = self.streams[last];
+            self.queues[i] = self.queues[last];
         }
-        self.streams.pop();
+        self.queues.pop();
         self.heads.truncate(last * CLASSES);
         self.used.truncate(last * WORDS);
         self.last = 0;
     }
 
-    /// Adds a free block of `size` (a multiple of 512) bound to `stream`.
+    /// Adds a free block of `size` (a multiple of 512) bound to `queue`.
     #[inline(always)]
-    pub(crate) fn push(&mut self, stream: u64, size: usize, id: BlockId) {
+    pub(crate) fn push(&mut self, queue: QueueKey, size: usize, id: BlockId) {
         self.len += 1;
         let slot = if size > SMALL_SIZE {
-            self.large.entry((stream, size)).or_insert(NONE)
+            self.large.entry((queue, size)).or_insert(NONE)
         } else {
-            let s = match self.find(stream) {
+            let s = match self.find(queue) {
                 Some(s) => s,
-                None => self.add_stream(stream),
+                None => self.add_queue(queue),
             };
             let c = size / MIN_BLOCK;
             self.used[s * WORDS + c / 64] |= 1 << (c % 64);
@@ -126,16 +126,16 @@ impl Quick {
         self.next[id as usize] = std::mem::replace(slot, id);
     }
 
-    /// Takes a block of exactly `size` bound to `stream`, the one freed last.
+    /// Takes a block of exactly `size` bound to `queue`, the one freed last.
     #[inline(always)]
-    pub(crate) fn pop(&mut self, stream: u64, size: usize) -> Option<BlockId> {
+    pub(crate) fn pop(&mut self, queue: QueueKey, size: usize) -> Option<BlockId> {
         if self.len == 0 {
             return None;
         }
         let slot = if size > SMALL_SIZE {
-            self.large.get_mut(&(stream, size))?
+            self.large.get_mut(&(queue, size))?
         } else {
-            let s = self.find(stream)?;
+            let s = self.find(queue)?;
             &mut self.heads[s * CLASSES + size / MIN_BLOCK]
         };
         let id = *slot;
@@ -190,19 +190,19 @@ impl Quick {
 
     /// Every block held with the (queue, size) list it is on, in no particular order (for
     /// the pool's invariant checks).
-    pub(crate) fn entries(&self) -> Vec<(u64, usize, BlockId)> {
+    pub(crate) fn entries(&self) -> Vec<(QueueKey, usize, BlockId)> {
         let mut out = Vec::with_capacity(self.len);
         let mut chain = Vec::new();
         for (i, &head) in self.heads.iter().enumerate() {
             chain.clear();
             self.chain(head, &mut chain);
-            let (stream, size) = (self.streams[i / CLASSES], (i % CLASSES) * MIN_BLOCK);
-            out.extend(chain.iter().map(|&id| (stream, size, id)));
+            let (queue, size) = (self.queues[i / CLASSES], (i % CLASSES) * MIN_BLOCK);
+            out.extend(chain.iter().map(|&id| (queue, size, id)));
         }
-        for (&(stream, size), &head) in &self.large {
+        for (&(queue, size), &head) in &self.large {
             chain.clear();
             self.chain(head, &mut chain);
-            out.extend(chain.iter().map(|&id| (stream, size, id)));
+            out.extend(chain.iter().map(|&id| (queue, size, id)));
         }
         out
     }
@@ -216,21 +216,21 @@ mod tests {
     fn exact_reuse_last_in_first_out_per_stream_and_size() {
         let mut q = Quick::default();
         q.track(9);
-        q.push(1, 4096, 7);
-        q.push(1, 4096, 9);
-        q.push(2, 4096, 3);
-        q.push(1, 8 << 20, 5);
-        q.push(1, 8 << 20, 6);
+        q.push(QueueKey::test(1), 4096, 7);
+        q.push(QueueKey::test(1), 4096, 9);
+        q.push(QueueKey::test(2), 4096, 3);
+        q.push(QueueKey::test(1), 8 << 20, 5);
+        q.push(QueueKey::test(1), 8 << 20, 6);
         assert_eq!(q.len(), 5);
-        assert_eq!(q.pop(1, 4096), Some(9));
-        assert_eq!(q.pop(1, 8192), None);
-        assert_eq!(q.pop(3, 4096), None);
-        assert_eq!(q.pop(2, 4096), Some(3));
-        assert_eq!(q.pop(2, 4096), None);
-        assert_eq!(q.pop(1, 8 << 20), Some(6));
+        assert_eq!(q.pop(QueueKey::test(1), 4096), Some(9));
+        assert_eq!(q.pop(QueueKey::test(1), 8192), None);
+        assert_eq!(q.pop(QueueKey::test(3), 4096), None);
+        assert_eq!(q.pop(QueueKey::test(2), 4096), Some(3));
+        assert_eq!(q.pop(QueueKey::test(2), 4096), None);
+        assert_eq!(q.pop(QueueKey::test(1), 8 << 20), Some(6));
         let mut entries = q.entries();
         entries.sort_unstable();
-        assert_eq!(entries, [(1, 4096, 7), (1, 8 << 20, 5)]);
+        assert_eq!(entries, [(QueueKey::test(1), 4096, 7), (QueueKey::test(1), 8 << 20, 5)]);
         let mut rest = q.ids();
         rest.sort_unstable();
         assert_eq!(rest, [5, 7]);
@@ -238,11 +238,11 @@ mod tests {
         all.sort_unstable();
         assert_eq!(all, [5, 7]);
         assert_eq!(q.len(), 0);
-        assert_eq!(q.pop(1, 4096), None);
+        assert_eq!(q.pop(QueueKey::test(1), 4096), None);
         // Reusable after a flush, and the flush forgot nothing.
-        q.push(1, 4096, 7);
-        q.push(1, SMALL_SIZE, 8);
-        q.push(2, MIN_BLOCK, 1);
+        q.push(QueueKey::test(1), 4096, 7);
+        q.push(QueueKey::test(1), SMALL_SIZE, 8);
+        q.push(QueueKey::test(2), MIN_BLOCK, 1);
         assert_eq!(q.ids().len(), 3);
         assert_eq!(q.take_all().len(), 3);
         assert!(q.ids().is_empty());

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 
 use super::addrs::BlockAddrs;
-use super::block::{Block, BlockId};
+use super::block::{Block, BlockId, QueueKey};
 use super::quick::FxBuild;
 use crate::queue::{Queue, QueueHandle};
 
@@ -89,7 +89,7 @@ impl RawTable {
     /// Records that `queue` uses live raw block `id` (nothing if it is the block's own queue).
     pub(crate) fn record_use(&mut self, id: BlockId, queue: &Queue, blocks: &mut [Block]) {
         let b = &mut blocks[id as usize];
-        if queue.id().get() == b.stream {
+        if QueueKey::of(Some(queue.id())) == b.queue {
             return;
         }
         b.raw_used = true;
@@ -155,7 +155,7 @@ mod tests {
             offset: 0,
             size,
             requested,
-            stream: 0,
+            queue: QueueKey::test(0),
             allocated,
             prev: None,
             next: None,
@@ -215,7 +215,7 @@ mod tests {
     fn uses_are_kept_until_the_raw_block_is_released() {
         let (mut t, mut blocks) = table();
         let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
-        blocks[0].stream = q1.id().get();
+        blocks[0].queue = QueueKey::of(Some(q1.id()));
         t.record_use(0, &q1, &mut blocks);
         assert!(!blocks[0].raw_used, "its own queue is no other use");
         t.record_use(0, &q2, &mut blocks);

@@ -2,7 +2,7 @@
 //! list are drained oldest first, each block goes into the quick cache (unmerged, for exact
 //! reuse) or into its pool merged with its free neighbours, and the stats follow.
 
-use super::super::block::{BlockId, FreeMsg};
+use super::super::block::{BlockId, FreeMsg, QueueKey};
 use super::super::free_list::{FreeList, Node};
 use super::super::snapshot::HistoryKind;
 use super::{Pool, QUICK_MAX};
@@ -34,14 +34,14 @@ impl Pool {
                 self.free_now(id);
                 self.after_free(id);
             }
-            FreeMsg::QueueGone(queue) => self.queue_gone(queue.get()),
+            FreeMsg::QueueGone(queue) => self.queue_gone(QueueKey::of(Some(queue))),
             FreeMsg::Requested(id) => {
                 self.account_free_request(id);
                 let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
                 self.stats.pending_begin(pool, size);
-                let (addr, size, stream) =
-                    (self.addr(id), self.blocks[id as usize].size, self.blocks[id as usize].stream);
-                self.log(HistoryKind::FreeRequested, addr, size, stream);
+                let (addr, size, queue) =
+                    (self.addr(id), self.blocks[id as usize].size, self.blocks[id as usize].queue);
+                self.log(HistoryKind::FreeRequested, addr, size, queue);
             }
             FreeMsg::Completed(id) => {
                 let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
@@ -56,9 +56,9 @@ impl Pool {
     #[inline(always)]
     pub(super) fn after_free(&mut self, id: BlockId) {
         if !self.gone.is_empty() {
-            let stream = self.blocks[id as usize].stream;
-            if self.gone.contains(&stream) {
-                self.release_gone(stream);
+            let queue = self.blocks[id as usize].queue;
+            if self.gone.contains(&queue) {
+                self.release_gone(queue);
             }
         }
     }
@@ -74,7 +74,7 @@ impl Pool {
             self.free_block(id);
             return;
         }
-        let (pool, size, requested, stream, split) = (b.pool, b.size, b.requested, b.stream, b.is_split());
+        let (pool, size, requested, queue, split) = (b.pool, b.size, b.requested, b.queue, b.is_split());
         b.allocated = false;
         b.requested = 0;
         b.cached_at = self.misses;
@@ -83,7 +83,7 @@ impl Pool {
         if split {
             self.stats.hot.inactive(pool, size as i64, true);
         }
-        self.quick.push(stream, size, id);
+        self.quick.push(queue, size, id);
     }
 
     /// A free-list node for a new allocation (reused when possible).
@@ -111,13 +111,13 @@ impl Pool {
         if self.quick.len() >= QUICK_MAX {
             self.flush_quick();
         }
-        let (size, stream) = {
+        let (size, queue) = {
             let b = &self.blocks[id as usize];
-            (b.size, b.stream)
+            (b.size, b.queue)
         };
         if self.history.record_all {
             let addr = self.addr(id);
-            self.log(HistoryKind::FreeCompleted, addr, size, stream);
+            self.log(HistoryKind::FreeCompleted, addr, size, queue);
         }
         let misses = self.misses;
         let b = &mut self.blocks[id as usize];
@@ -134,7 +134,7 @@ impl Pool {
     pub(super) fn quick_insert(&mut self, id: BlockId) {
         let b = &mut self.blocks[id as usize];
         b.in_quick = true;
-        self.quick.push(b.stream, b.size, id);
+        self.quick.push(b.queue, b.size, id);
         self.account_inactive(id, true);
     }
 
@@ -146,8 +146,8 @@ impl Pool {
     }
 
     #[inline(always)]
-    pub(super) fn quick_take(&mut self, stream: u64, size: usize) -> Option<BlockId> {
-        let id = self.quick.pop(stream, size)?;
+    pub(super) fn quick_take(&mut self, queue: QueueKey, size: usize) -> Option<BlockId> {
+        let id = self.quick.pop(queue, size)?;
         self.quick_leave(id);
         Some(id)
     }

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::super::block::{BlockId, PoolKind};
+use super::super::block::{BlockId, PoolKind, QueueKey};
 use super::super::expandable::{self, Budget, ExpState, Reservation};
 use super::super::snapshot::HistoryKind;
 use super::super::stats;
@@ -19,7 +19,7 @@ impl Pool {
         self.segments[self.blocks[id as usize].seg as usize].as_ref().is_some_and(|e| e.exp.is_some())
     }
 
-    /// Grows the (stream, pool) expandable segment so that its free tail holds `rounded`
+    /// Grows the (queue, pool) expandable segment so that its free tail holds `rounded`
     /// bytes; returns that tail block. Before the reserved bytes grow, [`Pool::trim`] punches
     /// free pages elsewhere if they would go past its bound or the allowed memory. Making the
     /// reservation and each growth (one `mmap` of more of the memfd) are calls to the memory
@@ -28,17 +28,17 @@ impl Pool {
         &mut self,
         rounded: usize,
         pool: PoolKind,
-        stream: u64,
+        queue: QueueKey,
         cause: &mut String,
     ) -> Option<BlockId> {
-        let idx = match self.expandable.get(&(stream, pool)) {
+        let idx = match self.expandable.get(&(queue, pool)) {
             Some(&i) => i,
             None => match expandable::reserve(&*self.source, self.allowed, rounded) {
                 Reservation::Made(seg, exp) => {
                     let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
-                    let entry = SegEntry { seg: Arc::new(seg), base, size: 0, pool, stream, exp: Some(exp) };
+                    let entry = SegEntry { seg: Arc::new(seg), base, size: 0, pool, queue, exp: Some(exp) };
                     let i = self.add_segment(entry);
-                    self.expandable.insert((stream, pool), i);
+                    self.expandable.insert((queue, pool), i);
                     i
                 }
                 Reservation::Unsupported => {
@@ -98,7 +98,7 @@ impl Pool {
                 Some(t)
             }
             None => {
-                let id = self.new_block(idx, (mapped, grow), stream, pool, tail, None);
+                let id = self.new_block(idx, (mapped, grow), queue, pool, tail, None);
                 if let Some(t) = tail {
                     self.blocks[t as usize].next = Some(id);
                 }
@@ -170,17 +170,17 @@ impl Pool {
     pub(super) fn punch_block(&mut self, id: BlockId, want: u64) -> usize {
         let b = &self.blocks[id as usize];
         let (seg, off, size, pool) = (b.seg, b.offset, b.size, b.pool);
-        if self.queue_busy(b.stream) {
+        if self.queue_busy(b.queue) {
             // Work queued before the free may still use the block: a punch would not wait.
             return 0;
         }
         let Some(entry) = self.segments[seg as usize].as_mut() else { return 0 };
         let Some(exp) = entry.exp.as_mut() else { return 0 };
         let Some((from_b, freed)) = exp.punch(&entry.seg, off, size, want) else { return 0 };
-        let (addr, stream) = (entry.base + from_b, entry.stream);
+        let (addr, queue) = (entry.base + from_b, entry.queue);
         self.stats.device.num_device_free += 1;
         stats::dec_array(&mut self.stats.device.reserved_bytes, pool, freed as i64);
-        self.log(HistoryKind::SegmentFree, addr, freed, stream);
+        self.log(HistoryKind::SegmentFree, addr, freed, queue);
         freed
     }
 

@@ -58,10 +58,10 @@ impl Pool {
                         b.prev, b.next
                     ));
                 }
-                if b.pool != e.pool || b.stream != e.stream {
+                if b.pool != e.pool || b.queue != e.queue {
                     return Err(format!(
                         "block {id} has pool/queue {:?}/{}, its segment {:?}/{}",
-                        b.pool, b.stream, e.pool, e.stream
+                        b.pool, b.queue, e.pool, e.queue
                     ));
                 }
                 if self.raw.addrs.get(e.base + b.offset) != Some(id) {
@@ -83,7 +83,7 @@ impl Pool {
                     .collect();
                 exp.check(e.size, &blocks).map_err(|why| format!("expandable segment {si}: {why}"))?;
                 bytes = exp.backed_bytes(e.size) as i64;
-                if self.expandable.get(&(e.stream, e.pool)) != Some(&(si as u32)) {
+                if self.expandable.get(&(e.queue, e.pool)) != Some(&(si as u32)) {
                     return Err(format!("expandable segment {si} is not its (queue, pool)'s"));
                 }
             }
@@ -92,10 +92,10 @@ impl Pool {
             segments[0] += 1;
             segments[e.pool.index()] += 1;
         }
-        for (&(stream, pool), &si) in &self.expandable {
+        for (&(queue, pool), &si) in &self.expandable {
             let e = self.segments.get(si as usize).and_then(Option::as_ref);
-            if !e.is_some_and(|e| e.exp.is_some() && e.stream == stream && e.pool == pool) {
-                return Err(format!("the expandable segment of ({stream}, {pool:?}) is {si}, which is not it"));
+            if !e.is_some_and(|e| e.exp.is_some() && e.queue == queue && e.pool == pool) {
+                return Err(format!("the expandable segment of ({queue}, {pool:?}) is {si}, which is not it"));
             }
         }
         if by_addr != self.raw.addrs.len() {
@@ -130,12 +130,12 @@ impl Pool {
                 quick.len()
             ));
         }
-        for &(stream, size, id) in &entries {
+        for &(queue, size, id) in &entries {
             let b = &self.blocks[id as usize];
-            if dead.contains(&id) || b.stream != stream || b.size != size {
+            if dead.contains(&id) || b.queue != queue || b.size != size {
                 return Err(format!(
-                    "quick-cache list ({stream}, {size}) holds block {id} of ({}, {})",
-                    b.stream, b.size
+                    "quick-cache list ({queue}, {size}) holds block {id} of ({}, {})",
+                    b.queue, b.size
                 ));
             }
         }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::super::block::FreeMsg;
+use super::super::block::{FreeMsg, QueueKey};
 use super::super::raw::RawDeferred;
 use super::super::snapshot::HistoryKind;
 use super::{Handed, Pool};
@@ -19,8 +19,8 @@ impl Pool {
 
     /// [`Pool::try_quick`] for a raw caller.
     #[inline]
-    pub(crate) fn try_quick_raw(&mut self, size: usize, stream: u64) -> Option<usize> {
-        let h = self.try_quick(size, stream)?;
+    pub(crate) fn try_quick_raw(&mut self, size: usize, queue: QueueKey) -> Option<usize> {
+        let h = self.try_quick(size, queue)?;
         Some(self.hand_out_raw(h))
     }
 

@@ -2,7 +2,7 @@
 //! cached block (the OOM ladder's rungs and `empty_cache`), seed 003's garbage collection, and
 //! the segments of queues that are gone.
 
-use super::super::block::{BlockId, PoolKind};
+use super::super::block::{BlockId, PoolKind, QueueKey};
 use super::super::snapshot::HistoryKind;
 use super::super::stats;
 use super::{Key, Pool};
@@ -14,36 +14,36 @@ impl Pool {
     /// Returns true the first time.
     pub(crate) fn register_queue(&mut self, queue: &Queue) -> bool {
         let mut new = false;
-        self.queues.entry(queue.id().get()).or_insert_with(|| {
+        self.queues.entry(QueueKey::of(Some(queue.id()))).or_insert_with(|| {
             new = true;
             queue.handle()
         });
         new
     }
 
-    /// The queue `stream` is gone (dropped, its work finished): nothing can allocate on it
+    /// The queue `queue` is gone (dropped, its work finished): nothing can allocate on it
     /// again, so its segments go back to the source as soon as all their blocks are free (now,
     /// or when the last of them is freed), and its handle and quick-cache table are dropped.
-    pub(super) fn queue_gone(&mut self, stream: u64) {
-        self.queues.remove(&stream);
-        self.gone.insert(stream);
-        self.release_gone(stream);
+    pub(super) fn queue_gone(&mut self, queue: QueueKey) {
+        self.queues.remove(&queue);
+        self.gone.insert(queue);
+        self.release_gone(queue);
     }
 
-    /// Releases every segment of the gone queue `stream` whose blocks are all free; forgets
+    /// Releases every segment of the gone queue `queue` whose blocks are all free; forgets
     /// the queue once none is left.
-    pub(super) fn release_gone(&mut self, stream: u64) {
+    pub(super) fn release_gone(&mut self, queue: QueueKey) {
         self.flush_quick();
-        self.quick.forget_stream(stream);
+        self.quick.forget_queue(queue);
         let segs: Vec<u32> = (0..self.segments.len() as u32)
-            .filter(|&i| self.segments[i as usize].as_ref().is_some_and(|e| e.stream == stream))
+            .filter(|&i| self.segments[i as usize].as_ref().is_some_and(|e| e.queue == queue))
             .collect();
         let mut left = false;
         for si in segs {
             left |= !self.release_segment_if_free(si);
         }
         if !left {
-            self.gone.remove(&stream);
+            self.gone.remove(&queue);
         }
     }
 
@@ -75,17 +75,17 @@ impl Pool {
         self.stats.device.num_device_free += 1;
         stats::dec_array(&mut self.stats.device.segment, e.pool, 1);
         stats::dec_array(&mut self.stats.device.reserved_bytes, e.pool, backed as i64);
-        self.expandable.remove(&(e.stream, e.pool));
-        self.log(HistoryKind::SegmentFree, e.base, e.size, e.stream);
+        self.expandable.remove(&(e.queue, e.pool));
+        self.log(HistoryKind::SegmentFree, e.base, e.size, e.queue);
         self.free_segs.push(si);
         drop(e); // unmaps the reservation and closes the memfd once no queue operation holds it
         true
     }
 
-    /// Whether the queue `stream` has work queued or running: its freed blocks may still be
+    /// Whether the queue `queue` has work queued or running: its freed blocks may still be
     /// read or written by it, so their pages must not be punched yet.
-    pub(super) fn queue_busy(&self, stream: u64) -> bool {
-        stream != 0 && self.queues.get(&stream).is_some_and(|h| !h.is_idle())
+    pub(super) fn queue_busy(&self, queue: QueueKey) -> bool {
+        queue.is_some() && self.queues.get(&queue).is_some_and(|h| !h.is_idle())
     }
 
     /// The queues blocks are bound to (for `empty_cache`, which lets them finish first).
@@ -115,7 +115,7 @@ impl Pool {
             if entry.size >= self.config.max_split_size {
                 self.stats.device.oversize_segments.update(-1);
             }
-            self.log(HistoryKind::SegmentFree, entry.base, entry.size, entry.stream);
+            self.log(HistoryKind::SegmentFree, entry.base, entry.size, entry.queue);
             self.free_segs.push(b.seg);
             drop(entry); // unmaps and closes once no queue operation holds the segment
         }
@@ -125,14 +125,14 @@ impl Pool {
 
     /// Seed 003's `release_available_cached_blocks`: free cached oversize blocks, the
     /// smallest that covers the request or else the largest ones until enough is freed.
-    pub(super) fn release_available_cached(&mut self, size: usize, stream: u64) -> bool {
+    pub(super) fn release_available_cached(&mut self, size: usize, queue: QueueKey) -> bool {
         if self.config.max_split_size == usize::MAX {
             return false;
         }
         let max_split = self.config.max_split_size;
         let want = size.max(max_split);
         let candidates: Vec<Key> = self.pools[PoolKind::Large.slot()]
-            .range((stream, max_split, 0, 0)..(stream, usize::MAX, usize::MAX, BlockId::MAX))
+            .range((queue, max_split, 0, 0)..(queue, usize::MAX, usize::MAX, BlockId::MAX))
             .copied()
             .filter(|k| !self.blocks[k.3 as usize].is_split() && !self.is_expandable(k.3))
             .collect();
@@ -151,9 +151,9 @@ impl Pool {
         freed >= size
     }
 
-    /// Frees every cached unsplit block (of `stream`, or all): seed 003's
+    /// Frees every cached unsplit block (of `queue`, or all): seed 003's
     /// `release_cached_blocks` and `empty_cache`.
-    pub(crate) fn release_cached(&mut self, stream: Option<u64>) {
+    pub(crate) fn release_cached(&mut self, queue: Option<QueueKey>) {
         self.flush_quick();
         // A wholly free expandable segment goes back whole: its memfd and its reservation of
         // address space (made again, at the size the limits then allow, when next needed).
@@ -162,7 +162,7 @@ impl Pool {
             .filter(|&i| {
                 self.segments[i as usize]
                     .as_ref()
-                    .is_some_and(|e| e.exp.is_some() && stream.is_none_or(|s| e.stream == s))
+                    .is_some_and(|e| e.exp.is_some() && queue.is_none_or(|s| e.queue == s))
             })
             .collect();
         for si in idle {
@@ -170,7 +170,7 @@ impl Pool {
         }
         for pool in PoolKind::BOTH {
             let ids: Vec<BlockId> =
-                self.pools[pool.slot()].iter().filter(|k| stream.is_none_or(|s| k.0 == s)).map(|k| k.3).collect();
+                self.pools[pool.slot()].iter().filter(|k| queue.is_none_or(|s| k.0 == s)).map(|k| k.3).collect();
             for id in ids {
                 if self.is_expandable(id) {
                     // Expandable segments in use give the pages of their free parts back.

@@ -88,10 +88,10 @@ fn segment_events(p: &Pool) -> Vec<(HistoryKind, usize)> {
 #[test]
 fn release_block_refuses_blocks_in_use_split_or_cached() {
     let mut p = pool("expandable_segments:False");
-    let whole = got(step!(p.allocate(4 * MB, 0, false, false))).id;
+    let whole = got(step!(p.allocate(4 * MB, QueueKey::test(0), false, false))).id;
     assert!(p.blocks[whole as usize].allocated);
     assert!(!step!(p.release_block(whole)), "released an allocated block's segment");
-    let part = got(step!(p.allocate(4096, 0, false, false))).id;
+    let part = got(step!(p.allocate(4096, QueueKey::test(0), false, false))).id;
     assert!(p.blocks[part as usize].is_split());
     let rest = p.blocks[part as usize].next.unwrap();
     assert!(!step!(p.release_block(rest)), "released the segment under an allocated neighbour");
@@ -109,16 +109,16 @@ fn release_block_refuses_blocks_in_use_split_or_cached() {
 fn a_gone_queues_segments_go_when_their_last_block_is_freed() {
     for conf in ["expandable_segments:False", "expandable_segments:True"] {
         let mut p = pool(conf);
-        let a = got(step!(p.allocate(4096, 7, false, false))).id;
-        let b = got(step!(p.allocate(3 * MB, 7, false, false))).id;
-        let other = got(step!(p.allocate(4096, 8, false, false))).id;
-        step!(p.queue_gone(7));
+        let a = got(step!(p.allocate(4096, QueueKey::test(7), false, false))).id;
+        let b = got(step!(p.allocate(3 * MB, QueueKey::test(7), false, false))).id;
+        let other = got(step!(p.allocate(4096, QueueKey::test(8), false, false))).id;
+        step!(p.queue_gone(QueueKey::test(7)));
         assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 3, "{conf}: blocks are live");
         step!(p.apply(FreeMsg::Free(a)));
         assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 2, "{conf}");
         step!(p.apply(FreeMsg::Free(b)));
         assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 1, "{conf}");
-        assert!(p.gone.is_empty() && p.expandable.keys().all(|k| k.0 != 7), "{conf}");
+        assert!(p.gone.is_empty() && p.expandable.keys().all(|k| k.0 != QueueKey::test(7)), "{conf}");
         step!(p.apply(FreeMsg::Free(other)));
     }
 }
@@ -129,17 +129,17 @@ fn a_gone_queues_segments_go_when_their_last_block_is_freed() {
 #[cfg_attr(miri, ignore = "a 20 MiB segment: slow under Miri, which keeps metadata per byte")]
 fn best_fit_splits_and_the_free_merges_back() {
     let mut p = pool("expandable_segments:False");
-    let a = got(step!(p.allocate(4 * MB, 0, false, false))).id;
-    let b = got(step!(p.allocate(6 * MB, 0, false, false))).id;
+    let a = got(step!(p.allocate(4 * MB, QueueKey::test(0), false, false))).id;
+    let b = got(step!(p.allocate(6 * MB, QueueKey::test(0), false, false))).id;
     assert_eq!(p.blocks[a as usize].seg, p.blocks[b as usize].seg, "one 20 MiB segment, split");
     step!(p.apply(FreeMsg::Free(a)));
     step!(p.flush_quick());
     // 2 MiB fits the freed 4 MiB block best (not the 10 MiB rest after `b`): reused, and
     // split, as more than 1 MiB remains.
-    let c = got(step!(p.allocate(2 * MB, 0, false, false))).id;
+    let c = got(step!(p.allocate(2 * MB, QueueKey::test(0), false, false))).id;
     assert_eq!((p.blocks[c as usize].offset, p.blocks[c as usize].size), (0, 2 * MB));
     // 1 MiB more of the 2 MiB left would leave 1 MiB: not worth a large-pool split.
-    let d = got(step!(p.allocate(MB + 512, 0, false, false))).id;
+    let d = got(step!(p.allocate(MB + 512, QueueKey::test(0), false, false))).id;
     assert_eq!((p.blocks[d as usize].offset, p.blocks[d as usize].size), (2 * MB, 2 * MB));
     step!(p.apply(FreeMsg::Free(d)));
     step!(p.apply(FreeMsg::Free(b)));
@@ -155,11 +155,11 @@ fn best_fit_splits_and_the_free_merges_back() {
 #[test]
 fn a_refusal_is_retried_after_the_cached_blocks_are_released() {
     let (mut p, refusals, calls) = refusing_pool("expandable_segments:False", false);
-    let a = got(step!(p.allocate(4096, 1, false, false))).id;
+    let a = got(step!(p.allocate(4096, QueueKey::test(1), false, false))).id;
     step!(p.apply(FreeMsg::Free(a)));
     refusals.store(1, Ordering::Relaxed);
-    let b = got(step!(p.allocate(8192, 2, false, false)));
-    assert_eq!(p.blocks[b.id as usize].stream, 2);
+    let b = got(step!(p.allocate(8192, QueueKey::test(2), false, false)));
+    assert_eq!(p.blocks[b.id as usize].queue, QueueKey::test(2));
     assert_eq!(calls.load(Ordering::Relaxed), 3, "the first segment, the refusal, the retry");
     let d = p.stats();
     assert_eq!((d.num_alloc_retries, d.num_ooms, d.num_device_alloc, d.num_device_free), (1, 0, 2, 1));
@@ -176,13 +176,13 @@ fn a_refusal_is_retried_after_the_cached_blocks_are_released() {
 #[cfg_attr(miri, ignore = "80 MiB segments: the Miri stand-in maps at most 64 MiB")]
 fn cached_oversize_blocks_go_back_before_the_rest() {
     let (mut p, refusals, _) = refusing_pool("expandable_segments:False,max_split_size_mb:40", false);
-    let small = got(step!(p.allocate(4096, 0, false, false))).id;
-    let big = got(step!(p.allocate(80 * MB, 0, false, false))).id;
+    let small = got(step!(p.allocate(4096, QueueKey::test(0), false, false))).id;
+    let big = got(step!(p.allocate(80 * MB, QueueKey::test(0), false, false))).id;
     step!(p.apply(FreeMsg::Free(small)));
     step!(p.apply(FreeMsg::Free(big)));
     refusals.store(1, Ordering::Relaxed);
     // 50 MiB: the 80 MiB oversize block (40 MiB and up) is more than 20 MiB too large for it.
-    got(step!(p.allocate(50 * MB, 0, false, false)));
+    got(step!(p.allocate(50 * MB, QueueKey::test(0), false, false)));
     let d = p.stats();
     assert_eq!((d.num_alloc_retries, d.num_ooms, d.num_device_free), (1, 0, 1));
     assert_eq!(d.segment[stats::SMALL_POOL].current, 1, "rung 7 did not run");
@@ -195,9 +195,9 @@ fn cached_oversize_blocks_go_back_before_the_rest() {
 fn the_ladder_stops_once_for_pending_frees_then_fails_with_the_reason() {
     let (mut p, refusals, calls) = refusing_pool("expandable_segments:False", false);
     refusals.store(usize::MAX, Ordering::Relaxed);
-    assert!(matches!(step!(p.allocate(4096, 0, true, false)), Ok(Outcome::WaitForPending)));
+    assert!(matches!(step!(p.allocate(4096, QueueKey::test(0), true, false)), Ok(Outcome::WaitForPending)));
     assert_eq!(calls.load(Ordering::Relaxed), 1, "rung 2 only: nothing cached to release");
-    let err = match step!(p.allocate(4096, 0, true, true)) {
+    let err = match step!(p.allocate(4096, QueueKey::test(0), true, true)) {
         Err(e) => e,
         Ok(_) => panic!("the source refuses everything"),
     };
@@ -208,7 +208,7 @@ fn the_ladder_stops_once_for_pending_frees_then_fails_with_the_reason() {
     assert_eq!((d.num_alloc_retries, d.num_ooms), (1, 1), "counted once per request");
     assert_eq!(p.history().last().map(|e| e.kind), Some(HistoryKind::Oom));
     // Without pending frees: no stop, one more retry and OOM.
-    assert!(step!(p.allocate(4096, 0, false, false)).is_err());
+    assert!(step!(p.allocate(4096, QueueKey::test(0), false, false)).is_err());
     assert_eq!((p.stats().num_alloc_retries, p.stats().num_ooms), (2, 2));
 }
 
@@ -217,7 +217,7 @@ fn the_ladder_stops_once_for_pending_frees_then_fails_with_the_reason() {
 #[test]
 fn a_request_beyond_the_allowed_memory_fails_at_once() {
     let (mut p, _, calls) = refusing_pool("expandable_segments:False", false);
-    let Err(Error::AllocatorOom { cause, .. }) = step!(p.allocate(2 << 30, 0, false, false)) else {
+    let Err(Error::AllocatorOom { cause, .. }) = step!(p.allocate(2 << 30, QueueKey::test(0), false, false)) else {
         panic!("2 GiB of a 1 GiB device")
     };
     assert!(cause.contains("more than the allowed memory"), "{cause}");
@@ -232,7 +232,7 @@ fn a_request_beyond_the_allowed_memory_fails_at_once() {
 fn a_permission_failure_is_reported_as_itself() {
     let (mut p, refusals, _) = refusing_pool("expandable_segments:False", true);
     refusals.store(usize::MAX, Ordering::Relaxed);
-    let Err(e) = step!(p.allocate(4096, 0, false, false)) else { panic!("refused") };
+    let Err(e) = step!(p.allocate(4096, QueueKey::test(0), false, false)) else { panic!("refused") };
     assert!(matches!(e, Error::Open { .. }), "{e}");
     assert_eq!((p.stats().num_alloc_retries, p.stats().num_ooms), (1, 0));
 }
@@ -244,10 +244,10 @@ fn without_caching_a_refusal_is_an_oom_without_retry() {
     config.no_caching = true;
     let (mut p, refusals, calls) = refusing_pool_with(config, false);
     refusals.store(1, Ordering::Relaxed);
-    assert!(step!(p.allocate(4096, 0, false, false)).is_err());
+    assert!(step!(p.allocate(4096, QueueKey::test(0), false, false)).is_err());
     assert_eq!((calls.load(Ordering::Relaxed), p.stats().num_alloc_retries, p.stats().num_ooms), (1, 0, 1));
     // The next request is served, and freed straight back to the source.
-    let h = got(step!(p.allocate(4096, 0, false, false)));
+    let h = got(step!(p.allocate(4096, QueueKey::test(0), false, false)));
     step!(p.apply(FreeMsg::Free(h.id)));
     assert_eq!(p.stats().segment[stats::AGGREGATE].current, 0);
 }
@@ -257,8 +257,8 @@ fn without_caching_a_refusal_is_an_oom_without_retry() {
 #[test]
 fn expandable_growth_punch_and_reback() {
     let mut p = pool("expandable_segments:True");
-    let a = got(step!(p.allocate(3 * MB, 0, false, false))).id;
-    let b = got(step!(p.allocate(MB + 512, 0, false, false))).id;
+    let a = got(step!(p.allocate(3 * MB, QueueKey::test(0), false, false))).id;
+    let b = got(step!(p.allocate(MB + 512, QueueKey::test(0), false, false))).id;
     assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 1, "one reservation, grown");
     let reserved = |p: &Pool| p.stats.device.reserved_bytes[stats::AGGREGATE].current;
     let grown = reserved(&p);
@@ -266,7 +266,7 @@ fn expandable_growth_punch_and_reback() {
     step!(p.release_cached(None));
     let after_punch = reserved(&p);
     assert!(grown - after_punch >= 3 * MB as i64, "the free 3 MiB (and the free tail) gave their pages back");
-    let c = got(step!(p.allocate(3 * MB, 0, false, false))).id;
+    let c = got(step!(p.allocate(3 * MB, QueueKey::test(0), false, false))).id;
     assert_eq!(p.blocks[c as usize].offset, 0, "the punched block is reused");
     assert_eq!(reserved(&p) - after_punch, 3 * MB as i64, "its pages count as reserved again");
     step!(p.apply(FreeMsg::Free(b)));
