@@ -181,10 +181,11 @@ fn threads_allocate_and_free_at_once() {
                     if i % 3 == 0 {
                         live.swap_remove((i * 7) % live.len());
                     }
-                    // Every few steps: each check walks every block under the lock (three
-                    // threads take 3000 steps natively; under Miri, 72 steps that each cost
-                    // about as much as the check).
-                    if i % if cfg!(miri) { 4 } else { 32 } == 0 {
+                    // Every few steps (each check walks every block and every quick-cache list
+                    // under the lock; three threads take 3000 steps). Not under Miri, where one
+                    // check costs minutes: there the test is about the threads' memory
+                    // accesses, and the invariants are checked at the end.
+                    if !cfg!(miri) && i % 32 == 0 {
                         ok(&a);
                     }
                 }
