@@ -114,6 +114,14 @@ struct DeviceQueues {
     foreign: Vec<Event>,
 }
 
+impl DeviceQueues {
+    /// Adds `queue` to the live ones, dropping those that are gone (their work is done).
+    fn track(&mut self, queue: QueueHandle) {
+        self.live.retain(|h| !h.is_gone());
+        self.live.push(queue);
+    }
+}
+
 impl std::fmt::Debug for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Device").field("name", &self.name).field("capacity", &self.alloc.capacity()).finish()
@@ -209,9 +217,7 @@ impl Device {
 
     /// Makes [`Device::synchronize`] wait for `queue` too.
     pub(crate) fn track_queue(&self, queue: QueueHandle) {
-        let mut q = self.queues();
-        q.live.retain(|h| !h.is_gone());
-        q.live.push(queue);
+        self.queues().track(queue);
     }
 
     /// Makes [`Device::synchronize`] wait for `event` too: work a queue of another device did
@@ -248,8 +254,7 @@ impl Device {
             // between (while work queued on the default queue before it was called has not
             // run) would otherwise see no default queue and return before that work.
             if let Some(d) = &default {
-                q.live.retain(|h| !h.is_gone());
-                q.live.push(d.handle());
+                q.track(d.handle());
             }
             default
         };
