@@ -92,6 +92,35 @@ impl DeviceBuilder {
     }
 }
 
+/// A device spec, checked: what [`Device::from_spec`] opens.
+enum Spec<'a> {
+    Shmem,
+    Heap(&'a str),
+    Gem(Option<&'a str>),
+}
+
+/// Checks the syntax of a device spec (whether the device can be opened is another matter):
+/// `shmem`, `heap:NAME` with a plain file name, `gem`, or `gem:/PATH`.
+fn parse_spec(spec: &str) -> Result<Spec<'_>> {
+    let (kind, arg) = spec.split_once(':').map_or((spec, None), |(k, a)| (k, Some(a)));
+    match (kind, arg) {
+        ("shmem", None) => Ok(Spec::Shmem),
+        ("heap", Some(name)) if !name.is_empty() && !name.contains('/') && name != "." && name != ".." => {
+            Ok(Spec::Heap(name))
+        }
+        ("gem", None) => Ok(Spec::Gem(None)),
+        ("gem", Some(path)) if path.starts_with('/') => Ok(Spec::Gem(Some(path))),
+        _ => Err(Error::Config {
+            what: format!("`{spec}` is not a device (shmem, heap:NAME with a plain name, gem, or gem:/PATH)"),
+        }),
+    }
+}
+
+/// Checks a device spec's syntax without opening it ([`Device::from_spec`] opens it).
+pub(crate) fn check_spec(spec: &str) -> Result<()> {
+    parse_spec(spec).map(drop)
+}
+
 /// One memory domain: see the module documentation. Dropping it drops its allocators' caches;
 /// live [`Allocation`]s keep their memory until they are dropped.
 pub struct Device {
@@ -146,21 +175,13 @@ impl Device {
     /// [`Error::Config`] for a malformed spec, or with the source's error if it cannot be
     /// opened.
     pub fn from_spec(spec: &str) -> Result<DeviceBuilder> {
-        let (kind, arg) = spec.split_once(':').map_or((spec, None), |(k, a)| (k, Some(a)));
-        let source: Box<dyn MemorySource> = match (kind, arg) {
+        let source: Box<dyn MemorySource> = match parse_spec(spec)? {
             // Plain sealed memfds: they grow in place (expandable segments), and any of them
             // can be exported as a dma-buf through udmabuf on demand.
-            ("shmem", None) => Box::new(ShmemSource::new()),
-            ("heap", Some(name)) if !name.is_empty() && !name.contains('/') && name != "." && name != ".." => {
-                Box::new(HeapSource::open(name)?)
-            }
-            ("gem", None) => Box::new(GemSource::open_first(None)?),
-            ("gem", Some(path)) if path.starts_with('/') => Box::new(GemSource::open(&PathBuf::from(path))?),
-            _ => {
-                return Err(Error::Config {
-                    what: format!("`{spec}` is not a device (shmem, heap:NAME with a plain name, gem, or gem:/PATH)"),
-                });
-            }
+            Spec::Shmem => Box::new(ShmemSource::new()),
+            Spec::Heap(name) => Box::new(HeapSource::open(name)?),
+            Spec::Gem(None) => Box::new(GemSource::open_first(None)?),
+            Spec::Gem(Some(path)) => Box::new(GemSource::open(&PathBuf::from(path))?),
         };
         Ok(Self::builder_boxed(source).name(spec))
     }

@@ -115,22 +115,17 @@ pub fn parse_device_list(list: &str) -> Result<Vec<String>> {
         return Err(Error::Config { what: format!("{DEVICES_ENV} is set but names no device") });
     }
     for spec in &specs {
-        let (kind, arg) = spec.split_once(':').map_or((spec.as_str(), None), |(k, a)| (k, Some(a)));
-        let ok = match (kind, arg) {
-            ("shmem", None) | ("gem", None) => true,
-            ("heap", Some(name)) => !name.is_empty() && !name.contains('/') && name != "." && name != "..",
-            ("gem", Some(path)) => path.starts_with('/'),
-            _ => false,
-        };
-        if !ok {
-            return Err(Error::Config {
-                what: format!(
-                    "{DEVICES_ENV}: `{spec}` is not a device (shmem, heap:NAME with a plain name, gem, or gem:/PATH)"
-                ),
-            });
-        }
+        crate::device::check_spec(spec).map_err(from_devices_env)?;
     }
     Ok(specs)
+}
+
+/// A spec error, said to come from `DMABUF_RT_DEVICES`.
+fn from_devices_env(e: Error) -> Error {
+    match e {
+        Error::Config { what } => Error::Config { what: format!("{DEVICES_ENV}: {what}") },
+        e => e,
+    }
 }
 
 /// The device specs from `DMABUF_RT_DEVICES`, or shmem plus what discovery finds usable.
@@ -173,13 +168,8 @@ impl Runtime {
         let host = HostCachingAllocator::default();
         let mut devices = Vec::new();
         for spec in device_specs()? {
-            let mut b = Device::from_spec(&spec)
-                .map_err(|e| match e {
-                    Error::Config { what } => Error::Config { what: format!("{DEVICES_ENV}: {what}") },
-                    e => e,
-                })?
-                .config(config.clone())
-                .host_allocator(host.clone());
+            let mut b =
+                Device::from_spec(&spec).map_err(from_devices_env)?.config(config.clone()).host_allocator(host.clone());
             if let Some(c) = capacity {
                 b = b.capacity(c);
             }
