@@ -416,7 +416,9 @@ impl Pool {
         }
         let alloc_size = self.allocation_size(rounded).ok_or_else(too_large)?;
         let mut p = AllocParams::new(size, rounded, alloc_size, queue, pending, waited);
-        let _ = self.get_cached_block(&mut p) || self.ladder(&mut p);
+        // A cached block whose punched pages cannot be taken again goes through the ladder,
+        // which may release enough elsewhere (or wait for frees) to take it after all.
+        let _ = (self.get_cached_block(&mut p) && self.fits_again(&mut p)) || self.ladder(&mut p);
         if p.wait {
             return Ok(Outcome::WaitForPending);
         }
@@ -424,11 +426,8 @@ impl Pool {
             let id = p.block.expect("an exact fit was found");
             return Ok(Outcome::Got(self.hand_out(id, size, queue)));
         }
-        if p.block.is_some_and(|id| !self.reback_fits(id, rounded)) {
-            p.block = None;
-            p.cause = "; the pages of the cached block that fits were given back, and taking them again would \
-                       exceed the allowed memory"
-                .into();
+        if p.block.is_some() {
+            self.fits_again(&mut p);
         }
         let Some(id) = p.block else { return Err(self.out_of_memory(p)) };
         self.take_from_pool(id, rounded);
@@ -480,6 +479,20 @@ impl Pool {
     fn get_cached_block(&mut self, p: &mut AllocParams) -> bool {
         p.block = self.find_cached(p.rounded, p.queue, p.pool);
         p.block.is_some()
+    }
+
+    /// Whether the block found can be handed out: its punched pages, backed again, must fit
+    /// in the allowed memory ([`Pool::reback_fits`]). If not, forgets it and says why.
+    fn fits_again(&mut self, p: &mut AllocParams) -> bool {
+        let Some(id) = p.block else { return false };
+        if self.reback_fits(id, p.rounded) {
+            return true;
+        }
+        p.block = None;
+        p.cause = "; the pages of the cached block that fits were given back, and taking them again would exceed \
+                   the allowed memory"
+            .into();
+        false
     }
 
     /// Best fit in the pool as it is.

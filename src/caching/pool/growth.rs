@@ -141,6 +141,13 @@ impl Pool {
             need = self.punched_bytes(id, rounded) as u64;
         }
         self.trim(need, rounded as u64, Some(id));
+        // The trim spares `id` itself, but the part of it this request leaves free may hold
+        // backed pages (its front was punched and its end was not): past the allowed memory,
+        // those go too, rather than refusing a request that fits.
+        let over = self.budget().over_allowed(need);
+        if over > 0 {
+            self.punch_block_beyond(id, rounded, over);
+        }
         self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64 + need <= self.allowed
     }
 
@@ -168,8 +175,15 @@ impl Pool {
     /// front, so the end is reused last), with one `fallocate(PUNCH_HOLE)`: a call to the
     /// source, counted in `num_device_free`. Returns the bytes released.
     pub(super) fn punch_block(&mut self, id: BlockId, want: u64) -> usize {
+        self.punch_block_beyond(id, 0, want)
+    }
+
+    /// [`Pool::punch_block`] for the pages past the block's first `skip` bytes only (the part
+    /// a request is about to take is left as it is).
+    fn punch_block_beyond(&mut self, id: BlockId, skip: usize, want: u64) -> usize {
         let b = &self.blocks[id as usize];
-        let (seg, off, size, pool) = (b.seg, b.offset, b.size, b.pool);
+        let skip = skip.min(b.size);
+        let (seg, off, size, pool) = (b.seg, b.offset + skip, b.size - skip, b.pool);
         if self.queue_busy(b.queue) {
             // Work queued before the free may still use the block: a punch would not wait.
             return 0;

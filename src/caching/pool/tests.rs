@@ -274,3 +274,30 @@ fn expandable_growth_punch_and_reback() {
     step!(p.release_cached(None));
     assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 0, "wholly free: the reservation goes");
 }
+
+/// Found by the kernel lane (`hostile_device::an_exhausted_device_under_contention`): a
+/// cached expandable block that fits a request, but whose front pages were punched while
+/// its tail, beyond what the request takes, stayed backed. Handing out the front counts its
+/// pages again; the backed tail must be punched to make room, or a request that fits the
+/// allowed memory on an empty device fails.
+#[test]
+fn a_cached_block_with_a_backed_tail_beyond_the_request_gives_the_tail_back() {
+    let mut p = Pool::new(Box::new(SparseSource), Config::parse("expandable_segments:True").unwrap(), 16 * MB as u64);
+    let q = QueueKey::test(0);
+    let a = got(step!(p.allocate(6 * MB, q, false, false))).id;
+    let b = got(step!(p.allocate(6 * MB, q, false, false))).id;
+    let c = got(step!(p.allocate(4 * MB, q, false, false))).id;
+    step!(p.apply(FreeMsg::Free(c)));
+    step!(p.apply(FreeMsg::Free(a)));
+    let d = got(step!(p.allocate(2 * MB, q, false, false))).id;
+    step!(p.apply(FreeMsg::Free(b)));
+    // Grows the reservation past 16 MiB, punching the free front to stay within the allowed
+    // memory: the front is punched, the end backed.
+    let e = got(step!(p.allocate(14 * MB, q, false, false))).id;
+    step!(p.apply(FreeMsg::Free(d)));
+    step!(p.apply(FreeMsg::Free(e)));
+    assert_eq!(p.stats.device.reserved_bytes[stats::AGGREGATE].current, 16 * MB as i64);
+    let f = got(step!(p.allocate(16 * MB, q, false, false))).id;
+    assert!(p.stats.device.reserved_bytes[stats::AGGREGATE].current <= 16 * MB as i64);
+    step!(p.apply(FreeMsg::Free(f)));
+}
