@@ -96,6 +96,62 @@ typedef struct dmabuf_rt_stats {
   uint64_t capacity_bytes;
 } dmabuf_rt_stats;
 
+// One statistic, as PyTorch's `Stat`: its value now, its peak (since the start or the last
+// `dmabuf_rt_reset_peak_stats`), and what was added and taken away in total (since the
+// start or the last `dmabuf_rt_reset_accumulated_stats`).
+typedef struct dmabuf_rt_stat {
+  // Now.
+  int64_t current;
+  // Peak of `current`.
+  int64_t peak;
+  // Total added.
+  int64_t allocated;
+  // Total taken away.
+  int64_t freed;
+} dmabuf_rt_stat;
+
+// A statistic for all blocks (`[0]`, PyTorch's `all`), the small pool (`[1]`) and the large
+// pool (`[2]`).
+typedef struct dmabuf_rt_stat dmabuf_rt_stat_array[3];
+
+// A device's caching-allocator statistics with every field of PyTorch's
+// `c10::CachingDeviceAllocator::DeviceStats` (the same names and meanings), for a framework
+// that reports them as its own.
+typedef struct dmabuf_rt_memory_stats {
+  // Blocks handed to callers.
+  dmabuf_rt_stat_array allocation;
+  // Segments obtained from the memory source.
+  dmabuf_rt_stat_array segment;
+  // Blocks allocated or waiting for their deferred free.
+  dmabuf_rt_stat_array active;
+  // Free blocks that are parts of split segments.
+  dmabuf_rt_stat_array inactive_split;
+  // Bytes handed to callers (block sizes).
+  dmabuf_rt_stat_array allocated_bytes;
+  // Bytes obtained from the memory source.
+  dmabuf_rt_stat_array reserved_bytes;
+  // Bytes in active blocks.
+  dmabuf_rt_stat_array active_bytes;
+  // Bytes in inactive split blocks.
+  dmabuf_rt_stat_array inactive_split_bytes;
+  // Bytes callers asked for (unrounded).
+  dmabuf_rt_stat_array requested_bytes;
+  // Allocations that had to free cached memory and retry.
+  int64_t num_alloc_retries;
+  // Allocations that failed with out-of-memory.
+  int64_t num_ooms;
+  // Calls that obtained memory from the memory source.
+  int64_t num_device_alloc;
+  // Calls that gave memory back to the memory source.
+  int64_t num_device_free;
+  // Allocations of at least `max_split_size`.
+  struct dmabuf_rt_stat oversize_allocations;
+  // Segments of at least `max_split_size`.
+  struct dmabuf_rt_stat oversize_segments;
+  // The configured `max_split_size` in bytes (`usize::MAX` as the largest `i64`: no limit).
+  int64_t max_split_size;
+} dmabuf_rt_memory_stats;
+
 // A host function a stream calls once the work submitted before it has run, on the
 // stream's own thread, with the stream, `DMABUF_RT_OK` or the status of the stream's
 // earlier failure, and the `user_data` given to `dmabuf_rt_stream_add_callback`.
@@ -266,6 +322,32 @@ enum dmabuf_rt_status dmabuf_rt_memset(int device, void *ptr, int value, size_t 
 // before then, and nothing else may write it meanwhile.
 enum dmabuf_rt_status dmabuf_rt_memcpy(int dst_device, void *dst, int src_device, const void *src, size_t size, dmabuf_rt_memcpy_kind kind, dmabuf_rt_stream stream);
 
+// Marks the live allocation of `device` that holds `ptr` as used by `stream` (a stream of
+// any device), as PyTorch's `recordStream`: when it is freed, its block is reused only after
+// the stream has passed the point of the free. Without it, a block freed while another
+// stream still reads it could be handed out and overwritten. Refused for a pointer that is
+// not inside a live allocation of `device`, and for stream 0. `ptr` is only compared with
+// the allocator's live blocks, never dereferenced.
+enum dmabuf_rt_status dmabuf_rt_record_stream(int device, void *ptr, dmabuf_rt_stream stream);
+
+// Begins CPU access to `size` bytes of device memory at `ptr` (inside one live allocation
+// of `device`, as for copies), for reading or, with `write`, reading and writing: for a
+// dma-buf, the `DMA_BUF_IOCTL_SYNC` start that makes its pages coherent for the CPU. It
+// does not wait for streams: synchronize first (the device, or the stream that used the
+// range). End it with `dmabuf_rt_cpu_access_end` and the same arguments.
+enum dmabuf_rt_status dmabuf_rt_cpu_access_begin(int device, const void *ptr, size_t size, bool write);
+
+// Ends CPU access begun by `dmabuf_rt_cpu_access_begin` with the same arguments: for a
+// dma-buf, the `DMA_BUF_IOCTL_SYNC` end that hands its pages back to devices.
+enum dmabuf_rt_status dmabuf_rt_cpu_access_end(int device, const void *ptr, size_t size, bool write);
+
+// Stores in `*pinned` whether `ptr` lies inside live pinned host memory from
+// `dmabuf_rt_host_alloc`.
+//
+// # Safety
+// `pinned` must be NULL (refused) or valid for writing a `bool`; `ptr` is only compared.
+enum dmabuf_rt_status dmabuf_rt_host_is_pinned(const void *ptr, bool *pinned);
+
 // Stores the device's allocator statistics in `*stats`.
 //
 // # Safety
@@ -284,9 +366,12 @@ enum dmabuf_rt_status dmabuf_rt_empty_cache(int device);
 enum dmabuf_rt_status dmabuf_rt_host_empty_cache(void);
 
 // Stores in `*json` a snapshot of the device's allocator as a NUL-terminated JSON object:
-// `{"device":N,"spec":"...","stats":{...},"segments":[...]}`, where `stats` uses PyTorch's
-// `memory_stats()` key names and `segments` lists each segment with its blocks (PyTorch's
-// `memory_snapshot()` shape). The string belongs to the caller: free it with
+// `{"device":N,"spec":"...","stats":{...},"trace":[...],"segments":[...]}`, where `stats`
+// uses PyTorch's `memory_stats()` key names, `trace` is the allocator's recent history
+// (`{"t":ns,"action":"alloc"|"free_requested"|"free_completed"|"segment_alloc"|
+// "segment_free"|"segment_map"|"segment_unmap"|"oom"|"invalid_free","addr":A,"size":N,
+// "stream":S}`, oldest first; see `dmabuf_rt_record_history`) and `segments` lists each
+// segment with its blocks (PyTorch's `memory_snapshot()` shape, with `is_expandable`). The string belongs to the caller: free it with
 // `dmabuf_rt_string_free` (not `free`).
 //
 // # Safety
@@ -296,6 +381,22 @@ enum dmabuf_rt_status dmabuf_rt_snapshot_json(int device, char **json);
 // Frees a string from `dmabuf_rt_snapshot_json`. NULL does nothing (as with `free`); any
 // other pointer, or a second free, is refused with `DMABUF_RT_INVALID_POINTER`.
 enum dmabuf_rt_status dmabuf_rt_string_free(char *s);
+
+// Stores every statistic of the device's caching allocator in `*stats` (PyTorch's
+// `DeviceStats`; `dmabuf_rt_device_stats` is the short form).
+//
+// # Safety
+// `stats` must be NULL (refused) or valid for writing a `dmabuf_rt_memory_stats`.
+enum dmabuf_rt_status dmabuf_rt_memory_stats(int device, struct dmabuf_rt_memory_stats *stats);
+
+// Sets the accumulated counts of the device's statistics (`allocated` and `freed` of every
+// statistic, the retry, OOM and source-call counts) to zero. Current values and peaks stay.
+enum dmabuf_rt_status dmabuf_rt_reset_accumulated_stats(int device);
+
+// Turns the recording of every allocation and free in the device's allocator history on
+// (`all` true) or off. Segment events and out-of-memory failures are always recorded. The
+// history (its most recent 10,000 events) is the `trace` of `dmabuf_rt_snapshot_json`.
+enum dmabuf_rt_status dmabuf_rt_record_history(int device, bool all);
 
 // Creates a stream on `device` and stores its handle in `*stream`.
 //
@@ -361,6 +462,14 @@ enum dmabuf_rt_status dmabuf_rt_event_synchronize(dmabuf_rt_event event);
 // Destroys an event (streams already waiting on it still wait). The handle is never valid
 // again: a second destroy, or any use, is `DMABUF_RT_INVALID_HANDLE`.
 enum dmabuf_rt_status dmabuf_rt_event_destroy(dmabuf_rt_event event);
+
+// Stores in `*ms` the milliseconds from the completion of `start`'s latest record to that
+// of `end`'s (as `cudaEventElapsedTime`). Both must have been recorded and have completed:
+// otherwise `DMABUF_RT_INVALID_ARGUMENT`, naming which.
+//
+// # Safety
+// `ms` must be NULL (refused) or valid for writing a `float`.
+enum dmabuf_rt_status dmabuf_rt_event_elapsed_time(float *ms, dmabuf_rt_event start, dmabuf_rt_event end);
 
 // The name of a head (`"DMABUF_RT_HEAD_UNINITIALIZED"`, `"DMABUF_RT_HEAD_AT_HOST"`,
 // `"DMABUF_RT_HEAD_AT_DEVICE"`, `"DMABUF_RT_HEAD_SYNCED"`; `"unknown head"` for any other

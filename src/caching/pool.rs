@@ -717,7 +717,8 @@ impl Pool {
     /// Files a new segment (classic, or an expandable one with nothing mapped yet) and
     /// accounts for it.
     fn add_segment(&mut self, entry: SegEntry) -> u32 {
-        let (base, size, pool, queue) = (entry.base, entry.size, entry.pool, entry.queue);
+        let (base, size, pool, queue, expandable) =
+            (entry.base, entry.size, entry.pool, entry.queue, entry.exp.is_some());
         let idx = match self.free_segs.pop() {
             Some(i) => {
                 self.segments[i as usize] = Some(entry);
@@ -734,7 +735,10 @@ impl Pool {
         if size >= self.config.max_split_size {
             self.stats.device.oversize_segments.update(1);
         }
-        self.log(HistoryKind::SegmentAlloc, base, size, queue);
+        if !expandable {
+            // An expandable segment's memory is logged as it is mapped (`SegmentMap`).
+            self.log(HistoryKind::SegmentAlloc, base, size, queue);
+        }
         idx
     }
 
@@ -743,7 +747,8 @@ impl Pool {
         let free: HashSet<BlockId> =
             self.pools.iter().flat_map(|p| p.iter()).map(|k| k.3).chain(self.quick.ids()).collect();
         let dead: HashSet<BlockId> = self.free_ids.iter().copied().collect();
-        let segments = self.segments.iter().map(|s| s.as_ref().map(|s| (s.base, s.size, s.pool, s.queue.get())));
+        let segments =
+            self.segments.iter().map(|s| s.as_ref().map(|s| (s.base, s.size, s.pool, s.queue.get(), s.exp.is_some())));
         let blocks =
             self.blocks.iter().enumerate().filter(|&(id, _)| !dead.contains(&(id as BlockId))).map(|(id, b)| {
                 let state = if free.contains(&(id as BlockId)) {

@@ -46,6 +46,8 @@ pub struct SegmentSnapshot {
     pub pool: &'static str,
     /// The queue it is bound to (0: none).
     pub stream: u64,
+    /// An expandable segment: `size` is its mapped part, which grows and may have holes.
+    pub is_expandable: bool,
     /// Blocks, by offset.
     pub blocks: Vec<BlockSnapshot>,
 }
@@ -67,8 +69,8 @@ impl Snapshot {
             }
             let _ = write!(
                 s,
-                "{{\"address\":{},\"total_size\":{},\"pool\":\"{}\",\"stream\":{},\"blocks\":[",
-                seg.address, seg.size, seg.pool, seg.stream
+                "{{\"address\":{},\"total_size\":{},\"pool\":\"{}\",\"stream\":{},\"is_expandable\":{},\"blocks\":[",
+                seg.address, seg.size, seg.pool, seg.stream, seg.is_expandable
             );
             for (j, b) in seg.blocks.iter().enumerate() {
                 if j > 0 {
@@ -105,6 +107,10 @@ pub enum HistoryKind {
     SegmentAlloc,
     /// A segment was returned to the source.
     SegmentFree,
+    /// More of an expandable segment was mapped (its reservation grew into backed memory).
+    SegmentMap,
+    /// Pages of an expandable segment were given back (punched, or the reservation released).
+    SegmentUnmap,
     /// A request failed with out-of-memory.
     Oom,
     /// A raw free of a pointer that is not a live raw allocation was refused.
@@ -135,6 +141,8 @@ impl HistoryEvent {
             HistoryKind::FreeCompleted => "free_completed",
             HistoryKind::SegmentAlloc => "segment_alloc",
             HistoryKind::SegmentFree => "segment_free",
+            HistoryKind::SegmentMap => "segment_map",
+            HistoryKind::SegmentUnmap => "segment_unmap",
             HistoryKind::Oom => "oom",
             HistoryKind::InvalidFree => "invalid_free",
         };
@@ -147,10 +155,10 @@ impl HistoryEvent {
 
 impl Snapshot {
     /// Builds a snapshot from the pool's segment table (`None`: a released slot) as
-    /// `(base address, size, pool, queue)`, and its live blocks as `(segment index, block)`
+    /// `(base address, size, pool, queue, expandable)`, and its live blocks as `(segment index, block)`
     /// in any order: blocks are grouped by segment and sorted by offset, segments by address.
     pub(crate) fn build(
-        segments: impl ExactSizeIterator<Item = Option<(usize, usize, PoolKind, u64)>>,
+        segments: impl ExactSizeIterator<Item = Option<(usize, usize, PoolKind, u64, bool)>>,
         blocks: impl Iterator<Item = (u32, BlockSnapshot)>,
     ) -> Snapshot {
         let heads: Vec<_> = segments.collect();
@@ -163,10 +171,10 @@ impl Snapshot {
         }
         let mut out: Vec<SegmentSnapshot> = Vec::new();
         for (i, head) in heads.into_iter().enumerate() {
-            if let Some((address, size, pool, stream)) = head {
+            if let Some((address, size, pool, stream, is_expandable)) = head {
                 let mut blocks = std::mem::take(&mut by_seg[i]);
                 blocks.sort_by_key(|b| b.offset);
-                out.push(SegmentSnapshot { address, size, pool: pool.name(), stream, blocks });
+                out.push(SegmentSnapshot { address, size, pool: pool.name(), stream, is_expandable, blocks });
             }
         }
         out.sort_by_key(|s| s.address);
@@ -190,7 +198,14 @@ impl History {
 
     /// Records an event if its kind is always recorded or `record_all` is on.
     pub(crate) fn log(&mut self, kind: HistoryKind, addr: usize, size: usize, stream: u64) {
-        let always = matches!(kind, HistoryKind::SegmentAlloc | HistoryKind::SegmentFree | HistoryKind::Oom);
+        let always = matches!(
+            kind,
+            HistoryKind::SegmentAlloc
+                | HistoryKind::SegmentFree
+                | HistoryKind::SegmentMap
+                | HistoryKind::SegmentUnmap
+                | HistoryKind::Oom
+        );
         if !always && !self.record_all {
             return;
         }
@@ -222,8 +237,11 @@ mod tests {
 
     #[test]
     fn build_groups_blocks_by_segment_and_sorts_both() {
-        let segments =
-            vec![Some((0x20_0000, 4096, PoolKind::Large, 3)), None, Some((0x10_0000, 2048, PoolKind::Small, 0))];
+        let segments = vec![
+            Some((0x20_0000, 4096, PoolKind::Large, 3, true)),
+            None,
+            Some((0x10_0000, 2048, PoolKind::Small, 0, false)),
+        ];
         let blocks = vec![
             (2, block(1024, 1024, BlockState::Free)),
             (0, block(0, 4096, BlockState::PendingFree)),

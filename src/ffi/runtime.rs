@@ -64,7 +64,7 @@ pub enum CopyKind {
 pub struct Runtime {
     devices: Vec<Device>,
     host: HostCachingAllocator,
-    host_live: Mutex<HashMap<usize, HostAllocation>>,
+    host_live: Mutex<std::collections::BTreeMap<usize, HostAllocation>>,
     unified: Mutex<HashMap<usize, Arc<Segment>>>,
     streams: Mutex<HashMap<usize, StreamEntry>>,
     events: Mutex<HashMap<usize, Event>>,
@@ -179,7 +179,7 @@ impl Runtime {
         Ok(Runtime {
             devices,
             host,
-            host_live: Mutex::new(HashMap::new()),
+            host_live: Mutex::new(std::collections::BTreeMap::new()),
             unified: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
             events: Mutex::new(HashMap::new()),
@@ -259,6 +259,39 @@ impl Runtime {
             }
             None => Err(Error::InvalidFree { ptr: ptr as usize, why: "not live pinned host memory from this runtime" }),
         }
+    }
+
+    /// Whether `ptr` lies in live pinned host memory from this runtime.
+    pub fn host_holds(&self, ptr: *const u8) -> bool {
+        let addr = ptr as usize;
+        let host = lock(&self.host_live);
+        host.range(..=addr).next_back().is_some_and(|(&base, a)| addr - base < a.len().max(1))
+    }
+
+    /// Marks the device allocation holding `ptr` as used by `stream` (a stream of any device):
+    /// when it is freed, its block is reused only after the stream has passed the point of
+    /// the free.
+    pub fn record_stream(&self, device: usize, ptr: *mut u8, stream: usize) -> Result<()> {
+        let q = self.stream(stream)?;
+        self.device(device)?.allocator().record_queue_raw(ptr, &q)
+    }
+
+    /// Begins (`begin`) or ends CPU access to `len` bytes of device memory at `ptr`: for a
+    /// dma-buf, `DMA_BUF_IOCTL_SYNC` start or end with the access's direction; for memory
+    /// with no dma-buf, nothing but the range check. It does not wait for the device's
+    /// streams: the caller orders the access after the work that touches the range.
+    pub fn cpu_access(&self, device: usize, ptr: *const u8, len: usize, write: bool, begin: bool) -> Result<()> {
+        let m = self.device_mem(device, ptr, len)?;
+        if let Some(fd) = m.dmabuf() {
+            let dir = if write { crate::sys::dma_buf::SYNC_RW } else { crate::sys::dma_buf::SYNC_READ };
+            let (edge, what) = if begin {
+                (crate::sys::dma_buf::SYNC_START, "DMA_BUF_IOCTL_SYNC start")
+            } else {
+                (crate::sys::dma_buf::SYNC_END, "DMA_BUF_IOCTL_SYNC end")
+            };
+            crate::sys::dma_buf::sync(fd, edge | dir).map_err(Error::io(what))?;
+        }
+        Ok(())
     }
 
     /// `size` bytes of unified memory: a shared mapping of a sealed memfd, the same bytes for
@@ -491,6 +524,12 @@ impl Runtime {
     /// Waits for the event's latest record.
     pub fn synchronize_event(&self, h: usize) -> Result<()> {
         self.event(h)?.synchronize(None)
+    }
+
+    /// Milliseconds from `start`'s completion to `end`'s (both recorded and complete).
+    pub fn event_elapsed_ms(&self, start: usize, end: usize) -> Result<f32> {
+        let (start, end) = (self.event(start)?, self.event(end)?);
+        Ok(end.elapsed_since(&start)?.as_secs_f64() as f32 * 1000.0)
     }
 
     /// Destroys an event (a stream still waiting on it keeps its own reference).

@@ -88,7 +88,9 @@ impl Pool {
             return None;
         }
         e.size = mapped + grow;
+        let (at, owner) = (e.base + mapped, e.queue);
         self.stats.device.num_device_alloc += 1;
+        self.log(HistoryKind::SegmentMap, at, grow, owner);
         stats::inc_array(&mut self.stats.device.reserved_bytes, pool, grow as i64);
         match tail_free {
             Some(t) => {
@@ -194,7 +196,7 @@ impl Pool {
         let (addr, queue) = (entry.base + from_b, entry.queue);
         self.stats.device.num_device_free += 1;
         stats::dec_array(&mut self.stats.device.reserved_bytes, pool, freed as i64);
-        self.log(HistoryKind::SegmentFree, addr, freed, queue);
+        self.log(HistoryKind::SegmentUnmap, addr, freed, queue);
         freed
     }
 

@@ -76,7 +76,9 @@ impl Pool {
         stats::dec_array(&mut self.stats.device.segment, e.pool, 1);
         stats::dec_array(&mut self.stats.device.reserved_bytes, e.pool, backed as i64);
         self.expandable.remove(&(e.queue, e.pool));
-        self.log(HistoryKind::SegmentFree, e.base, e.size, e.queue);
+        if backed > 0 {
+            self.log(HistoryKind::SegmentUnmap, e.base, e.size, e.queue);
+        }
         self.free_segs.push(si);
         drop(e); // unmaps the reservation and closes the memfd once no queue operation holds it
         true

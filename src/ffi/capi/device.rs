@@ -273,3 +273,72 @@ pub unsafe extern "C" fn dmabuf_rt_memcpy(
         unsafe { rt.copy(kind, (dst_dev, dst.cast()), (src_dev, src.cast()), size, stream) }
     })
 }
+
+// ---- what frameworks' allocators need ----
+
+/// Marks the live allocation of `device` that holds `ptr` as used by `stream` (a stream of
+/// any device), as PyTorch's `recordStream`: when it is freed, its block is reused only after
+/// the stream has passed the point of the free. Without it, a block freed while another
+/// stream still reads it could be handed out and overwritten. Refused for a pointer that is
+/// not inside a live allocation of `device`, and for stream 0. `ptr` is only compared with
+/// the allocator's live blocks, never dereferenced.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_record_stream(
+    device: c_int,
+    ptr: *mut c_void,
+    stream: dmabuf_rt_stream,
+) -> dmabuf_rt_status {
+    call("dmabuf_rt_record_stream", || {
+        let rt = rt()?;
+        rt.record_stream(device_id(rt, device)?, ptr.cast(), handle(stream))
+    })
+}
+
+/// Begins CPU access to `size` bytes of device memory at `ptr` (inside one live allocation
+/// of `device`, as for copies), for reading or, with `write`, reading and writing: for a
+/// dma-buf, the `DMA_BUF_IOCTL_SYNC` start that makes its pages coherent for the CPU. It
+/// does not wait for streams: synchronize first (the device, or the stream that used the
+/// range). End it with `dmabuf_rt_cpu_access_end` and the same arguments.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_cpu_access_begin(
+    device: c_int,
+    ptr: *const c_void,
+    size: usize,
+    write: bool,
+) -> dmabuf_rt_status {
+    call("dmabuf_rt_cpu_access_begin", || {
+        let rt = rt()?;
+        rt.cpu_access(device_id(rt, device)?, ptr.cast(), nonzero(size)?, write, true)
+    })
+}
+
+/// Ends CPU access begun by `dmabuf_rt_cpu_access_begin` with the same arguments: for a
+/// dma-buf, the `DMA_BUF_IOCTL_SYNC` end that hands its pages back to devices.
+#[unsafe(no_mangle)]
+pub extern "C" fn dmabuf_rt_cpu_access_end(
+    device: c_int,
+    ptr: *const c_void,
+    size: usize,
+    write: bool,
+) -> dmabuf_rt_status {
+    call("dmabuf_rt_cpu_access_end", || {
+        let rt = rt()?;
+        rt.cpu_access(device_id(rt, device)?, ptr.cast(), nonzero(size)?, write, false)
+    })
+}
+
+/// Stores in `*pinned` whether `ptr` lies inside live pinned host memory from
+/// `dmabuf_rt_host_alloc`.
+///
+/// # Safety
+/// `pinned` must be NULL (refused) or valid for writing a `bool`; `ptr` is only compared.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_host_is_pinned(ptr: *const c_void, pinned: *mut bool) -> dmabuf_rt_status {
+    call("dmabuf_rt_host_is_pinned", || {
+        let pinned = out(pinned, "pinned")?;
+        let p = rt()?.host_holds(ptr.cast());
+        // SAFETY: the caller's contract for `pinned`.
+        unsafe { store(pinned, p) };
+        Ok(())
+    })
+}

@@ -146,3 +146,24 @@ pub extern "C" fn dmabuf_rt_event_synchronize(event: dmabuf_rt_event) -> dmabuf_
 pub extern "C" fn dmabuf_rt_event_destroy(event: dmabuf_rt_event) -> dmabuf_rt_status {
     call("dmabuf_rt_event_destroy", || rt()?.destroy_event(handle(event)))
 }
+
+/// Stores in `*ms` the milliseconds from the completion of `start`'s latest record to that
+/// of `end`'s (as `cudaEventElapsedTime`). Both must have been recorded and have completed:
+/// otherwise `DMABUF_RT_INVALID_ARGUMENT`, naming which.
+///
+/// # Safety
+/// `ms` must be NULL (refused) or valid for writing a `float`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_event_elapsed_time(
+    ms: *mut f32,
+    start: dmabuf_rt_event,
+    end: dmabuf_rt_event,
+) -> dmabuf_rt_status {
+    call("dmabuf_rt_event_elapsed_time", || {
+        let ms = out(ms, "ms")?;
+        let v = rt()?.event_elapsed_ms(handle(start), handle(end))?;
+        // SAFETY: the caller's contract for `ms`.
+        unsafe { store(ms, v) };
+        Ok(())
+    })
+}
