@@ -387,7 +387,7 @@ enum dmabuf_rt_status dmabuf_rt_string_free(char *s);
 //
 // # Safety
 // `stats` must be NULL (refused) or valid for writing a `dmabuf_rt_memory_stats`.
-enum dmabuf_rt_status dmabuf_rt_memory_stats(int device, struct dmabuf_rt_memory_stats *stats);
+enum dmabuf_rt_status dmabuf_rt_device_memory_stats(int device, struct dmabuf_rt_memory_stats *stats);
 
 // Sets the accumulated counts of the device's statistics (`allocated` and `freed` of every
 // statistic, the retry, OOM and source-call counts) to zero. Current values and peaks stay.

@@ -202,8 +202,11 @@ fn c_stats(a: &crate::caching::stats::StatArray) -> dmabuf_rt_stat_array {
 /// # Safety
 /// `stats` must be NULL (refused) or valid for writing a `dmabuf_rt_memory_stats`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn dmabuf_rt_memory_stats(device: c_int, stats: *mut dmabuf_rt_memory_stats) -> dmabuf_rt_status {
-    call("dmabuf_rt_memory_stats", || {
+pub unsafe extern "C" fn dmabuf_rt_device_memory_stats(
+    device: c_int,
+    stats: *mut dmabuf_rt_memory_stats,
+) -> dmabuf_rt_status {
+    call("dmabuf_rt_device_memory_stats", || {
         let stats = out(stats, "stats")?;
         let rt = rt()?;
         let d = rt.device(device_id(rt, device)?)?.allocator().stats();
