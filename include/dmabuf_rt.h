@@ -348,6 +348,14 @@ enum dmabuf_rt_status dmabuf_rt_cpu_access_end(int device, const void *ptr, size
 // `pinned` must be NULL (refused) or valid for writing a `bool`; `ptr` is only compared.
 enum dmabuf_rt_status dmabuf_rt_host_is_pinned(const void *ptr, bool *pinned);
 
+// Stores in `*device` the device whose allocator holds `ptr` (in a live or a cached block:
+// frees and copies check liveness themselves). Refused
+// (`DMABUF_RT_INVALID_POINTER`) if no device's allocator holds it. `ptr` is only compared.
+//
+// # Safety
+// `device` must be NULL (refused) or valid for writing an `int`.
+enum dmabuf_rt_status dmabuf_rt_pointer_device(const void *ptr, int *device);
+
 // Stores the device's allocator statistics in `*stats`.
 //
 // # Safety

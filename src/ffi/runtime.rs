@@ -261,6 +261,16 @@ impl Runtime {
         }
     }
 
+    /// The device whose allocator holds `ptr` (in a live or a cached block).
+    pub fn pointer_device(&self, ptr: *const u8) -> Result<usize> {
+        self.devices.iter().position(|d| d.allocator().holds(ptr)).ok_or(Error::UnknownPointer {
+            what: "device pointer",
+            ptr: ptr as usize,
+            expected: "inside a live allocation of some device",
+            why: String::new(),
+        })
+    }
+
     /// Whether `ptr` lies in live pinned host memory from this runtime.
     pub fn host_holds(&self, ptr: *const u8) -> bool {
         let addr = ptr as usize;

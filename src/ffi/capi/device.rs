@@ -342,3 +342,20 @@ pub unsafe extern "C" fn dmabuf_rt_host_is_pinned(ptr: *const c_void, pinned: *m
         Ok(())
     })
 }
+
+/// Stores in `*device` the device whose allocator holds `ptr` (in a live or a cached block:
+/// frees and copies check liveness themselves). Refused
+/// (`DMABUF_RT_INVALID_POINTER`) if no device's allocator holds it. `ptr` is only compared.
+///
+/// # Safety
+/// `device` must be NULL (refused) or valid for writing an `int`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_pointer_device(ptr: *const c_void, device: *mut c_int) -> dmabuf_rt_status {
+    call("dmabuf_rt_pointer_device", || {
+        let device = out(device, "device")?;
+        let id = rt()?.pointer_device(ptr.cast())?;
+        // SAFETY: the caller's contract for `device`.
+        unsafe { store(device, id as c_int) };
+        Ok(())
+    })
+}
