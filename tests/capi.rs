@@ -267,7 +267,9 @@ fn tour_copies_streams_events_stats() {
         let st = stats(dev);
         assert_eq!(st.allocated_bytes, base[dev as usize].allocated_bytes);
         assert_eq!(st.reserved_bytes, 0, "device {dev}: empty_cache left {} bytes reserved", st.reserved_bytes);
-        assert_eq!(st.num_allocs - st.num_frees, st.allocations);
+        let b = base[dev as usize];
+        // Relative to the start: another test resets the accumulated counts.
+        assert_eq!((st.num_allocs - b.num_allocs) - (st.num_frees - b.num_frees), st.allocations - b.allocations);
     }
 
     // Pinned host and unified memory as the host side.
@@ -1106,4 +1108,167 @@ fn synced_calls_from_many_threads() {
     assert_eq!(stats(0).allocations, base[0].allocations);
     assert_eq!(stats(1).allocations, base[1].allocations);
     still_works(&base);
+}
+
+// ---- what frameworks' allocators need (the PyTorch backend's calls) ----
+
+fn memory_stats(device: c_int) -> dmabuf_rt_memory_stats {
+    let mut s = dmabuf_rt_memory_stats::default();
+    // SAFETY: `s` is a valid out-pointer.
+    ok(unsafe { dmabuf_rt_device_memory_stats(device, &mut s) });
+    s
+}
+
+/// The whole DeviceStats agrees with the short form, counts per pool, and its accumulated
+/// counts reset while current values and peaks stay.
+#[test]
+fn memory_stats_match_the_short_form_and_reset_their_accumulated_counts() {
+    let _g = setup();
+    let p = device_alloc(0, 1000);
+    let (short, full) = (stats(0), memory_stats(0));
+    assert_eq!(full.allocated_bytes[0].current as u64, short.allocated_bytes);
+    assert_eq!(full.reserved_bytes[0].current as u64, short.reserved_bytes);
+    assert_eq!(full.allocation[0].allocated as u64, short.num_allocs);
+    assert_eq!(full.allocation[0].freed as u64, short.num_frees);
+    assert_eq!(full.requested_bytes[0].current as u64, short.requested_bytes);
+    // A 1000-byte request is a 1024-byte block of the small pool.
+    assert_eq!(full.allocated_bytes[0].current, full.allocated_bytes[1].current + full.allocated_bytes[2].current);
+    assert!(full.allocated_bytes[1].current >= 1024);
+    ok(dmabuf_rt_reset_accumulated_stats(0));
+    let reset = memory_stats(0);
+    assert_eq!((reset.allocation[0].allocated, reset.allocation[0].freed), (0, 0));
+    assert_eq!(reset.allocation[0].current, full.allocation[0].current, "current values stay");
+    assert_eq!(reset.allocated_bytes[0].peak, full.allocated_bytes[0].peak, "peaks stay");
+    ok(dmabuf_rt_device_free(0, p));
+    let after = memory_stats(0);
+    assert_eq!((after.allocation[0].allocated, after.allocation[0].freed), (0, 1));
+    // SAFETY: NULL is refused before anything is written.
+    refused(
+        unsafe { dmabuf_rt_device_memory_stats(0, null_mut()) },
+        DMABUF_RT_INVALID_POINTER,
+        "dmabuf_rt_device_memory_stats",
+    );
+    refused(dmabuf_rt_reset_accumulated_stats(9), DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_reset_accumulated_stats");
+}
+
+/// recordStream, the pointer's device, pinned pointers and CPU-access brackets: right answers
+/// for live memory, clear refusals for foreign, freed and out-of-range pointers.
+#[test]
+fn record_stream_pointer_device_pinned_and_cpu_access() {
+    let _g = setup();
+    let b = before();
+    let s1 = new_stream(1);
+    let p = device_alloc(0, 8192);
+    let q = device_alloc(1, 4096);
+    let mut dev = -1;
+    // SAFETY: valid out-pointers; the pointers are only compared.
+    unsafe {
+        ok(dmabuf_rt_pointer_device(p, &mut dev));
+        assert_eq!(dev, 0);
+        ok(dmabuf_rt_pointer_device(q.cast::<u8>().add(100).cast(), &mut dev));
+        assert_eq!(dev, 1);
+        let local = 0u64;
+        refused(
+            dmabuf_rt_pointer_device((&raw const local).cast(), &mut dev),
+            DMABUF_RT_INVALID_POINTER,
+            "dmabuf_rt_pointer_device",
+        );
+    }
+    // A stream of another device may use the block; freeing it then defers its reuse.
+    ok(dmabuf_rt_record_stream(0, p, s1));
+    refused(dmabuf_rt_record_stream(0, q, s1), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_record_stream");
+    refused(dmabuf_rt_record_stream(0, p, 0), DMABUF_RT_INVALID_HANDLE, "dmabuf_rt_record_stream");
+    // CPU access: inside the allocation only.
+    ok(dmabuf_rt_cpu_access_begin(0, p, 8192, true));
+    ok(dmabuf_rt_cpu_access_end(0, p, 8192, true));
+    refused(dmabuf_rt_cpu_access_begin(0, p, 8193, false), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_cpu_access_begin");
+    refused(dmabuf_rt_cpu_access_begin(1, p, 16, false), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_cpu_access_begin");
+    refused(dmabuf_rt_cpu_access_end(0, p, 0, false), DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_cpu_access_end");
+    // Pinned host memory.
+    let mut h = null_mut();
+    let mut pinned = false;
+    // SAFETY: valid out-pointers; the pointers are only compared.
+    unsafe {
+        ok(dmabuf_rt_host_alloc(4096, &mut h));
+        ok(dmabuf_rt_host_is_pinned(h.cast::<u8>().add(4095).cast(), &mut pinned));
+        assert!(pinned);
+        ok(dmabuf_rt_host_is_pinned(p, &mut pinned));
+        assert!(!pinned, "device memory is not pinned host memory");
+        ok(dmabuf_rt_host_free(h));
+        ok(dmabuf_rt_host_is_pinned(h, &mut pinned));
+        assert!(!pinned, "freed pinned memory is not pinned any more");
+        refused(dmabuf_rt_host_is_pinned(h, null_mut()), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_host_is_pinned");
+    }
+    ok(dmabuf_rt_device_free(0, p));
+    ok(dmabuf_rt_device_free(1, q));
+    refused(dmabuf_rt_record_stream(0, p, s1), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_record_stream");
+    refused(dmabuf_rt_cpu_access_begin(0, p, 16, false), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_cpu_access_begin");
+    ok(dmabuf_rt_stream_destroy(s1));
+    ok(dmabuf_rt_device_synchronize(0));
+    still_works(&b);
+}
+
+/// Elapsed time between two records, and refusals for events never recorded or destroyed.
+#[test]
+fn event_elapsed_time() {
+    let _g = setup();
+    let s = new_stream(0);
+    let (a, b) = (new_event(), new_event());
+    let mut ms = -1.0f32;
+    // SAFETY: `ms` is a valid out-pointer.
+    refused(
+        unsafe { dmabuf_rt_event_elapsed_time(&mut ms, a, b) },
+        DMABUF_RT_INVALID_ARGUMENT,
+        "dmabuf_rt_event_elapsed_time",
+    );
+    assert!(last_error().contains("never recorded"), "{}", last_error());
+    ok(dmabuf_rt_event_record(a, s));
+    let p = device_alloc(0, 1 << 20);
+    ok(dmabuf_rt_memset(0, p, 1, 1 << 20));
+    ok(dmabuf_rt_event_record(b, s));
+    ok(dmabuf_rt_event_synchronize(b));
+    // SAFETY: `ms` is a valid out-pointer.
+    ok(unsafe { dmabuf_rt_event_elapsed_time(&mut ms, a, b) });
+    assert!(ms >= 0.0, "{ms}");
+    // SAFETY: NULL is refused.
+    refused(
+        unsafe { dmabuf_rt_event_elapsed_time(null_mut(), a, b) },
+        DMABUF_RT_INVALID_POINTER,
+        "dmabuf_rt_event_elapsed_time",
+    );
+    ok(dmabuf_rt_event_destroy(b));
+    // SAFETY: `ms` is a valid out-pointer.
+    refused(
+        unsafe { dmabuf_rt_event_elapsed_time(&mut ms, a, b) },
+        DMABUF_RT_INVALID_HANDLE,
+        "dmabuf_rt_event_elapsed_time",
+    );
+    ok(dmabuf_rt_event_destroy(a));
+    ok(dmabuf_rt_device_free(0, p));
+    ok(dmabuf_rt_stream_destroy(s));
+}
+
+/// The snapshot JSON carries the history: segment events always, allocations and frees
+/// once recording is on.
+#[test]
+fn the_snapshot_json_carries_the_history() {
+    let _g = setup();
+    ok(dmabuf_rt_record_history(1, true));
+    let p = device_alloc(1, 3 << 20);
+    ok(dmabuf_rt_device_free(1, p));
+    ok(dmabuf_rt_record_history(1, false));
+    let mut json: *mut c_char = null_mut();
+    // SAFETY: `json` is a valid out-pointer; the string is freed with dmabuf_rt_string_free.
+    let s = unsafe {
+        ok(dmabuf_rt_snapshot_json(1, &mut json));
+        let s = CStr::from_ptr(json).to_string_lossy().into_owned();
+        ok(dmabuf_rt_string_free(json));
+        s
+    };
+    let at = format!("\"addr\":{}", p as usize);
+    assert!(s.contains(&format!("{{\"t\":")), "{s}");
+    assert!(s.contains("\"action\":\"alloc\"") && s.contains(&at), "no alloc of {p:?} in the trace: {s}");
+    assert!(s.contains("\"action\":\"free_completed\""), "{s}");
+    assert!(s.contains("\"is_expandable\":"), "{s}");
+    refused(dmabuf_rt_record_history(-7, true), DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_record_history");
 }

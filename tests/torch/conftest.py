@@ -1,0 +1,73 @@
+"""Fixtures for the torch_dmabuf suite (tests/torch/test_torch_dmabuf.py).
+
+tests/torch/run runs the suite with DMABUF_RT_DEVICES=shmem,shmem DMABUF_RT_CAPACITY=512M, and
+a second time with DMABUF_RT_NO_CACHING=1 added. The defaults below only matter when pytest is
+run by hand; the runtime reads these variables once, at first use, so they must be set before
+torch_dmabuf touches a device.
+"""
+
+import gc
+import os
+
+os.environ.setdefault("DMABUF_RT_DEVICES", "shmem,shmem")
+os.environ.setdefault("DMABUF_RT_CAPACITY", "512M")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import torch_dmabuf  # noqa: E402,F401  (renames PrivateUse1 to "dmabuf", registers torch.dmabuf)
+
+NO_CACHING = os.environ.get("DMABUF_RT_NO_CACHING") == "1"
+
+
+def device_count():
+    return torch.dmabuf.device_count()
+
+
+def settle():
+    """Drops unreachable tensors and waits for every device's streams."""
+    gc.collect()
+    for d in range(device_count()):
+        torch.dmabuf.synchronize(d)
+
+
+def allocated_per_device():
+    return [torch.dmabuf.memory_allocated(d) for d in range(device_count())]
+
+
+@pytest.fixture(autouse=True)
+def no_leak_and_clean_state():
+    """Every test starts on device 0 with the default streams current and the default
+    fallback mode, and must leave each device's allocated bytes where it found them (after
+    its streams are synchronized)."""
+    for d in range(device_count()):
+        torch.dmabuf.set_stream(torch.dmabuf.default_stream(d))
+    torch.dmabuf.set_device(0)
+    settle()
+    before = allocated_per_device()
+    yield
+    settle()
+    after = allocated_per_device()
+    # Reset before asserting, so one failure does not spill into the next test.
+    for d in range(device_count()):
+        torch.dmabuf.set_stream(torch.dmabuf.default_stream(d))
+    torch.dmabuf.set_device(0)
+    if hasattr(torch_dmabuf, "set_fallback_mode"):
+        torch_dmabuf.set_fallback_mode("zero_copy")
+    assert after == before, f"device memory leaked by the test: allocated bytes per device {before} -> {after}"
+
+
+@pytest.fixture
+def two_devices():
+    if device_count() < 2:
+        pytest.skip(f"needs two dmabuf devices, DMABUF_RT_DEVICES gives {device_count()}")
+
+
+@pytest.fixture(params=["zero_copy", "copy"])
+def fallback_mode(request):
+    """Runs the test under each CPU-fallback mode (restored to the default afterwards)."""
+    previous = torch_dmabuf.fallback_mode()
+    torch_dmabuf.set_fallback_mode(request.param)
+    assert torch_dmabuf.fallback_mode() == request.param
+    yield request.param
+    torch_dmabuf.set_fallback_mode(previous)
