@@ -1151,6 +1151,20 @@ fn memory_stats_match_the_short_form_and_reset_their_accumulated_counts() {
     refused(dmabuf_rt_reset_accumulated_stats(9), DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_reset_accumulated_stats");
 }
 
+fn pointer_device(p: *const c_void) -> (dmabuf_rt_status, c_int) {
+    let mut dev = -1;
+    // SAFETY: `dev` is a valid out-pointer; `p` is only compared.
+    let s = unsafe { dmabuf_rt_pointer_device(p, &mut dev) };
+    (s, dev)
+}
+
+fn is_pinned(p: *const c_void) -> bool {
+    let mut pinned = false;
+    // SAFETY: `pinned` is a valid out-pointer; `p` is only compared.
+    ok(unsafe { dmabuf_rt_host_is_pinned(p, &mut pinned) });
+    pinned
+}
+
 /// recordStream, the pointer's device, pinned pointers and CPU-access brackets: right answers
 /// for live memory, clear refusals for foreign, freed and out-of-range pointers.
 #[test]
@@ -1160,20 +1174,10 @@ fn record_stream_pointer_device_pinned_and_cpu_access() {
     let s1 = new_stream(1);
     let p = device_alloc(0, 8192);
     let q = device_alloc(1, 4096);
-    let mut dev = -1;
-    // SAFETY: valid out-pointers; the pointers are only compared.
-    unsafe {
-        ok(dmabuf_rt_pointer_device(p, &mut dev));
-        assert_eq!(dev, 0);
-        ok(dmabuf_rt_pointer_device(q.cast::<u8>().add(100).cast(), &mut dev));
-        assert_eq!(dev, 1);
-        let local = 0u64;
-        refused(
-            dmabuf_rt_pointer_device((&raw const local).cast(), &mut dev),
-            DMABUF_RT_INVALID_POINTER,
-            "dmabuf_rt_pointer_device",
-        );
-    }
+    assert_eq!(pointer_device(p), (DMABUF_RT_OK, 0));
+    assert_eq!(pointer_device(q.cast::<u8>().wrapping_add(100).cast()), (DMABUF_RT_OK, 1));
+    let local = 0u64;
+    refused(pointer_device((&raw const local).cast()).0, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_pointer_device");
     // A stream of another device may use the block; freeing it then defers its reuse.
     ok(dmabuf_rt_record_stream(0, p, s1));
     refused(dmabuf_rt_record_stream(0, q, s1), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_record_stream");
@@ -1186,19 +1190,14 @@ fn record_stream_pointer_device_pinned_and_cpu_access() {
     refused(dmabuf_rt_cpu_access_end(0, p, 0, false), DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_cpu_access_end");
     // Pinned host memory.
     let mut h = null_mut();
-    let mut pinned = false;
-    // SAFETY: valid out-pointers; the pointers are only compared.
-    unsafe {
-        ok(dmabuf_rt_host_alloc(4096, &mut h));
-        ok(dmabuf_rt_host_is_pinned(h.cast::<u8>().add(4095).cast(), &mut pinned));
-        assert!(pinned);
-        ok(dmabuf_rt_host_is_pinned(p, &mut pinned));
-        assert!(!pinned, "device memory is not pinned host memory");
-        ok(dmabuf_rt_host_free(h));
-        ok(dmabuf_rt_host_is_pinned(h, &mut pinned));
-        assert!(!pinned, "freed pinned memory is not pinned any more");
-        refused(dmabuf_rt_host_is_pinned(h, null_mut()), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_host_is_pinned");
-    }
+    // SAFETY: `h` is a valid out-pointer.
+    ok(unsafe { dmabuf_rt_host_alloc(4096, &mut h) });
+    assert!(is_pinned(h.cast::<u8>().wrapping_add(4095).cast()));
+    assert!(!is_pinned(p), "device memory is not pinned host memory");
+    ok(dmabuf_rt_host_free(h));
+    assert!(!is_pinned(h), "freed pinned memory is not pinned any more");
+    // SAFETY: NULL is refused before anything is written.
+    refused(unsafe { dmabuf_rt_host_is_pinned(h, null_mut()) }, DMABUF_RT_INVALID_POINTER, "dmabuf_rt_host_is_pinned");
     ok(dmabuf_rt_device_free(0, p));
     ok(dmabuf_rt_device_free(1, q));
     refused(dmabuf_rt_record_stream(0, p, s1), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_record_stream");
@@ -1258,13 +1257,11 @@ fn the_snapshot_json_carries_the_history() {
     ok(dmabuf_rt_device_free(1, p));
     ok(dmabuf_rt_record_history(1, false));
     let mut json: *mut c_char = null_mut();
-    // SAFETY: `json` is a valid out-pointer; the string is freed with dmabuf_rt_string_free.
-    let s = unsafe {
-        ok(dmabuf_rt_snapshot_json(1, &mut json));
-        let s = CStr::from_ptr(json).to_string_lossy().into_owned();
-        ok(dmabuf_rt_string_free(json));
-        s
-    };
+    // SAFETY: `json` is a valid out-pointer.
+    ok(unsafe { dmabuf_rt_snapshot_json(1, &mut json) });
+    // SAFETY: a NUL-terminated string from the library, freed just below.
+    let s = unsafe { CStr::from_ptr(json) }.to_string_lossy().into_owned();
+    ok(dmabuf_rt_string_free(json));
     let at = format!("\"addr\":{}", p as usize);
     assert!(s.contains(&format!("{{\"t\":")), "{s}");
     assert!(s.contains("\"action\":\"alloc\"") && s.contains(&at), "no alloc of {p:?} in the trace: {s}");
