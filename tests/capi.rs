@@ -1263,7 +1263,7 @@ fn the_snapshot_json_carries_the_history() {
     let s = unsafe { CStr::from_ptr(json) }.to_string_lossy().into_owned();
     ok(dmabuf_rt_string_free(json));
     let at = format!("\"addr\":{}", p as usize);
-    assert!(s.contains(&format!("{{\"t\":")), "{s}");
+    assert!(s.contains("{\"t\":"), "{s}");
     assert!(s.contains("\"action\":\"alloc\"") && s.contains(&at), "no alloc of {p:?} in the trace: {s}");
     assert!(s.contains("\"action\":\"free_completed\""), "{s}");
     assert!(s.contains("\"is_expandable\":"), "{s}");
