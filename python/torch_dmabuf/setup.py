@@ -28,8 +28,13 @@ def build_library():
 
 class Build(BuildExtension):
     def run(self):
-        build_library()
+        lib = build_library()
         super().run()
+        # The extension finds the library in lib/ beside it (its RUNPATH is $ORIGIN/lib).
+        if not self.inplace:
+            dest = os.path.join(self.build_lib, "torch_dmabuf", "lib")
+            os.makedirs(dest, exist_ok=True)
+            shutil.copy2(os.path.join(lib, "libdmabuf_rt.so"), os.path.join(dest, "libdmabuf_rt.so"))
 
 
 lib_dir = os.path.join(PKG, "lib")
@@ -48,7 +53,7 @@ setup(
             include_dirs=[os.path.join(ROOT, "include"), os.path.join(HERE, "csrc")],
             library_dirs=[lib_dir],
             libraries=["dmabuf_rt"],
-            extra_compile_args=["-O2"],
+            extra_compile_args=["-O2", "-g0"],
             extra_link_args=["-Wl,-rpath,$ORIGIN/lib"],
         )
     ],

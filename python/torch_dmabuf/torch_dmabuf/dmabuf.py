@@ -100,21 +100,32 @@ class device:
         return False
 
 
-class Stream(torch.Stream):
-    """A dmabuf stream: an asynchronous queue of copies, event records and waits."""
+class _OnDmabuf(type):
+    """Instances are torch's own stream or event objects on a dmabuf device: torch's C++
+    checks of stream and event arguments accept nothing else."""
 
-    def __new__(cls, device: _DeviceLike = None, priority: int = 0, **kwargs):
-        if "stream_id" in kwargs:
-            return super().__new__(cls, **kwargs)
-        return super().__new__(cls, device=torch.device("dmabuf", _index(device)), priority=priority)
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, cls._torch_type) and obj.device.type == "dmabuf"
 
 
-class Event(torch.Event):
-    """A point in a stream that other streams and the host can wait for."""
+class Stream(metaclass=_OnDmabuf):
+    """A dmabuf stream (a ``torch.Stream``): an asynchronous queue of copies, event records
+    and waits. Streams come from a small pool per device, as CUDA's do."""
 
-    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
-        return super().__new__(cls, device="dmabuf", enable_timing=enable_timing, blocking=blocking,
-                               interprocess=interprocess)
+    _torch_type = torch.Stream
+
+    def __new__(cls, device: _DeviceLike = None, priority: int = 0) -> torch.Stream:
+        return torch.Stream(device=torch.device("dmabuf", _index(device)), priority=priority)
+
+
+class Event(metaclass=_OnDmabuf):
+    """A point in a dmabuf stream (a ``torch.Event``) that other streams and the host can
+    wait for; with ``enable_timing``, ``elapsed_time`` between two in milliseconds."""
+
+    _torch_type = torch.Event
+
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> torch.Event:
+        return torch.Event(device="dmabuf", enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
 
 
 def current_stream(device: _DeviceLike = None) -> torch.Stream:
