@@ -49,6 +49,25 @@ impl ExpState {
         n
     }
 
+    /// The backed runs of the first `mapped` bytes, as byte ranges `[start, end)` in order
+    /// (what PyTorch reports as an expandable segment's mapped ranges).
+    pub(crate) fn backed_runs(&self, mapped: usize) -> Vec<(usize, usize)> {
+        let pages = mapped / self.page;
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        let mut p = 0;
+        while p < pages {
+            let hole = self.holes_in(p, p + 1) == 1;
+            if !hole {
+                match runs.last_mut() {
+                    Some(last) if last.1 == p * self.page => last.1 += self.page,
+                    _ => runs.push((p * self.page, (p + 1) * self.page)),
+                }
+            }
+            p += 1;
+        }
+        runs
+    }
+
     /// Marks pages `[from, to)` punched (`hole`) or backed; returns how many changed.
     fn mark(&mut self, from: usize, to: usize, hole: bool) -> usize {
         let mut changed = 0;
@@ -356,6 +375,17 @@ mod tests {
         // Never less than the request, whatever the room.
         assert_eq!(reservation_len_within(G, 64 << 20, Some(16 << 20)), 64 << 20);
         assert_eq!(reservation_len_within(0, 1, Some(0)), CHUNK);
+    }
+
+    #[test]
+    fn backed_runs_skip_the_holes() {
+        let mut e = state(200);
+        assert_eq!(e.backed_runs(200 * 4096), [(0, 200 * 4096)]);
+        e.mark(10, 20, true);
+        e.mark(64, 130, true);
+        e.punched = e.holes_in(0, 200);
+        assert_eq!(e.backed_runs(200 * 4096), [(0, 10 * 4096), (20 * 4096, 64 * 4096), (130 * 4096, 200 * 4096)]);
+        assert_eq!(e.backed_runs(15 * 4096), [(0, 10 * 4096)]);
     }
 
     #[test]

@@ -572,9 +572,10 @@ impl Pool {
             return e;
         }
         self.stats.device.num_ooms += 1;
-        self.log(HistoryKind::Oom, 0, p.size, p.queue);
-        let largest = self.pools.iter().flat_map(|p| p.iter()).map(|k| k.1).max().unwrap_or(0);
         let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
+        // As PyTorch's trace, an OOM entry's address is the memory still free.
+        self.log(HistoryKind::Oom, self.allowed.saturating_sub(reserved) as usize, p.size, p.queue);
+        let largest = self.pools.iter().flat_map(|p| p.iter()).map(|k| k.1).max().unwrap_or(0);
         let allocated = self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE] as u64;
         Error::AllocatorOom {
             requested: p.size as u64,
@@ -760,6 +761,22 @@ impl Pool {
                 };
                 (b.seg, BlockSnapshot { offset: b.offset, size: b.size, requested: b.requested, state })
             });
-        Snapshot::build(segments, blocks)
+        let mut snap = Snapshot::build(segments, blocks);
+        // Expandable segments as their backed runs, so that the sizes add up to the reserved
+        // bytes as PyTorch's do.
+        let runs: HashMap<usize, Vec<(usize, usize)>> = self
+            .segments
+            .iter()
+            .flatten()
+            .filter_map(|e| e.exp.as_ref().map(|x| (e.base, x.backed_runs(e.size))))
+            .collect();
+        snap.segments = std::mem::take(&mut snap.segments)
+            .into_iter()
+            .flat_map(|seg| match runs.get(&seg.address) {
+                Some(r) if seg.is_expandable => seg.split_into_runs(r),
+                _ => vec![seg],
+            })
+            .collect();
+        snap
     }
 }

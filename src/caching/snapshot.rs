@@ -52,6 +52,32 @@ pub struct SegmentSnapshot {
     pub blocks: Vec<BlockSnapshot>,
 }
 
+impl SegmentSnapshot {
+    /// An expandable segment as PyTorch reports one: a segment per backed run (`runs`, byte
+    /// ranges of the segment in order), each with the parts of the blocks that lie in it.
+    /// Punched pages lie only under free blocks, so blocks in use are never cut.
+    pub(crate) fn split_into_runs(self, runs: &[(usize, usize)]) -> Vec<SegmentSnapshot> {
+        runs.iter()
+            .map(|&(a, b)| {
+                let blocks = self
+                    .blocks
+                    .iter()
+                    .filter_map(|blk| {
+                        let (from, to) = (blk.offset.max(a), (blk.offset + blk.size).min(b));
+                        (from < to).then(|| BlockSnapshot {
+                            offset: from - a,
+                            size: to - from,
+                            requested: if to - from == blk.size { blk.requested } else { 0 },
+                            state: blk.state,
+                        })
+                    })
+                    .collect();
+                SegmentSnapshot { address: self.address + a, size: b - a, blocks, ..self.clone() }
+            })
+            .collect()
+    }
+}
+
 /// Every segment the allocator holds.
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {
@@ -124,7 +150,8 @@ pub struct HistoryEvent {
     pub t_ns: u64,
     /// What happened.
     pub kind: HistoryKind,
-    /// Address of the block or segment (0 for an OOM).
+    /// Address of the block or segment; for an OOM, as in PyTorch's trace, the bytes the
+    /// allowed memory still had free.
     pub addr: usize,
     /// Its size (the request's, for an OOM).
     pub size: usize,

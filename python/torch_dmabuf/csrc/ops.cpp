@@ -208,6 +208,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_backward(const at::Tensor& g
   return {back(std::get<0>(r)), back(std::get<1>(r)), back(std::get<2>(r))};
 }
 
+// Dropout draws its mask inside the CPU kernel from the CPU's global generator, which
+// torch.dmabuf.manual_seed does not reach: draw it with bernoulli_, which the fallback runs
+// with the device's generator.
+std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p, std::optional<bool> train) {
+  if (train.has_value() && !*train) {
+    return {input.clone(), at::ones_like(input, input.options().dtype(at::kBool))};
+  }
+  TORCH_CHECK(p >= 0 && p <= 1, "dropout probability has to be between 0 and 1, but got ", p);
+  const double keep = 1.0 - p;
+  auto noise = at::empty_like(input).bernoulli_(keep);
+  auto output = input.mul(noise).mul_(keep == 0 ? 0.0 : 1.0 / keep);
+  return {output, noise.to(at::kBool)};
+}
+
+// tensor.record_stream(s): the allocator's recordStream on the tensor's block.
+void record_stream(at::Tensor& self, c10::Stream stream) {
+  TORCH_CHECK(stream.device_type() == kDmabuf, "record_stream: expected a dmabuf stream, got one of ", stream.device());
+  allocator()->recordStream(self.storage().data_ptr(), stream);
+}
+
 } // namespace
 } // namespace torch_dmabuf
 
@@ -226,4 +246,6 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", copy_from_and_resize);
   m.impl("convolution_overrideable", conv);
   m.impl("convolution_backward_overrideable", conv_backward);
+  m.impl("record_stream", record_stream);
+  m.impl("native_dropout", native_dropout);
 }

@@ -192,5 +192,11 @@ def set_rng_state(state: torch.Tensor, device: _DeviceLike = None) -> None:
     _C._default_generator(_index(device)).set_state(state)
 
 
+def _is_in_bad_fork() -> bool:
+    # torch.manual_seed seeds a device module's generators through manual_seed_all if it has
+    # this. dmabuf-rt's runtime holds no state a fork breaks for the CPU side.
+    return False
+
+
 # Used by torch.random.fork_rng and torch's checkpointing.
 _lock = threading.Lock()

@@ -100,8 +100,11 @@ def _segments(device: int, raw: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 
 def _trace(raw: Dict[str, Any]) -> List[Dict[str, Any]]:
-    return [
-        {
+    out = []
+    for e in raw["trace"]:
+        if e["action"] == "invalid_free":
+            continue  # refused frees have no PyTorch counterpart
+        entry = {
             "action": e["action"],
             "addr": e["addr"],
             "size": e["size"],
@@ -109,9 +112,11 @@ def _trace(raw: Dict[str, Any]) -> List[Dict[str, Any]]:
             "time_us": e["t"] // 1000,
             "frames": [],
         }
-        for e in raw["trace"]
-        if e["action"] != "invalid_free"
-    ]
+        if e["action"] == "oom":
+            # PyTorch's OOM entries carry the free memory in addr, and as device_free.
+            entry["device_free"] = e["addr"]
+        out.append(entry)
+    return out
 
 
 def memory_snapshot() -> List[Dict[str, Any]]:

@@ -74,9 +74,11 @@ pub extern "C" fn dmabuf_rt_host_empty_cache() -> dmabuf_rt_status {
 /// uses PyTorch's `memory_stats()` key names, `trace` is the allocator's recent history
 /// (`{"t":ns,"action":"alloc"|"free_requested"|"free_completed"|"segment_alloc"|
 /// "segment_free"|"segment_map"|"segment_unmap"|"oom"|"invalid_free","addr":A,"size":N,
-/// "stream":S}`, oldest first; see `dmabuf_rt_record_history`) and `segments` lists each
-/// segment with its blocks (PyTorch's `memory_snapshot()` shape, with `is_expandable`). The string belongs to the caller: free it with
-/// `dmabuf_rt_string_free` (not `free`).
+/// "stream":S}`, oldest first, an OOM's `addr` being the bytes still free; see
+/// `dmabuf_rt_record_history`) and `segments` lists each segment with its blocks (PyTorch's
+/// `memory_snapshot()` shape, with `is_expandable`; an expandable segment appears as one
+/// segment per backed run, so the sizes add up to the reserved bytes). The string belongs to
+/// the caller: free it with `dmabuf_rt_string_free` (not `free`).
 ///
 /// # Safety
 /// `json` must be NULL (refused) or valid for writing a pointer.
