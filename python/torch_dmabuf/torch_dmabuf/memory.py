@@ -56,7 +56,8 @@ def mem_get_info(device: _DeviceLike = None) -> tuple:
     return torch.accelerator.get_memory_info(_index(device))
 
 
-_STATES = {"active_allocated": "active_allocated", "active_pending_free": "active_pending_free", "inactive": "inactive"}
+# Our block states by PyTorch's names.
+_STATES = {"active_allocated": "active_allocated", "active_pending_free": "active_awaiting_free", "inactive": "inactive"}
 
 
 def _segments(device: int, raw: Dict[str, Any]) -> List[Dict[str, Any]]:
