@@ -382,15 +382,22 @@ impl QueueHandle {
         r.map(|()| event)
     }
 
-    /// What waiting for everything submitted so far takes: `Ok(None)` when the queue was
-    /// dropped and finished all its work, else an event recorded at the queue's current end.
+    /// What waiting for everything submitted so far takes: `Ok(None)` when the queue has
+    /// nothing left to wait for (dropped after finishing all its work, or idle with no
+    /// failure to report), else an event recorded at the queue's current end.
     pub fn record_unless_passed(&self) -> Result<Option<Event>> {
         let passed = || {
             let s = self.shared.lock();
             s.exited && !s.dead
         };
-        if passed() {
-            return Ok(None);
+        {
+            let s = self.shared.lock();
+            // Idle: everything submitted has run (its effects are visible to whoever takes
+            // this lock after the executor released it). A failure still goes through a
+            // record, which reports it as a wait would.
+            if (s.exited && !s.dead) || (s.ops.is_empty() && !s.running && s.failure.is_none()) {
+                return Ok(None);
+            }
         }
         match self.record() {
             Ok(ev) => Ok(Some(ev)),
