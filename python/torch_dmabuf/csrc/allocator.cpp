@@ -169,7 +169,53 @@ class PinnedAllocator final : public c10::Allocator {
 
 PinnedAllocator g_pinned;
 
+class DeviceBackedCpuAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    if (n == 0) {
+      return {nullptr, nullptr, &empty_deleter, c10::Device(c10::kCPU)};
+    }
+    void* ptr = nullptr;
+    check(dmabuf_rt_device_alloc(device_, n, &ptr), "allocating device memory for a CPU kernel's output");
+    auto del = kDeleters[device_];
+    // The kernel writes it from the CPU: open the access bracket (CpuAccess ends it).
+    auto status = dmabuf_rt_cpu_access_begin(device_, ptr, n, true);
+    if (status != DMABUF_RT_OK) {
+      del(ptr);
+      raise(status, "CPU access to a kernel's output");
+    }
+    return {ptr, ptr, del, c10::Device(c10::kCPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &free_block;
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+  c10::DeviceIndex device_ = 0;
+};
+
+std::array<DeviceBackedCpuAllocator, 64> g_backed = [] {
+  std::array<DeviceBackedCpuAllocator, 64> a;
+  for (size_t i = 0; i < a.size(); i++) {
+    a[i].device_ = static_cast<c10::DeviceIndex>(i);
+  }
+  return a;
+}();
+
 } // namespace
+
+c10::DataPtr device_data_ptr(void* ptr, c10::DeviceIndex device) {
+  TORCH_CHECK(device >= 0 && device < static_cast<c10::DeviceIndex>(kDeleters.size()), "device index ", device,
+              " out of range");
+  return {ptr, ptr, kDeleters[device], c10::Device(kDmabuf, device)};
+}
+
+c10::Allocator* device_backed_cpu_allocator(c10::DeviceIndex device) {
+  TORCH_CHECK(device >= 0 && device < static_cast<c10::DeviceIndex>(g_backed.size()), "device index ", device,
+              " out of range");
+  return &g_backed[device];
+}
 
 c10::DeviceAllocator* allocator() {
   return &g_allocator;

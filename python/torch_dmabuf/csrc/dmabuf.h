@@ -56,6 +56,14 @@ inline dmabuf_rt_stream handle(const c10::Stream& s) {
 }
 
 c10::DeviceAllocator* allocator();
+// A device block as a DataPtr of the device (freed through the C API when the last owner
+// lets go).
+c10::DataPtr device_data_ptr(void* ptr, c10::DeviceIndex device);
+// An allocator for CPU storages whose memory is a block of `device` (its DataPtrs say CPU;
+// each allocation begins CPU write access to its block): what a CPU kernel that resizes
+// the output it was given allocates from, so that the output can become the device
+// tensor's storage without a copy.
+c10::Allocator* device_backed_cpu_allocator(c10::DeviceIndex device);
 c10::Allocator* pinned_allocator();
 bool is_pinned(const void* ptr);
 

@@ -3,6 +3,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/native/CPUFallback.h>
+#include <ATen/ops/set_cpu_dispatch.h>
 #include <torch/library.h>
 
 #include <mutex>
@@ -53,7 +54,7 @@ CpuAccess::CpuAccess(const std::vector<at::Tensor>& tensors, bool write) : write
 CpuAccess::~CpuAccess() {
   for (auto& e : entries_) {
     if (e.bracket) {
-      (void)dmabuf_rt_cpu_access_end(e.device.device().index(), e.device.data(), e.device.nbytes(), write_);
+      (void)dmabuf_rt_cpu_access_end(e.device.device().index(), e.ptr, e.bytes, write_);
     }
   }
 }
@@ -70,11 +71,37 @@ CpuAccess::Entry& CpuAccess::entry(const at::Storage& device) {
   if (bracket) {
     check(dmabuf_rt_cpu_access_begin(device.device().index(), ptr, n, write_), "CPU access to device memory");
   }
-  // The CPU storage borrows the pages: no deleter, not resizable; the device storage (kept
-  // in the entry, and by the tensors) owns them.
-  at::Storage host(at::Storage::use_byte_size_t(), n, at::DataPtr(ptr, c10::Device(c10::kCPU)), nullptr, false);
-  entries_.push_back({device, std::move(host), bracket});
+  // The CPU storage borrows the pages (its DataPtr has no deleter; the device storage, kept
+  // in the entry and by the tensors, owns them). A kernel that resizes it (an out= argument)
+  // gets a new block of the same device, which `adopt_resized` hands to the device storage.
+  at::Storage host(at::Storage::use_byte_size_t(), n, at::DataPtr(ptr, c10::Device(c10::kCPU)),
+                   device_backed_cpu_allocator(device.device().index()), true);
+  entries_.push_back({device, std::move(host), ptr, n, bracket});
   return entries_.back();
+}
+
+void CpuAccess::adopt_resized() {
+  for (auto& e : entries_) {
+    void* now = const_cast<void*>(e.host.data());
+    if (now == e.ptr) {
+      continue;
+    }
+    const auto device = e.device.device().index();
+    if (e.bracket) {
+      (void)dmabuf_rt_cpu_access_end(device, e.ptr, e.bytes, write_);
+    }
+    // The CPU storage lets go of the block without freeing it; the device storage takes it
+    // (its old block is freed as the old DataPtr goes).
+    auto owned = e.host.set_data_ptr(at::DataPtr(now, c10::Device(c10::kCPU)));
+    (void)owned.release_context();
+    const size_t n = e.host.nbytes();
+    e.device.set_data_ptr_noswap(device_data_ptr(now, device));
+    e.device.set_nbytes(n);
+    // The new block was opened for CPU writes when it was allocated: this access ends it.
+    e.ptr = now;
+    e.bytes = n;
+    e.bracket = now != nullptr && n > 0;
+  }
 }
 
 at::Tensor CpuAccess::cpu(const at::Tensor& t) {
@@ -164,18 +191,26 @@ void zero_copy_fallback_run(const c10::OperatorHandle& op, torch::jit::Stack* st
   }
   // Each argument's CPU view, remembered by TensorImpl so that a returned argument (an
   // in-place or out= op) is returned as the original device tensor.
-  std::vector<std::pair<c10::TensorImpl*, at::Tensor>> originals;
+  std::vector<std::pair<at::Tensor, at::Tensor>> originals;  // (CPU view, device tensor)
   for (size_t i = first; i < stack->size(); i++) {
     (*stack)[i] = map_tensors((*stack)[i], [&](const at::Tensor& t) {
       if (!t.defined() || t.device().type() != kDmabuf) {
         return t;
       }
       auto c = access.cpu(t);
-      originals.emplace_back(c.unsafeGetTensorImpl(), t);
+      originals.emplace_back(c, t);
       return c;
     });
   }
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  access.adopt_resized();
+  // An argument the kernel resized or restrided (an out= argument) takes the CPU view's
+  // geometry.
+  for (auto& [c, orig] : originals) {
+    if (c.sizes() != orig.sizes() || c.strides() != orig.strides() || c.storage_offset() != orig.storage_offset()) {
+      at::cpu::set_(orig, orig.storage(), c.storage_offset(), c.sizes(), c.strides());
+    }
+  }
   const size_t nret = schema.returns().size();
   const auto dev = c10::Device(kDmabuf, device);
   for (size_t i = stack->size() - nret; i < stack->size(); i++) {
@@ -183,8 +218,8 @@ void zero_copy_fallback_run(const c10::OperatorHandle& op, torch::jit::Stack* st
       if (!r.defined() || !r.is_cpu()) {
         return r;
       }
-      for (const auto& [impl, orig] : originals) {
-        if (impl == r.unsafeGetTensorImpl()) {
+      for (const auto& [c, orig] : originals) {
+        if (c.unsafeGetTensorImpl() == r.unsafeGetTensorImpl()) {
           return orig;
         }
       }
@@ -254,15 +289,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       on_dev.push_back(t);
     }
   }
-  // An out= op may have to resize its output, which a CPU view of device pages cannot do:
-  // such ops take the copying path.
-  bool has_out = false;
-  for (const auto& a : args) {
-    if (a.alias_info() && a.alias_info()->isWrite() && a.is_out()) {
-      has_out = true;
-    }
-  }
-  if (zero_copy_fallback() && !has_out) {
+  if (zero_copy_fallback()) {
     zero_copy_fallback_run(op, stack, first, on_dev, *device);
   } else {
     at::native::cpu_fallback(op, stack);

@@ -31,11 +31,16 @@ class CpuAccess {
   at::Tensor cpu(const at::Tensor& t);
   // The device storage behind a CPU storage this made, if any.
   std::optional<at::Storage> device_storage(const at::Storage& cpu) const;
+  // After a kernel: a CPU storage that the kernel resized (an out= argument) now holds a
+  // new block of the device; it becomes the device storage's memory, without a copy.
+  void adopt_resized();
 
  private:
   struct Entry {
     at::Storage device;
     at::Storage host;
+    void* ptr;     // the block in the access bracket
+    size_t bytes;  // its bytes
     bool bracket;
   };
   Entry& entry(const at::Storage& device);
