@@ -310,7 +310,9 @@ enum dmabuf_rt_status dmabuf_rt_memset(int device, void *ptr, int value, size_t 
 // stream, the copy is queued on it and this returns at once: a host-to-device copy has read
 // the host bytes before returning (into a staging buffer), so the caller may reuse them; a
 // device-to-host copy writes the host bytes when the stream reaches it (wait with
-// `dmabuf_rt_stream_synchronize` or an event).
+// `dmabuf_rt_stream_synchronize` or an event). Into pinned host memory from
+// `dmabuf_rt_host_alloc`, the block is marked as used by the stream: freeing it before the
+// copy has run is safe (the block is reused, or unmapped, only after the stream passes).
 //
 // A NULL `dst` or `src` (with `size` > 0) is refused with `DMABUF_RT_INVALID_POINTER`. A copy
 // of 0 bytes checks the devices, kind and stream, then does nothing.
@@ -319,7 +321,8 @@ enum dmabuf_rt_status dmabuf_rt_memset(int device, void *ptr, int value, size_t 
 // The host side must be valid for `size` bytes: for reading (host-to-device) until this
 // returns; for writing (device-to-host) until the copy has run, that is, until this returns
 // with stream 0, or until the stream has passed the copy. It must not be freed or unmapped
-// before then, and nothing else may write it meanwhile.
+// before then (pinned host memory from `dmabuf_rt_host_alloc` excepted, see above), and
+// nothing else may write it meanwhile.
 enum dmabuf_rt_status dmabuf_rt_memcpy(int dst_device, void *dst, int src_device, const void *src, size_t size, dmabuf_rt_memcpy_kind kind, dmabuf_rt_stream stream);
 
 // Marks the live allocation of `device` that holds `ptr` as used by `stream` (a stream of

@@ -1269,3 +1269,54 @@ fn the_snapshot_json_carries_the_history() {
     assert!(s.contains("\"is_expandable\":"), "{s}");
     refused(dmabuf_rt_record_history(-7, true), DMABUF_RT_INVALID_ARGUMENT, "dmabuf_rt_record_history");
 }
+
+/// Holds a stream until `*user` (an `AtomicBool`) is set.
+unsafe extern "C" fn hold_until_released(_: dmabuf_rt_stream, _: dmabuf_rt_status, user: *mut c_void) {
+    // SAFETY: the test passes a pointer to an AtomicBool that outlives the stream's work.
+    let released = unsafe { &*user.cast::<std::sync::atomic::AtomicBool>() };
+    while !released.load(std::sync::atomic::Ordering::Acquire) {
+        std::thread::yield_now();
+    }
+}
+
+/// A device-to-host copy queued into pinned memory that is freed at once: the block is not
+/// handed out again (or unmapped by emptying the cache) before the stream has written it, so
+/// a new pinned allocation never receives the late copy's bytes.
+#[test]
+fn pinned_memory_freed_while_a_queued_copy_targets_it_is_not_reused_early() {
+    let _g = setup();
+    const N: usize = 1 << 20;
+    let s = new_stream(0);
+    let dev = device_alloc(0, N);
+    ok(dmabuf_rt_memset(0, dev, 7, N));
+    let released = std::sync::atomic::AtomicBool::new(false);
+    for round in 0..2 {
+        released.store(false, std::sync::atomic::Ordering::Release);
+        // SAFETY: `released` outlives the stream's work (the stream is synchronized below).
+        ok(unsafe {
+            dmabuf_rt_stream_add_callback(s, Some(hold_until_released), (&raw const released).cast_mut().cast())
+        });
+        let mut pinned = null_mut();
+        // SAFETY: valid out-pointer.
+        ok(unsafe { dmabuf_rt_host_alloc(N, &mut pinned) });
+        ok(memcpy((0, pinned), (0, dev), N, DMABUF_RT_MEMCPY_DEVICE_TO_HOST, s));
+        ok(dmabuf_rt_host_free(pinned));
+        if round == 1 {
+            // Emptying the cache must not unmap the block the stream will still write.
+            ok(dmabuf_rt_host_empty_cache());
+        }
+        let mut fresh = null_mut();
+        // SAFETY: valid out-pointer.
+        ok(unsafe { dmabuf_rt_host_alloc(N, &mut fresh) });
+        // SAFETY: `fresh` is N bytes of live pinned memory that only this test uses.
+        unsafe { std::ptr::write_bytes(fresh.cast::<u8>(), 0, N) };
+        released.store(true, std::sync::atomic::Ordering::Release);
+        ok(dmabuf_rt_stream_synchronize(s));
+        // SAFETY: as above; the stream has finished.
+        let bytes = unsafe { std::slice::from_raw_parts(fresh.cast::<u8>(), N) };
+        assert!(bytes.iter().all(|&b| b == 0), "round {round}: the late copy wrote into a new pinned allocation");
+        ok(dmabuf_rt_host_free(fresh));
+    }
+    ok(dmabuf_rt_device_free(0, dev));
+    ok(dmabuf_rt_stream_destroy(s));
+}

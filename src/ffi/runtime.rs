@@ -278,6 +278,18 @@ impl Runtime {
         host.range(..=addr).next_back().is_some_and(|(&base, a)| addr - base < a.len().max(1))
     }
 
+    /// Records that `queue` uses the live pinned host allocation holding `ptr`, if any: when
+    /// it is freed, its block waits for the queue's work submitted until then.
+    fn host_record(&self, ptr: *const u8, queue: &Queue) {
+        let addr = ptr as usize;
+        let mut host = lock(&self.host_live);
+        if let Some((&base, a)) = host.range_mut(..=addr).next_back() {
+            if addr - base < a.len().max(1) {
+                a.record_queue(queue);
+            }
+        }
+    }
+
     /// Marks the device allocation holding `ptr` as used by `stream` (a stream of any device):
     /// when it is freed, its block is reused only after the stream has passed the point of
     /// the free.
@@ -390,6 +402,11 @@ impl Runtime {
             q.copy(d, &staged)?;
         } else {
             q.copy(d, s)?;
+            if kind == CopyKind::DeviceToHost {
+                // Into pinned host memory: its block must not be reused (or unmapped) before the
+                // stream has written it, even if the caller frees it at once.
+                self.host_record(dst, &q);
+            }
         }
         // A stream of another device touching this memory (a peer copy, or a copy queued on
         // a stream of another device): let the memory's devices wait for it too when they are

@@ -222,7 +222,9 @@ pub extern "C" fn dmabuf_rt_memset(device: c_int, ptr: *mut c_void, value: c_int
 /// stream, the copy is queued on it and this returns at once: a host-to-device copy has read
 /// the host bytes before returning (into a staging buffer), so the caller may reuse them; a
 /// device-to-host copy writes the host bytes when the stream reaches it (wait with
-/// `dmabuf_rt_stream_synchronize` or an event).
+/// `dmabuf_rt_stream_synchronize` or an event). Into pinned host memory from
+/// `dmabuf_rt_host_alloc`, the block is marked as used by the stream: freeing it before the
+/// copy has run is safe (the block is reused, or unmapped, only after the stream passes).
 ///
 /// A NULL `dst` or `src` (with `size` > 0) is refused with `DMABUF_RT_INVALID_POINTER`. A copy
 /// of 0 bytes checks the devices, kind and stream, then does nothing.
@@ -231,7 +233,8 @@ pub extern "C" fn dmabuf_rt_memset(device: c_int, ptr: *mut c_void, value: c_int
 /// The host side must be valid for `size` bytes: for reading (host-to-device) until this
 /// returns; for writing (device-to-host) until the copy has run, that is, until this returns
 /// with stream 0, or until the stream has passed the copy. It must not be freed or unmapped
-/// before then, and nothing else may write it meanwhile.
+/// before then (pinned host memory from `dmabuf_rt_host_alloc` excepted, see above), and
+/// nothing else may write it meanwhile.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn dmabuf_rt_memcpy(
     dst_device: c_int,
