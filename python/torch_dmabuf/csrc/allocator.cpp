@@ -206,14 +206,14 @@ std::array<DeviceBackedCpuAllocator, 64> g_backed = [] {
 } // namespace
 
 c10::DataPtr device_data_ptr(void* ptr, c10::DeviceIndex device) {
-  TORCH_CHECK(device >= 0 && device < static_cast<c10::DeviceIndex>(kDeleters.size()), "device index ", device,
-              " out of range");
+  TORCH_CHECK(device >= 0 && device < static_cast<c10::DeviceIndex>(kDeleters.size()), "device index ",
+              static_cast<int>(device), " out of range");
   return {ptr, ptr, kDeleters[device], c10::Device(kDmabuf, device)};
 }
 
 c10::Allocator* device_backed_cpu_allocator(c10::DeviceIndex device) {
-  TORCH_CHECK(device >= 0 && device < static_cast<c10::DeviceIndex>(g_backed.size()), "device index ", device,
-              " out of range");
+  TORCH_CHECK(device >= 0 && device < static_cast<c10::DeviceIndex>(g_backed.size()), "device index ",
+              static_cast<int>(device), " out of range");
   return &g_backed[device];
 }
 

@@ -2,6 +2,7 @@
 #include "fallback.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/ops/set_cpu_dispatch.h>
 #include <torch/library.h>
@@ -44,10 +45,20 @@ CpuAccess::CpuAccess(const std::vector<at::Tensor>& tensors, bool write) : write
   for (auto d : devices) {
     synchronize_stream(current_stream(d));
   }
-  for (const auto& t : tensors) {
-    if (t.defined() && t.device().type() == kDmabuf) {
-      entry(t.storage());
+  try {
+    for (const auto& t : tensors) {
+      if (t.defined() && t.device().type() == kDmabuf) {
+        entry(t.storage());
+      }
     }
+  } catch (...) {
+    // The destructor does not run for a constructor that throws: end what was begun.
+    for (auto& e : entries_) {
+      if (e.bracket) {
+        (void)dmabuf_rt_cpu_access_end(e.device.device().index(), e.ptr, e.bytes, write_);
+      }
+    }
+    throw;
   }
 }
 
@@ -108,9 +119,18 @@ at::Tensor CpuAccess::cpu(const at::Tensor& t) {
   if (!t.defined() || t.device().type() != kDmabuf) {
     return t;
   }
+  // A tensor whose storage was shrunk under it would read (and, through set_, regrow)
+  // past its storage: refuse it as the CPU path of a copy does.
+  const auto needed = at::detail::computeStorageNbytes(t.sizes(), t.strides(), t.itemsize(), t.storage_offset());
+  TORCH_CHECK(t.numel() == 0 || needed <= t.storage().nbytes(), "a ", t.device(), " tensor of shape ", t.sizes(),
+              " needs ", needed, " bytes of its storage, which has only ", t.storage().nbytes(),
+              " (was the storage resized under it?)");
   auto& e = entry(t.storage());
   auto out = at::empty({0}, t.options().device(c10::kCPU));
   out.set_(e.host, t.storage_offset(), t.sizes(), t.strides());
+  // Lazy conjugation and negation stay with the view: CPU kernels honour them.
+  out._set_conj(t.is_conj());
+  out._set_neg(t.is_neg());
   return out;
 }
 
@@ -274,6 +294,9 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       g = default_generator(*device);
     } else if (v.isGenerator() && v.toGenerator().device().type() == kDmabuf) {
       g = v.toGenerator();
+    } else if (v.isGenerator()) {
+      TORCH_CHECK(false, "Expected a 'dmabuf' device type for generator but found '", v.toGenerator().device().type(),
+                  "' (in ", schema.operator_name().name, ")");
     } else {
       continue;
     }
@@ -300,6 +323,18 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 } // namespace torch_dmabuf
+
+// Copies handle lazy conjugation and negation themselves (ops.cpp): without these, the
+// Conjugate and Negative layers materialise the source with a clone, whose copy comes back
+// here, and so on until the stack overflows.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&torch_dmabuf::fallback>());

@@ -73,8 +73,9 @@ struct DmabufGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 
   void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device_index,
               const c10::EventFlag) const override {
-    TORCH_CHECK(device_index == -1 || device_index == stream.device_index(), "event device index ", device_index,
-                " does not match the recording stream's device ", stream.device_index());
+    TORCH_CHECK(device_index == -1 || device_index == stream.device_index(), "event device index ",
+                static_cast<int>(device_index), " does not match the recording stream's device ",
+                static_cast<int>(stream.device_index()));
     if (*event == nullptr) {
       dmabuf_rt_event e = 0;
       check(dmabuf_rt_event_create(&e), "dmabuf_rt_event_create");

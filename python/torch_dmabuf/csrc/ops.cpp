@@ -4,6 +4,7 @@
 #include "fallback.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/native/Resize.h>
 #include <ATen/ops/as_strided_cpu_dispatch.h>
 #include <ATen/ops/set_cpu_dispatch.h>
@@ -62,10 +63,27 @@ at::Tensor reshape_alias(const at::Tensor& self, c10::SymIntArrayRef size, c10::
   return at::native::_reshape_alias(self, C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
 }
 
+// Before PyTorch's CPU resize path grows a tensor's storage (a new block of the tensor's
+// device, the old bytes copied with a CPU memcpy, the old block freed): the device's queued
+// work on the old block must have run, or the memcpy reads stale bytes and the queued work
+// writes into a freed block.
+void before_growth(const at::Tensor& self, int64_t needed) {
+  if (self.storage().nbytes() < static_cast<size_t>(needed)) {
+    check(dmabuf_rt_device_synchronize(self.device().index()), "dmabuf_rt_device_synchronize");
+  }
+}
+
+int64_t contiguous_bytes(c10::IntArrayRef size, const at::Tensor& self) {
+  return static_cast<int64_t>(
+      at::detail::computeStorageNbytesContiguous(size, self.itemsize(), self.storage_offset()));
+}
+
 const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size,
                           std::optional<at::MemoryFormat> memory_format) {
   const c10::DeviceGuard guard(self.device());
-  return at::native::resize_(self, C10_AS_INTARRAYREF_SLOW(size), memory_format);
+  auto sizes = C10_AS_INTARRAYREF_SLOW(size);
+  before_growth(self, contiguous_bytes(sizes, self));
+  return at::native::resize_(self, sizes, memory_format);
 }
 
 at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& source) {
@@ -78,6 +96,15 @@ at::Tensor& set_storage(at::Tensor& self, at::Storage source) {
 
 at::Tensor& set_storage_offset(at::Tensor& self, at::Storage storage, int64_t offset, c10::IntArrayRef size,
                                c10::IntArrayRef stride) {
+  // set_ may grow the storage: on the storage's device, after its queued work.
+  const c10::DeviceGuard guard(storage.device());
+  if (storage.nbytes() > 0 || !size.empty()) {
+    auto needed = stride.empty() ? at::detail::computeStorageNbytesContiguous(size, self.itemsize(), offset)
+                                 : at::detail::computeStorageNbytes(size, stride, self.itemsize(), offset);
+    if (storage.nbytes() < needed && storage.device().type() == kDmabuf) {
+      check(dmabuf_rt_device_synchronize(storage.device().index()), "dmabuf_rt_device_synchronize");
+    }
+  }
   return at::cpu::set_(self, std::move(storage), offset, size, stride);
 }
 
@@ -96,6 +123,22 @@ dmabuf_rt_stream copy_stream(c10::DeviceIndex device, bool non_blocking) {
   return non_blocking ? handle(current_stream(device)) : 0;
 }
 
+// A copy queued on the destination device's current stream that reads the source device's
+// memory: it waits first for the source device's current stream, as CUDA's peer copies do.
+void order_after_source_stream(c10::DeviceIndex src, c10::DeviceIndex dst) {
+  auto from = current_stream(src);
+  auto to = current_stream(dst);
+  if (from.id() == 0 || to.id() == 0) {
+    return;  // the default stream is synchronous, and a blocking copy waits for both devices
+  }
+  dmabuf_rt_event ev = 0;
+  check(dmabuf_rt_event_create(&ev), "dmabuf_rt_event_create");
+  auto recorded = dmabuf_rt_event_record(ev, handle(from));
+  auto waited = recorded == DMABUF_RT_OK ? dmabuf_rt_stream_wait_event(handle(to), ev) : recorded;
+  (void)dmabuf_rt_event_destroy(ev);  // the waiting stream keeps what it waits for
+  check(waited, "ordering a peer copy after the source device's stream");
+}
+
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   TORCH_CHECK(self.defined() && dst.defined(), "copy_ of an undefined tensor");
   TORCH_CHECK(self.numel() == dst.numel() || self.numel() == 1 || dst.sizes() == self.sizes() ||
@@ -109,13 +152,22 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   TORCH_CHECK(src_dev || self.is_cpu(), "copies to dmabuf come from the CPU or dmabuf, not ", self.device());
   TORCH_CHECK(dst_dev || dst.is_cpu(), "copies from dmabuf go to the CPU or dmabuf, not ", dst.device());
   const size_t n = dst.nbytes();
-  const bool same_layout =
-      self.scalar_type() == dst.scalar_type() && self.sizes() == dst.sizes() && plain(self) && plain(dst);
+  if (src_dev && dst_dev) {
+    // As the CPU's copy_: a destination that overlaps itself or its source is refused.
+    at::assert_no_internal_overlap(dst);
+    at::assert_no_partial_overlap(dst, self);
+  }
+  const bool lazy = self.is_conj() || self.is_neg() || dst.is_conj() || dst.is_neg();
+  const bool same_layout = !lazy && self.scalar_type() == dst.scalar_type() && self.sizes() == dst.sizes() &&
+                           plain(self) && plain(dst);
   if (same_layout) {
     // One memcpy through the C API (range-checked, inside the dma-buf sync bracket; queued
     // on the current stream when non_blocking).
     if (src_dev && dst_dev) {
       auto kind = self.device() == dst.device() ? DMABUF_RT_MEMCPY_DEVICE_TO_DEVICE : DMABUF_RT_MEMCPY_PEER_TO_PEER;
+      if (non_blocking && self.device() != dst.device()) {
+        order_after_source_stream(self.device().index(), dst.device().index());
+      }
       check(dmabuf_rt_memcpy(dst.device().index(), const_cast<void*>(bytes(dst)), self.device().index(),
                              bytes(self), n, kind, copy_stream(dst.device().index(), non_blocking)),
             "device-to-device copy");
@@ -161,7 +213,11 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
 }
 
 at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
-  at::native::resize_(dst, self.sizes(), std::nullopt);
+  {
+    const c10::DeviceGuard guard(dst.device());
+    before_growth(dst, contiguous_bytes(self.sizes(), dst));
+    at::native::resize_(dst, self.sizes(), std::nullopt);
+  }
   return copy_from(self, dst, false);
 }
 

@@ -78,6 +78,14 @@ c10::Stream current_stream(c10::DeviceIndex device) {
 c10::Stream exchange_stream(c10::Stream stream) {
   auto device = stream.device_index();
   check_device(device);
+  if (stream.id() != 0) {
+    // A forged or destroyed handle is refused here, not by every later op on the device.
+    bool done = false;
+    auto status = dmabuf_rt_stream_query(handle(stream), &done);
+    if (status == DMABUF_RT_INVALID_HANDLE || status == DMABUF_RT_INVALID_ARGUMENT) {
+      raise(status, "setting the current stream");
+    }
+  }
   auto old = current_stream(device);
   tls_current[device] = stream.id();
   return old;
@@ -98,8 +106,15 @@ c10::Stream pooled_stream(c10::DeviceIndex device) {
   check_device(device);
   auto& pool = pools[device];
   std::call_once(pool.made, [&] {
-    for (auto& s : pool.streams) {
-      check(dmabuf_rt_stream_create(device, &s), "dmabuf_rt_stream_create");
+    for (size_t i = 0; i < pool.streams.size(); i++) {
+      auto status = dmabuf_rt_stream_create(device, &pool.streams[i]);
+      if (status != DMABUF_RT_OK) {
+        // call_once runs again next time: give back what this attempt made.
+        for (size_t j = 0; j < i; j++) {
+          (void)dmabuf_rt_stream_destroy(pool.streams[j]);
+        }
+        raise(status, "dmabuf_rt_stream_create");
+      }
     }
   });
   auto s = pool.streams[pool.next.fetch_add(1) % kPoolSize];
