@@ -54,16 +54,11 @@ impl ExpState {
     pub(crate) fn backed_runs(&self, mapped: usize) -> Vec<(usize, usize)> {
         let pages = mapped / self.page;
         let mut runs: Vec<(usize, usize)> = Vec::new();
-        let mut p = 0;
-        while p < pages {
-            let hole = self.holes_in(p, p + 1) == 1;
-            if !hole {
-                match runs.last_mut() {
-                    Some(last) if last.1 == p * self.page => last.1 += self.page,
-                    _ => runs.push((p * self.page, (p + 1) * self.page)),
-                }
+        for p in (0..pages).filter(|&p| self.holes_in(p, p + 1) == 0) {
+            match runs.last_mut() {
+                Some(last) if last.1 == p * self.page => last.1 += self.page,
+                _ => runs.push((p * self.page, (p + 1) * self.page)),
             }
-            p += 1;
         }
         runs
     }

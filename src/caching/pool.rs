@@ -417,17 +417,18 @@ impl Pool {
         let alloc_size = self.allocation_size(rounded).ok_or_else(too_large)?;
         let mut p = AllocParams::new(size, rounded, alloc_size, queue, pending, waited);
         // A cached block whose punched pages cannot be taken again goes through the ladder,
-        // which may release enough elsewhere (or wait for frees) to take it after all.
-        let _ = (self.get_cached_block(&mut p) && self.fits_again(&mut p)) || self.ladder(&mut p);
+        // which may release enough elsewhere (or wait for frees) to take it after all; a
+        // block the ladder finds is checked the same way (each block once).
+        let cached = self.get_cached_block(&mut p) && self.fits_again(&mut p);
+        if !cached && self.ladder(&mut p) && !p.wait && !p.exact {
+            self.fits_again(&mut p);
+        }
         if p.wait {
             return Ok(Outcome::WaitForPending);
         }
         if p.exact {
             let id = p.block.expect("an exact fit was found");
             return Ok(Outcome::Got(self.hand_out(id, size, queue)));
-        }
-        if p.block.is_some() {
-            self.fits_again(&mut p);
         }
         let Some(id) = p.block else { return Err(self.out_of_memory(p)) };
         self.take_from_pool(id, rounded);
@@ -773,8 +774,8 @@ impl Pool {
         snap.segments = std::mem::take(&mut snap.segments)
             .into_iter()
             .flat_map(|seg| match runs.get(&seg.address) {
-                Some(r) if seg.is_expandable => seg.split_into_runs(r),
-                _ => vec![seg],
+                Some(r) => seg.split_into_runs(r),
+                None => vec![seg],
             })
             .collect();
         snap

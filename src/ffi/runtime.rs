@@ -18,7 +18,7 @@
 #![allow(unsafe_code)]
 
 use std::cell::Cell;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
@@ -64,7 +64,7 @@ pub enum CopyKind {
 pub struct Runtime {
     devices: Vec<Device>,
     host: HostCachingAllocator,
-    host_live: Mutex<std::collections::BTreeMap<usize, HostAllocation>>,
+    host_live: Mutex<BTreeMap<usize, HostAllocation>>,
     unified: Mutex<HashMap<usize, Arc<Segment>>>,
     streams: Mutex<HashMap<usize, StreamEntry>>,
     events: Mutex<HashMap<usize, Event>>,
@@ -118,6 +118,11 @@ pub fn parse_device_list(list: &str) -> Result<Vec<String>> {
         crate::device::check_spec(spec).map_err(from_devices_env)?;
     }
     Ok(specs)
+}
+
+/// The base address of the live pinned host allocation holding `addr`, if any.
+fn host_base(host: &BTreeMap<usize, HostAllocation>, addr: usize) -> Option<usize> {
+    host.range(..=addr).next_back().filter(|&(&base, a)| addr - base < a.len()).map(|(&base, _)| base)
 }
 
 /// A spec error, said to come from `DMABUF_RT_DEVICES`.
@@ -179,7 +184,7 @@ impl Runtime {
         Ok(Runtime {
             devices,
             host,
-            host_live: Mutex::new(std::collections::BTreeMap::new()),
+            host_live: Mutex::new(BTreeMap::new()),
             unified: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
             events: Mutex::new(HashMap::new()),
@@ -273,20 +278,15 @@ impl Runtime {
 
     /// Whether `ptr` lies in live pinned host memory from this runtime.
     pub fn host_holds(&self, ptr: *const u8) -> bool {
-        let addr = ptr as usize;
-        let host = lock(&self.host_live);
-        host.range(..=addr).next_back().is_some_and(|(&base, a)| addr - base < a.len().max(1))
+        host_base(&lock(&self.host_live), ptr as usize).is_some()
     }
 
     /// Records that `queue` uses the live pinned host allocation holding `ptr`, if any: when
     /// it is freed, its block waits for the queue's work submitted until then.
     fn host_record(&self, ptr: *const u8, queue: &Queue) {
-        let addr = ptr as usize;
         let mut host = lock(&self.host_live);
-        if let Some((&base, a)) = host.range_mut(..=addr).next_back() {
-            if addr - base < a.len().max(1) {
-                a.record_queue(queue);
-            }
+        if let Some(base) = host_base(&host, ptr as usize) {
+            host.get_mut(&base).expect("found just now").record_queue(queue);
         }
     }
 
@@ -616,7 +616,7 @@ impl Runtime {
         let inside = |base: usize, size: usize| addr >= base && addr - base < size;
         {
             let host = lock(&self.host_live);
-            if let Some((&base, a)) = host.iter().find(|&(&base, a)| inside(base, a.len())) {
+            if let Some((base, a)) = host_base(&host, addr).map(|base| (base, &host[&base])) {
                 let m = a.mem().range(addr - base, len).map_err(|_| {
                     past("a range inside one block (it starts in pinned host memory but runs past its end)")
                 })?;

@@ -309,10 +309,7 @@ pub extern "C" fn dmabuf_rt_cpu_access_begin(
     size: usize,
     write: bool,
 ) -> dmabuf_rt_status {
-    call("dmabuf_rt_cpu_access_begin", || {
-        let rt = rt()?;
-        rt.cpu_access(device_id(rt, device)?, ptr.cast(), nonzero(size)?, write, true)
-    })
+    cpu_access("dmabuf_rt_cpu_access_begin", (device, ptr, size, write), true)
 }
 
 /// Ends CPU access begun by `dmabuf_rt_cpu_access_begin` with the same arguments: for a
@@ -324,9 +321,18 @@ pub extern "C" fn dmabuf_rt_cpu_access_end(
     size: usize,
     write: bool,
 ) -> dmabuf_rt_status {
-    call("dmabuf_rt_cpu_access_end", || {
+    cpu_access("dmabuf_rt_cpu_access_end", (device, ptr, size, write), false)
+}
+
+/// The two ends of the CPU-access bracket, one check of their arguments.
+fn cpu_access(
+    func: &str,
+    (device, ptr, size, write): (c_int, *const c_void, usize, bool),
+    begin: bool,
+) -> dmabuf_rt_status {
+    call(func, || {
         let rt = rt()?;
-        rt.cpu_access(device_id(rt, device)?, ptr.cast(), nonzero(size)?, write, false)
+        rt.cpu_access(device_id(rt, device)?, ptr.cast(), nonzero(size)?, write, begin)
     })
 }
 
