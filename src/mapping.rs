@@ -107,6 +107,27 @@ impl Mapping {
         Ok(())
     }
 
+    /// Maps `len` bytes of `fd` at file offset `file_off` over bytes `[at, at + len)` of this
+    /// mapping's accessible prefix (`MAP_FIXED`, shared, read-write): how a page-stitched
+    /// segment moves memory from one place of its reservation to another. The range keeps its
+    /// address; the bytes it shows are now those of the file range. Callers remap only ranges
+    /// no block in use covers, under the pool's lock.
+    #[cfg(not(miri))]
+    pub(crate) fn remap_fixed(&self, fd: BorrowedFd<'_>, at: usize, file_off: u64, len: usize) -> io::Result<()> {
+        let in_range = at.checked_add(len).is_some_and(|end| end <= self.mapped.load(Ordering::Acquire));
+        if !in_range || len == 0 {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        }
+        let ptr = self.ptr.as_ptr().wrapping_add(at).cast::<c_void>();
+        let prot = ProtFlags::READ | ProtFlags::WRITE;
+        // SAFETY: the range lies inside this mapping's accessible prefix (checked), which it
+        // owns; MAP_FIXED replaces our own shared pages there with other pages of the same
+        // file, and no block in use covers the range (the caller's rule), so nothing reads or
+        // writes it meanwhile.
+        unsafe { rustix::mm::mmap(ptr, len, prot, MapFlags::SHARED | MapFlags::FIXED, fd, file_off) }?;
+        Ok(())
+    }
+
     /// Length in bytes that can be accessed: the whole mapping, or for a reservation the part
     /// mapped so far (0 before the first growth).
     pub fn len(&self) -> usize {
@@ -262,6 +283,22 @@ mod miri_stand_in {
         }
 
         pub(crate) fn populate(&self) -> io::Result<()> {
+            Ok(())
+        }
+
+        /// Swaps the bytes of `[a, a + len)` and `[b, b + len)`: what remapping the two ranges
+        /// onto each other's file ranges shows (the stand-in has no file behind it). Plain
+        /// accesses, on purpose: only ranges no block uses are remapped, so Miri reports a race.
+        pub(crate) fn swap_stand_in(&self, a: usize, b: usize, len: usize) -> crate::error::Result<()> {
+            self.check(a, len)?;
+            self.check(b, len)?;
+            if a.abs_diff(b) < len {
+                return Err(crate::error::Error::OutOfBounds { offset: b, len, size: self.len() });
+            }
+            let base = self.ptr.as_ptr();
+            // SAFETY: both ranges are in bounds of the live allocation (checked) and disjoint
+            // (checked); the caller guarantees no one else uses them.
+            unsafe { std::ptr::swap_nonoverlapping(base.add(a), base.add(b), len) };
             Ok(())
         }
 

@@ -97,6 +97,12 @@ pub struct Segment {
     fd_kind: FdKind,
     kind: SegmentKind,
     origin: Origin,
+    /// Whether the fd went out or the pages were stitched: [`FD_PLAIN`], [`FD_HANDED_OUT`] or
+    /// [`FD_STITCHED`]; the two last exclude each other (an fd handed out names pages by their
+    /// offsets, which stitching would move).
+    fd_state: std::sync::atomic::AtomicU8,
+    /// A stitch failed half-way and could not be undone.
+    stitch_broken: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for Segment {
@@ -123,14 +129,34 @@ impl Segment {
         writable: bool,
     ) -> Result<Self> {
         let mapping = Mapping::map_shared(fd.as_fd(), 0, len, writable).map_err(Error::io("mmap segment"))?;
-        Ok(Self { mapping: Some(mapping), backing, fd, len, fd_kind, kind, origin })
+        Ok(Self {
+            mapping: Some(mapping),
+            backing,
+            fd,
+            len,
+            fd_kind,
+            kind,
+            origin,
+            fd_state: Default::default(),
+            stitch_broken: Default::default(),
+        })
     }
 
     /// An expandable segment: a memfd of `len` bytes (sparse) behind a reservation of the same
     /// size; nothing is mapped until [`Segment::grow_to`].
     pub(crate) fn expandable(fd: OwnedFd, len: usize, kind: SegmentKind, origin: Origin) -> Result<Self> {
         let mapping = Mapping::reserve(len).map_err(Error::io("reserve address space"))?;
-        Ok(Self { mapping: Some(mapping), backing: Backing::None, fd, len, fd_kind: FdKind::Memfd, kind, origin })
+        Ok(Self {
+            mapping: Some(mapping),
+            backing: Backing::None,
+            fd,
+            len,
+            fd_kind: FdKind::Memfd,
+            kind,
+            origin,
+            fd_state: Default::default(),
+            stitch_broken: Default::default(),
+        })
     }
 
     /// Maps `[from, to)` of an expandable segment's memfd into its reservation; `from` must be
@@ -138,6 +164,74 @@ impl Segment {
     pub(crate) fn grow_to(&self, from: usize, to: usize) -> Result<()> {
         let m = self.mapping.as_ref().ok_or_else(|| Error::Unsupported { what: "no reservation".into() })?;
         m.map_fixed_shared(self.fd.as_fd(), from, to - from).map_err(Error::io("mmap(MAP_FIXED) into reservation"))
+    }
+
+    /// Swaps the memory behind bytes `[a, a + len)` and `[b, b + len)` of an expandable
+    /// segment's reservation, which show file ranges `fa` and `fb` (page stitching): `a` then
+    /// shows `fb` and `b` shows `fa`, with no copy and no memory given back or taken. Neither
+    /// range may be in use. If the second remap fails, the first is undone. From the first
+    /// swap on, the segment's offsets are no longer offsets in its fd ([`Segment::is_stitched`]).
+    #[cfg(not(miri))]
+    pub(crate) fn swap_ranges(&self, (a, fa): (usize, usize), (b, fb): (usize, usize), len: usize) -> Result<()> {
+        let m = self.mapping.as_ref().ok_or_else(|| Error::Unsupported { what: "no reservation".into() })?;
+        let fd = self.fd.as_fd();
+        self.enter_fd_state(FD_STITCHED)?;
+        m.remap_fixed(fd, a, fb as u64, len).map_err(Error::io("mmap(MAP_FIXED) to stitch pages"))?;
+        if let Err(e) = m.remap_fixed(fd, b, fa as u64, len) {
+            if let Err(undo) = m.remap_fixed(fd, a, fa as u64, len) {
+                // Both ranges now show `fb`: keep them out of use for good.
+                self.stitch_broken.store(true, std::sync::atomic::Ordering::Release);
+                log::error!(
+                    "dmabuf-rt: page stitching: undoing a half-done swap failed ({undo}); the segment takes no new blocks"
+                );
+            }
+            return Err(Error::io("mmap(MAP_FIXED) to stitch pages")(e));
+        }
+        Ok(())
+    }
+
+    /// Under Miri (the mapping is a heap stand-in with no file behind it): the two ranges'
+    /// bytes trade places, as the remaps show them.
+    #[cfg(miri)]
+    pub(crate) fn swap_ranges(&self, (a, _): (usize, usize), (b, _): (usize, usize), len: usize) -> Result<()> {
+        let m = self.mapping.as_ref().ok_or_else(|| Error::Unsupported { what: "no reservation".into() })?;
+        self.enter_fd_state(FD_STITCHED)?;
+        m.swap_stand_in(a, b, len)
+    }
+
+    /// Whether pages of this (expandable) segment were stitched: its mapping no longer shows
+    /// its fd in order, so an offset in the mapping is not an offset in the fd, and the fd is
+    /// not handed out ([`Segment::try_clone_fd`], [`Segment::memfd`] and [`Segment::map`]
+    /// refuse or decline).
+    pub fn is_stitched(&self) -> bool {
+        self.fd_state.load(std::sync::atomic::Ordering::Acquire) == FD_STITCHED
+    }
+
+    /// Moves the fd state from [`FD_PLAIN`] to `to` (or finds it there already); refuses if it
+    /// is in the other one: an fd handed out forbids stitching, and stitching forbids handing
+    /// out the fd.
+    fn enter_fd_state(&self, to: u8) -> Result<()> {
+        use std::sync::atomic::Ordering;
+        match self.fd_state.compare_exchange(FD_PLAIN, to, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => Ok(()),
+            Err(now) if now == to => Ok(()),
+            Err(_) if to == FD_STITCHED => Err(Error::Unsupported {
+                what: "the segment's fd was handed out (its pages are named by their offsets): its pages are not \
+                       stitched"
+                    .into(),
+            }),
+            Err(_) => Err(Error::Unsupported {
+                what: "the segment's pages were stitched (page-stitched expandable segment): its mapping no longer \
+                       shows its fd in order, so offsets in it are not offsets in the fd; share the bytes through a \
+                       segment that is not expandable (DMABUF_RT_ALLOC_CONF=expandable_segments:False)"
+                    .into(),
+            }),
+        }
+    }
+
+    /// A swap failed half-way and could not be undone: two ranges show the same memory.
+    pub(crate) fn stitch_broken(&self) -> bool {
+        self.stitch_broken.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Returns the pages of `[offset, offset + len)` of an expandable segment to the kernel
@@ -281,6 +375,10 @@ impl Segment {
     /// A memfd holding the same pages, if there is one (shmem segments, exported or not):
     /// usable with `pread`/`pwrite` and io_uring READ/WRITE.
     pub fn memfd(&self) -> Option<BorrowedFd<'_>> {
+        if self.is_stitched() {
+            // Offsets in the mapping are not offsets in the fd.
+            return None;
+        }
         match (&self.backing, self.fd_kind) {
             (Backing::Memfd(m), _) => Some(m.as_fd()),
             (_, FdKind::Memfd) => Some(self.fd.as_fd()),
@@ -304,8 +402,16 @@ impl Segment {
         }
     }
 
-    /// A new fd for the same buffer (`dup`), to send to another process or driver.
+    /// Before the fd (or a mapping of it) goes out: refused for a stitched segment, and from
+    /// then on the segment is never stitched.
+    fn refuse_if_stitched(&self) -> Result<()> {
+        self.enter_fd_state(FD_HANDED_OUT)
+    }
+
+    /// A new fd for the same buffer (`dup`), to send to another process or driver. Refused for
+    /// a stitched segment ([`Segment::is_stitched`]).
     pub fn try_clone_fd(&self) -> Result<OwnedFd> {
+        self.refuse_if_stitched()?;
         self.fd.try_clone().map_err(Error::io("dup segment fd"))
     }
 
@@ -313,6 +419,7 @@ impl Segment {
     /// unmaps itself on drop; CPU access to a dma-buf still belongs inside a
     /// [`CpuView`](crate::view::CpuView)'s bracket ([`Segment::cpu_access`]).
     pub fn map(&self) -> Result<Mapping> {
+        self.refuse_if_stitched()?;
         Mapping::map_shared(self.fd.as_fd(), 0, self.len, self.is_writable()).map_err(Error::io("mmap segment"))
     }
 
@@ -348,6 +455,13 @@ impl Segment {
         }
     }
 }
+
+/// [`Segment`]'s fd state: nothing happened yet.
+const FD_PLAIN: u8 = 0;
+/// The fd (or a second mapping of it) went out: no stitching.
+const FD_HANDED_OUT: u8 = 1;
+/// Pages were stitched: the fd does not go out.
+const FD_STITCHED: u8 = 2;
 
 impl AsFd for Segment {
     fn as_fd(&self) -> BorrowedFd<'_> {

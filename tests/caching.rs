@@ -971,14 +971,15 @@ fn a_warm_periodic_workload_makes_no_backend_calls() {
             drop(x);
         }
     };
-    let calls = |a: &CachingAllocator| (a.stats().num_device_alloc, a.stats().num_device_free);
+    // Source calls (growths, punches) and page-stitching remaps.
+    let calls = |a: &CachingAllocator| (a.stats().num_device_alloc, a.stats().num_device_free, a.stats().num_remaps);
     step(&a);
-    assert!(calls(&a).1 > 0, "the set-up's holes were not punched");
+    assert!(calls(&a).1 + calls(&a).2 > 0, "the set-up's holes were neither punched nor stitched");
     step(&a);
     let warm = calls(&a);
     for _ in 0..20 {
         step(&a);
-        assert_eq!(calls(&a), warm, "a warm iteration grew or punched");
+        assert_eq!(calls(&a), warm, "a warm iteration grew, punched or remapped");
     }
     let st = a.stats();
     let ratio = st.reserved_bytes[AGGREGATE].peak as f64 / st.allocated_bytes[AGGREGATE].peak as f64;
@@ -995,10 +996,11 @@ fn taking_back_punched_pages_stays_within_the_allowed_memory() {
     a.empty_cache(); // x's pages are punched: 6 MiB reserved
     assert_eq!(a.stats().reserved_bytes[AGGREGATE].current as usize, 6 * MB);
     let z = a.allocate(4 * MB, None).unwrap(); // in x's hole: 4 of its pages come back
-    let w = a.allocate(5 * MB, None).unwrap(); // grows by 6 MiB: 16 MiB reserved
-    assert_eq!(a.stats().reserved_bytes[AGGREGATE].current as usize, 16 * MB);
+    // Grows by 6 MiB of address space, of which the block's 5 MiB become memory: 15 MiB.
+    let w = a.allocate(5 * MB, None).unwrap();
+    assert_eq!(a.stats().reserved_bytes[AGGREGATE].current as usize, 15 * MB);
     // 2 MiB fit in the rest of x's hole, but its pages are punched and taking them back would
-    // need 17 MiB even after punching the last free MiB.
+    // need 17 MiB; nothing free is backed to give back or move there.
     let e = a.allocate(2 * MB, None);
     assert!(matches!(e, Err(Error::AllocatorOom { .. })), "{e:?}");
     let st = a.stats();

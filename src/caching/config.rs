@@ -41,6 +41,12 @@ pub struct Config {
     /// memory is then given back only under pressure, by `empty_cache` or by garbage
     /// collection).
     pub trim_ratio: f64,
+    /// Expandable segments only (our key): page stitching, which moves memory from under
+    /// free blocks to under a block being handed out (two remaps per 2 MiB chunk) where the
+    /// trim policy would otherwise give pages back and fault new ones in. On by default. A
+    /// stitched segment's fd is no longer handed out (its offsets are not fd offsets), and a
+    /// segment whose fd went out is never stitched.
+    pub page_stitching: bool,
     /// Bypass caching.
     pub no_caching: bool,
 }
@@ -54,6 +60,7 @@ impl Default for Config {
             expandable_segments: true,
             per_process_memory_fraction: 1.0,
             trim_ratio: 1.045,
+            page_stitching: true,
             no_caching: false,
         }
     }
@@ -124,12 +131,19 @@ impl Config {
                     }
                     c.trim_ratio = r;
                 }
+                "page_stitching" => {
+                    c.page_stitching = match value {
+                        "True" | "true" | "1" => true,
+                        "False" | "false" | "0" => false,
+                        _ => return Err(bad(key, value, "expected True or False")),
+                    }
+                }
                 other => {
                     return Err(Error::Config {
                         what: format!(
                             "{ENV}: unknown key `{other}` (known: max_split_size_mb, roundup_power2_divisions, \
                              garbage_collection_threshold, expandable_segments, per_process_memory_fraction, \
-                             trim_ratio)"
+                             trim_ratio, page_stitching)"
                         ),
                     });
                 }

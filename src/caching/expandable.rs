@@ -1,8 +1,16 @@
 //! Expandable segments: one reservation of address space per (queue, pool), grown in
-//! [`CHUNK`]s mapped from a memfd, whose free pages go back to the kernel per page (a punch)
-//! under pressure. This file holds a segment's growth state ([`ExpState`]: the reservation, the
-//! map of punched pages and their arithmetic), the reservation sizing, and the trim policy's
-//! arithmetic ([`Budget`]); the pool decides when to grow, punch and trim, and calls in here.
+//! [`CHUNK`]s mapped from a memfd, and page-stitched: any chunk of the memfd can be mapped at
+//! any chunk of the reservation, so memory that lies under a free block can be moved under a
+//! block being handed out (two remaps) instead of new memory being taken while free memory is
+//! stranded behind live neighbours. Free pages go back to the kernel per page (a punch) only
+//! under pressure. Address space is mapped before memory is needed: a chunk grown into the
+//! reservation shows a sparse part of the memfd, counted as punched until a block over it is
+//! handed out.
+//!
+//! This file holds a segment's state ([`ExpState`]: the reservation, which memfd chunk each
+//! mapped chunk shows, the map of punched pages and their arithmetic), the reservation sizing,
+//! and the trim policy's arithmetic ([`Budget`]); the pool decides when to grow, stitch, punch
+//! and trim, and calls in here.
 
 use super::block::BlockId;
 use crate::error::{Error, Result};
@@ -22,6 +30,10 @@ pub(crate) struct ExpState {
     holes: Vec<u64>,
     /// How many mapped pages are punched (0: no block needs re-backing).
     punched: usize,
+    /// The memfd chunk each mapped chunk of the reservation shows (a permutation of
+    /// `0..mapped / CHUNK`; the identity until pages are stitched). The holes above are by
+    /// address: they move with their chunk when it moves.
+    chunks: Vec<u32>,
     /// The block that ends at the mapped end.
     pub(crate) tail: Option<BlockId>,
 }
@@ -125,7 +137,7 @@ impl ExpState {
         // CHUNK is a multiple of every page size Linux uses.
         let page = crate::source::page_size().clamp(1, CHUNK);
         let reserved_len = seg.mapping().map_or(0, crate::mapping::Mapping::reserved_len);
-        Self { reserved_len, page, holes: Vec::new(), punched: 0, tail: None }
+        Self { reserved_len, page, holes: Vec::new(), punched: 0, chunks: Vec::new(), tail: None }
     }
 
     /// Bytes of reservation.
@@ -140,11 +152,78 @@ impl ExpState {
     }
 
     /// Maps bytes `[mapped, mapped + grow)` of the reservation (one `mmap` of more of the
-    /// memfd). The caller checked that they fit in the reservation.
+    /// memfd, which is sparse there): address space only, so its pages count as punched until
+    /// a block over them is handed out. The caller checked that they fit in the reservation.
     pub(crate) fn grow(&mut self, seg: &Segment, mapped: usize, grow: usize) -> Result<()> {
         seg.grow_to(mapped, mapped + grow)?;
         self.holes.resize(((mapped + grow) / self.page).div_ceil(64), 0);
+        self.chunks.extend((mapped / CHUNK..(mapped + grow) / CHUNK).map(|c| c as u32));
+        self.mark(mapped / self.page, (mapped + grow) / self.page, true);
         Ok(())
+    }
+
+    /// Pages per chunk.
+    fn chunk_pages(&self) -> usize {
+        CHUNK / self.page
+    }
+
+    /// Punched pages of mapped chunk `c`.
+    pub(crate) fn chunk_holes(&self, c: usize) -> usize {
+        let n = self.chunk_pages();
+        self.holes_in(c * n, (c + 1) * n)
+    }
+
+    /// Page stitching: the `n` mapped chunks from `a` and the `n` from `b` trade the memory
+    /// they show (two remaps of the memfd; no memory is taken or given back), and their
+    /// punched pages move with it. Each run must show a contiguous range of the memfd
+    /// ([`ExpState::file_contiguous`]), and neither may hold a block in use or in the quick
+    /// cache (the pool's rule).
+    pub(crate) fn swap(&mut self, seg: &Segment, a: usize, b: usize, n: usize) -> Result<()> {
+        debug_assert!(self.file_contiguous(a, n) && self.file_contiguous(b, n) && a.abs_diff(b) >= n);
+        let (fa, fb) = (self.chunks[a] as usize, self.chunks[b] as usize);
+        seg.swap_ranges((a * CHUNK, fa * CHUNK), (b * CHUNK, fb * CHUNK), n * CHUNK)?;
+        let per = self.chunk_pages();
+        for i in 0..n {
+            self.chunks.swap(a + i, b + i);
+        }
+        for i in 0..n * per {
+            let (pa, pb) = (a * per + i, b * per + i);
+            let (ha, hb) = (self.is_hole(pa), self.is_hole(pb));
+            if ha != hb {
+                self.holes[pa / 64] ^= 1 << (pa % 64);
+                self.holes[pb / 64] ^= 1 << (pb % 64);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the `n` mapped chunks from `c` show one contiguous range of the memfd.
+    pub(crate) fn file_contiguous(&self, c: usize, n: usize) -> bool {
+        (1..n).all(|i| self.chunks[c + i] == self.chunks[c] + i as u32)
+    }
+
+    fn is_hole(&self, p: usize) -> bool {
+        self.holes[p / 64] & (1 << (p % 64)) != 0
+    }
+
+    /// The memfd ranges behind pages `[from, to)` of the reservation, in address order: one
+    /// `(address offset, memfd offset, len)` per run of chunks that stays contiguous in both.
+    fn file_runs(&self, from: usize, to: usize) -> Vec<(usize, usize, usize)> {
+        let (mut runs, page) = (Vec::<(usize, usize, usize)>::new(), self.page);
+        let n = self.chunk_pages();
+        let mut p = from;
+        while p < to {
+            let c = p / n;
+            let end = ((c + 1) * n).min(to);
+            let (at, file) = (p * page, self.chunks[c] as usize * CHUNK + (p - c * n) * page);
+            let len = (end - p) * page;
+            match runs.last_mut() {
+                Some(last) if last.0 + last.2 == at && last.1 + last.2 == file => last.2 += len,
+                _ => runs.push((at, file, len)),
+            }
+            p = end;
+        }
+        runs
     }
 
     /// Bytes of the punched pages that bytes `[off, off + len)` touch: what handing them out
@@ -173,9 +252,11 @@ impl ExpState {
     pub(crate) fn punch(&mut self, seg: &Segment, off: usize, size: usize, want: u64) -> Option<(usize, usize)> {
         let (from, to) = self.inner_pages(off, size);
         let start = self.punch_start(from, to, want)?;
-        let (from_b, to_b) = (start * self.page, to * self.page);
-        seg.punch(from_b, to_b - from_b).ok()?;
-        Some((from_b, self.mark(start, to, true) * self.page))
+        // One punch per run of the memfd (a stitched range may show several).
+        for (_, file, len) in self.file_runs(start, to) {
+            seg.punch(file, len).ok()?;
+        }
+        Some((start * self.page, self.mark(start, to, true) * self.page))
     }
 
     /// The first page to punch so that at least `want` bytes of the backed pages among
@@ -216,6 +297,16 @@ impl ExpState {
         let holes = self.holes_in(0, pages);
         if holes != self.punched {
             return Err(format!("{} punched pages counted, {holes} marked", self.punched));
+        }
+        let mut seen = vec![false; self.chunks.len()];
+        if self.chunks.len() != mapped / CHUNK
+            || !self.chunks.iter().all(|&c| !std::mem::replace(&mut seen[c as usize], true))
+        {
+            return Err(format!(
+                "the chunk map ({} entries) is not a permutation of the {} mapped chunks",
+                self.chunks.len(),
+                mapped / CHUNK
+            ));
         }
         let marked: usize = self.holes.iter().map(|w| w.count_ones() as usize).sum();
         if marked != holes {
@@ -355,7 +446,14 @@ mod tests {
     use crate::source::SparseSource;
 
     fn state(pages: usize) -> ExpState {
-        ExpState { reserved_len: pages * 4096, page: 4096, holes: vec![0; pages.div_ceil(64)], punched: 0, tail: None }
+        ExpState {
+            reserved_len: pages * 4096,
+            page: 4096,
+            holes: vec![0; pages.div_ceil(64)],
+            punched: 0,
+            chunks: (0..(pages * 4096 / CHUNK) as u32).collect(),
+            tail: None,
+        }
     }
 
     /// Issue 9, defect 11: under `RLIMIT_AS` an expandable segment takes at most a quarter of
@@ -454,6 +552,8 @@ mod tests {
         e.grow(&seg, 0, 2 * CHUNK).unwrap();
         e.tail = Some(0);
         e.check(2 * CHUNK, &[(0, 0, 2 * CHUNK, false)]).unwrap();
+        assert_eq!(e.backed_bytes(2 * CHUNK), 0, "growth maps address space only");
+        assert_eq!(e.back(0, 2 * CHUNK), 2 * CHUNK);
         let page = e.page;
         // One free block over everything: punch three pages' worth from its end.
         let (from, freed) = e.punch(&seg, 0, 2 * CHUNK, 3 * page as u64 - 1).unwrap();
@@ -478,5 +578,54 @@ mod tests {
         let off = Budget { trim_ratio: 0.0, allowed: 1050, ..b };
         assert_eq!(off.trim_excess(100, 0), 50);
         assert_eq!(off.over_allowed(10), 0);
+    }
+
+    /// Page stitching: two chunks trade the memory they show, with their punched pages, and
+    /// the bytes move with them (a block handed out over the target sees the donor's bytes).
+    #[test]
+    fn a_swap_moves_memory_and_holes_between_chunks() {
+        let Reservation::Made(seg, mut e) = reserve(&SparseSource, 1 << 30, 4096) else {
+            panic!("the sparse source reserves address space")
+        };
+        e.grow(&seg, 0, 3 * CHUNK).unwrap();
+        e.tail = Some(0);
+        // Chunks 0 and 2 backed, 1 punched (as grown).
+        e.back(0, CHUNK);
+        e.back(2 * CHUNK, CHUNK);
+        let n = e.chunk_pages();
+        assert_eq!((e.chunk_holes(0), e.chunk_holes(1), e.chunk_holes(2)), (0, n, 0));
+        let m = seg.mapping().unwrap();
+        m.write(2 * CHUNK + 10, b"donor").unwrap();
+        e.swap(&seg, 1, 2, 1).unwrap();
+        assert_eq!((e.chunk_holes(1), e.chunk_holes(2)), (0, n), "the holes moved with the memory");
+        assert_eq!(e.chunks[..3], [0, 2, 1]);
+        let mut got = [0u8; 5];
+        m.read(CHUNK + 10, &mut got).unwrap();
+        assert_eq!(&got, b"donor");
+        m.read(2 * CHUNK + 10, &mut got).unwrap();
+        assert_eq!(got, [0; 5], "the donor now shows the sparse chunk");
+        assert!(seg.is_stitched());
+        assert!(seg.try_clone_fd().is_err() && seg.memfd().is_none(), "offsets are no longer fd offsets");
+        e.check(3 * CHUNK, &[(0, 0, 3 * CHUNK, false)]).unwrap();
+        // A punch of the moved chunk reaches the memfd chunk it shows now.
+        let (from, freed) = e.punch(&seg, CHUNK, CHUNK, u64::MAX).unwrap();
+        assert_eq!((from, freed), (CHUNK, CHUNK));
+        m.read(CHUNK + 10, &mut got).unwrap();
+        assert_eq!(got, [0; 5]);
+        assert_eq!(e.file_runs(0, 3 * n), [(0, 0, CHUNK), (CHUNK, 2 * CHUNK, CHUNK), (2 * CHUNK, CHUNK, CHUNK)]);
+    }
+
+    /// An fd handed out names pages by offset: the segment is never stitched after that.
+    #[test]
+    fn a_segment_whose_fd_went_out_is_not_stitched() {
+        let Reservation::Made(seg, mut e) = reserve(&SparseSource, 1 << 30, 4096) else {
+            panic!("the sparse source reserves address space")
+        };
+        e.grow(&seg, 0, 2 * CHUNK).unwrap();
+        e.tail = Some(0);
+        let _fd = seg.try_clone_fd().unwrap();
+        assert!(e.swap(&seg, 0, 1, 1).is_err());
+        assert_eq!(e.chunks[..2], [0, 1], "nothing moved");
+        assert!(!seg.is_stitched());
     }
 }

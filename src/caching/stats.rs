@@ -356,6 +356,11 @@ pub struct DeviceStats {
     /// Calls that gave memory back to the memory source: a classic segment released each; with
     /// expandable segments, each punch of free pages (`fallocate(PUNCH_HOLE)`).
     pub num_device_free: i64,
+    /// Remaps of page stitching (`mmap(MAP_FIXED)` calls): fully backed chunks of an
+    /// expandable segment under a free block trade places with punched ones under a block
+    /// being handed out, two remaps per run of chunks moved at once; no memory is taken from
+    /// the source or given back.
+    pub num_remaps: i64,
     /// Allocations at least `max_split_size`.
     pub oversize_allocations: Stat,
     /// Segments at least `max_split_size`.
@@ -405,6 +410,7 @@ impl DeviceStats {
         self.num_ooms = 0;
         self.num_device_alloc = 0;
         self.num_device_free = 0;
+        self.num_remaps = 0;
     }
 
     /// Sets every peak to its current value.
@@ -462,8 +468,14 @@ impl DeviceStats {
         }
         let _ = write!(
             out,
-            "\"num_alloc_retries\":{},\"num_ooms\":{},\"num_device_alloc\":{},\"num_device_free\":{},\"max_split_size\":{}}}",
-            self.num_alloc_retries, self.num_ooms, self.num_device_alloc, self.num_device_free, self.max_split_size
+            "\"num_alloc_retries\":{},\"num_ooms\":{},\"num_device_alloc\":{},\"num_device_free\":{},\"num_remaps\":{},\
+             \"max_split_size\":{}}}",
+            self.num_alloc_retries,
+            self.num_ooms,
+            self.num_device_alloc,
+            self.num_device_free,
+            self.num_remaps,
+            self.max_split_size
         );
         out
     }

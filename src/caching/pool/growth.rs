@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::super::block::{BlockId, PoolKind, QueueKey};
-use super::super::expandable::{self, Budget, ExpState, Reservation};
+use super::super::expandable::{self, Budget, CHUNK, ExpState, Reservation};
 use super::super::snapshot::HistoryKind;
 use super::super::stats;
 use super::{Key, Pool, SegEntry};
@@ -20,10 +20,10 @@ impl Pool {
     }
 
     /// Grows the (queue, pool) expandable segment so that its free tail holds `rounded`
-    /// bytes; returns that tail block. Before the reserved bytes grow, [`Pool::trim`] punches
-    /// free pages elsewhere if they would go past its bound or the allowed memory. Making the
-    /// reservation and each growth (one `mmap` of more of the memfd) are calls to the memory
-    /// source, counted in `num_device_alloc`.
+    /// bytes; returns that tail block. The growth is address space (its pages count as
+    /// punched): the block's memory is found when it is handed out ([`Pool::reback_fits`]).
+    /// Making the reservation and each growth (one `mmap` of more of the memfd) are calls to
+    /// the memory source, counted in `num_device_alloc`.
     pub(super) fn grow_expandable(
         &mut self,
         rounded: usize,
@@ -70,17 +70,9 @@ impl Pool {
             *cause = format!("; the expandable segment's {reserved_len}-byte reservation is full");
             return None;
         }
-        // The request takes all of the free tail: its punched pages count again too.
-        let need = (grow + tail_free.map_or(0, |t| self.punched_bytes(t, usize::MAX))) as u64;
-        self.trim(need, rounded as u64, tail_free);
-        let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
-        if reserved + need > self.allowed {
-            *cause = format!(
-                "; the allowed memory ({} bytes = fraction {} of capacity) would be exceeded",
-                self.allowed, self.config.per_process_memory_fraction
-            );
-            return None;
-        }
+        // Growing maps address space only (sparse memfd pages, counted as punched): the memory
+        // is counted, stitched or made room for when a block over it is handed out
+        // (`Pool::reback_fits`).
         let e = self.segments[idx as usize].as_mut().expect("live expandable segment");
         if let Err(err) = e.exp.as_mut().expect("expandable").grow(&e.seg, mapped, grow) {
             *cause = format!("; {err}");
@@ -88,10 +80,7 @@ impl Pool {
             return None;
         }
         e.size = mapped + grow;
-        let (at, owner) = (e.base + mapped, e.queue);
         self.stats.device.num_device_alloc += 1;
-        self.log(HistoryKind::SegmentMap, at, grow, owner);
-        stats::inc_array(&mut self.stats.device.reserved_bytes, pool, grow as i64);
         match tail_free {
             Some(t) => {
                 self.pool_remove(t);
@@ -121,16 +110,27 @@ impl Pool {
 
     /// Whether pooled block `id` can be handed out for a `rounded`-byte request: the punched
     /// pages that part of it touches count as reserved again once handed out (touching them
-    /// brings them back, with no call to the source), so first the trim policy makes room as
-    /// for a growth, and then they must fit in the allowed memory. On the slow path of
+    /// brings them back, with no call to the source). First, page stitching moves memory that
+    /// free blocks hold under them ([`Pool::stitch`]: reserved bytes unchanged); for what is
+    /// left, the trim policy makes room, and then it must fit in the allowed memory. On the slow path of
     /// [`Pool::allocate`] only, and cheap unless the block's segment has punched pages.
     pub(super) fn reback_fits(&mut self, id: BlockId, rounded: usize) -> bool {
         let mut need = self.punched_bytes(id, rounded) as u64;
         if need == 0 {
             return true;
         }
-        if self.quick.len() > 0 && self.budget().trim_excess(need, rounded as u64) > 0 {
-            // Memory in the quick cache cannot be punched: merge it first, with `id` out of
+        if self.budget().trim_excess(need, rounded as u64) == 0 {
+            // Within the trim policy's bound: touching the pages backs them, with no call.
+            return true;
+        }
+        if self.stitch(id, rounded) > 0 {
+            need = self.punched_bytes(id, rounded) as u64;
+            if self.budget().trim_excess(need, rounded as u64) == 0 {
+                return true;
+            }
+        }
+        if self.quick.len() > 0 {
+            // Memory in the quick cache can be neither moved nor punched: merge it first, with `id` out of
             // its pool and marked allocated meanwhile so that no merge absorbs it; then `id`
             // goes back through `pool_free`, which absorbs its free neighbours (leaving them
             // unmerged would strand them: nothing merges two pooled blocks later). `id` keeps
@@ -140,6 +140,7 @@ impl Pool {
             self.flush_quick();
             self.blocks[id as usize].allocated = false;
             self.pool_free(id);
+            self.stitch(id, rounded);
             need = self.punched_bytes(id, rounded) as u64;
         }
         self.trim(need, rounded as u64, Some(id));
@@ -162,8 +163,81 @@ impl Pool {
         let Some(exp) = self.segments[seg as usize].as_mut().and_then(|e| e.exp.as_mut()) else { return };
         let added = exp.back(off, size);
         if added > 0 {
+            let (addr, queue) =
+                (self.segments[seg as usize].as_ref().map_or(0, |e| e.base) + off, self.blocks[id as usize].queue);
             stats::inc_array(&mut self.stats.device.reserved_bytes, pool, added as i64);
+            // As PyTorch logs memory mapped into an expandable segment.
+            self.log(HistoryKind::SegmentMap, addr, added, queue);
         }
+    }
+
+    /// Page stitching, before the punched pages under the part of pooled block `id` that a
+    /// `rounded`-byte request takes are backed again (which would add to the reserved bytes):
+    /// each chunk there that lies wholly inside the block and has punched pages trades places
+    /// with a fully backed chunk that lies wholly inside a free pooled block of the same
+    /// segment (largest blocks first, so the memory comes from where it is least likely to be
+    /// reused soon; never from the part of `id` the request takes). Two remaps per chunk; no
+    /// memory taken from the source or given back, so the reserved bytes do not change. Nothing
+    /// moves while the segment's queue has work in flight (that work may still use free
+    /// blocks' bytes). Returns the chunks moved; `num_remaps` counts the remaps (two per run of
+    /// chunks moved at once).
+    pub(super) fn stitch(&mut self, id: BlockId, rounded: usize) -> usize {
+        let b = &self.blocks[id as usize];
+        let (seg, off, size, queue, pool) = (b.seg, b.offset, b.size, b.queue, b.pool);
+        let Some(entry) = self.segments[seg as usize].as_ref() else { return 0 };
+        let Some(exp) = entry.exp.as_ref() else { return 0 };
+        if !self.config.page_stitching || entry.seg.stitch_broken() || self.queue_busy(queue) {
+            return 0;
+        }
+        // The chunks the request touches that lie wholly in the free block.
+        let (first, end) = (off.div_ceil(CHUNK), (off + rounded).div_ceil(CHUNK).min((off + size) / CHUNK));
+        let targets: Vec<usize> = (first..end).filter(|&c| exp.chunk_holes(c) > 0).collect();
+        if targets.is_empty() {
+            return 0;
+        }
+        let mut donors = Vec::with_capacity(targets.len());
+        let keys = self.pools[pool.slot()].range((queue, 0, 0, 0)..=(queue, usize::MAX, usize::MAX, BlockId::MAX));
+        'blocks: for k in keys.rev() {
+            let d = &self.blocks[k.3 as usize];
+            if d.seg != seg {
+                continue;
+            }
+            // Of `id` itself, only the part beyond the request.
+            let lo = if k.3 == id { off + rounded } else { d.offset };
+            for c in lo.div_ceil(CHUNK)..(d.offset + d.size) / CHUNK {
+                if exp.chunk_holes(c) == 0 {
+                    donors.push(c);
+                    if donors.len() == targets.len() {
+                        break 'blocks;
+                    }
+                }
+            }
+        }
+        let entry = self.segments[seg as usize].as_mut().expect("checked above");
+        let exp = entry.exp.as_mut().expect("checked above");
+        let mut moved = 0;
+        let pairs: Vec<(usize, usize)> = targets.iter().copied().zip(donors.iter().copied()).collect();
+        let mut i = 0;
+        while i < pairs.len() {
+            // A run of targets and donors that are consecutive on both sides moves at once.
+            let (t, d) = pairs[i];
+            let mut n = 1;
+            while i + n < pairs.len()
+                && pairs[i + n] == (t + n, d + n)
+                && t.abs_diff(d) > n
+                && exp.file_contiguous(t, n + 1)
+                && exp.file_contiguous(d, n + 1)
+            {
+                n += 1;
+            }
+            if exp.swap(&entry.seg, t, d, n).is_err() {
+                break;
+            }
+            self.stats.device.num_remaps += 2;
+            moved += n;
+            i += n;
+        }
+        moved
     }
 
     /// Gives every backed page that a free expandable block wholly covers back to the kernel;
