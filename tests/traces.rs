@@ -35,6 +35,7 @@ fn peak_rounded(ops: &[TraceOp]) -> u64 {
                 peak = peak.max(now);
             }
             TraceOp::Free { addr } => now -= live.remove(&addr).unwrap_or(0),
+            TraceOp::Step => {}
         }
     }
     peak
@@ -87,6 +88,7 @@ fn backend_calls_after(ops: &[TraceOp], from: usize, to: usize, cfg: &str) -> (i
                 live.insert(addr, a.allocate(size, None).unwrap());
             }
             TraceOp::Free { addr } => drop(live.remove(&addr)),
+            TraceOp::Step => {}
         }
     }
     let st = a.stats();

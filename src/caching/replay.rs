@@ -1,7 +1,10 @@
 //! Replaying allocation traces through the caching allocator (`dmabuf-rt replay`).
 //!
 //! A trace is JSON lines, one operation each: `{"t": ns, "op": "alloc"|"free", "addr": int,
-//! "size": int}`, where `addr` names a block from its alloc to its free.
+//! "size": int}`, where `addr` names a block from its alloc to its free, and optionally
+//! `{"t": ns, "op": "step"}` between training steps or serving iterations. A replay can repeat
+//! the trace (`--repeat N`, each repetition a step too) to show what a warm allocator does: the
+//! source calls and remaps of the warm steps (the second half of them) are reported apart.
 
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -27,6 +30,8 @@ pub enum TraceOp {
         /// The block's name.
         addr: u64,
     },
+    /// A step boundary (a training step, a serving iteration).
+    Step,
 }
 
 /// Where replayed segments come from.
@@ -59,6 +64,18 @@ pub struct ReplayReport {
     /// Calls that gave memory back to the source (`num_device_free`): classic segments
     /// released; with expandable segments, each punch of free pages.
     pub backend_frees: u64,
+    /// Remaps of page stitching (`num_remaps`: `mmap(MAP_FIXED)` calls that move memory, none
+    /// taken or given back).
+    pub remaps: u64,
+    /// Steps: the trace's step markers plus one, times the repetitions.
+    pub steps: u64,
+    /// Source calls (allocs and frees) in the warm steps: the second half of the steps (none
+    /// with a single step).
+    pub warm_source_calls: u64,
+    /// Remaps in the warm steps.
+    pub warm_remaps: u64,
+    /// The warm steps.
+    pub warm_steps: u64,
     /// Wall time per operation.
     pub ns_per_op: f64,
     /// With `--find-min-capacity`: the smallest capacity (to 2 MiB) that replays without an
@@ -78,13 +95,19 @@ impl ReplayReport {
     pub fn to_json(&self) -> String {
         format!(
             "{{\"ops\":{},\"peak_allocated_bytes\":{},\"peak_reserved_bytes\":{},\"ratio\":{:.4},\"backend_allocs\":{},\
-             \"backend_frees\":{},\"ns_per_op\":{:.1},\"min_capacity_bytes\":{},\"ooms\":{}{}}}",
+             \"backend_frees\":{},\"remaps\":{},\"steps\":{},\"warm_steps\":{},\"warm_source_calls\":{},\
+             \"warm_remaps\":{},\"ns_per_op\":{:.1},\"min_capacity_bytes\":{},\"ooms\":{}{}}}",
             self.ops,
             self.peak_allocated_bytes,
             self.peak_reserved_bytes,
             self.ratio,
             self.backend_allocs,
             self.backend_frees,
+            self.remaps,
+            self.steps,
+            self.warm_steps,
+            self.warm_source_calls,
+            self.warm_remaps,
             self.ns_per_op,
             self.min_capacity_bytes.map_or("null".to_string(), |c| c.to_string()),
             self.ooms,
@@ -94,6 +117,11 @@ impl ReplayReport {
                 (None, None) => String::new(),
             }
         )
+    }
+
+    /// `n` per warm step (0 without warm steps).
+    pub fn per_warm_step(&self, n: u64) -> f64 {
+        if self.warm_steps == 0 { 0.0 } else { n as f64 / self.warm_steps as f64 }
     }
 
     /// As aligned `name value` lines: the replay at the capacity asked for, then, with
@@ -107,6 +135,20 @@ impl ReplayReport {
             let _ = writeln!(s, "ratio                 {:.4}", r.ratio);
             let _ = writeln!(s, "backend_allocs        {}", r.backend_allocs);
             let _ = writeln!(s, "backend_frees         {}", r.backend_frees);
+            let _ = writeln!(s, "remaps                {}", r.remaps);
+            let _ = writeln!(s, "steps                 {} ({} warm)", r.steps, r.warm_steps);
+            let _ = writeln!(
+                s,
+                "warm_source_calls     {} ({:.2} per warm step)",
+                r.warm_source_calls,
+                r.per_warm_step(r.warm_source_calls)
+            );
+            let _ = writeln!(
+                s,
+                "warm_remaps           {} ({:.2} per warm step)",
+                r.warm_remaps,
+                r.per_warm_step(r.warm_remaps)
+            );
             let _ = writeln!(s, "ns_per_op             {:.1}", r.ns_per_op);
             let _ = writeln!(s, "ooms                  {}", r.ooms);
         };
@@ -149,6 +191,7 @@ pub fn parse_trace(text: &str) -> Result<Vec<TraceOp>> {
                 size: usize::try_from(num("size")?).map_err(|_| bad("size too large"))?,
             },
             "free" => TraceOp::Free { addr: num("addr")? },
+            "step" => TraceOp::Step,
             other => return Err(bad(&format!("unknown op \"{other}\""))),
         });
     }
@@ -177,46 +220,124 @@ fn allocator(source: ReplaySource, capacity: u64, config: &Config) -> Result<Cac
     CachingAllocator::builder_boxed(src).config(config.clone()).capacity(capacity).build()
 }
 
+/// How to replay a trace besides its source, capacity and settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayOptions {
+    /// Replays of the trace, one after the other on the same allocator (at least 1). Blocks
+    /// still live at the end of one are freed before the next.
+    pub repeat: usize,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        Self { repeat: 1 }
+    }
+}
+
 /// Replays `trace` once at `capacity`.
 pub fn replay(trace: &[TraceOp], source: ReplaySource, capacity: u64, config: &Config) -> Result<ReplayReport> {
-    let a = allocator(source, capacity, config)?;
+    replay_with(trace, source, capacity, config, &ReplayOptions::default())
+}
+
+/// What one replay saw: the report's figures, and per step the source calls and remaps.
+struct Run {
+    ooms: u64,
+    elapsed: std::time::Duration,
+    /// Per step: (source calls, remaps) made during it.
+    steps: Vec<(u64, u64)>,
+}
+
+/// Replays `trace` `opts.repeat` times on one allocator; `visit` sees the allocator after
+/// every operation (with the operation's index over all repetitions) and may stop the replay.
+fn run(
+    a: &CachingAllocator,
+    trace: &[TraceOp],
+    opts: &ReplayOptions,
+    mut visit: impl FnMut(u64, &CachingAllocator) -> bool,
+) -> Result<Run> {
     let mut live = HashMap::new();
-    let mut ooms = 0;
+    let (mut ooms, mut index) = (0, 0u64);
+    let mut steps = Vec::new();
+    let counts = |a: &CachingAllocator| {
+        let st = a.stats();
+        ((st.num_device_alloc + st.num_device_free) as u64, st.num_remaps as u64)
+    };
+    let mut at_step = counts(a);
+    let mut end_step = |a: &CachingAllocator, steps: &mut Vec<(u64, u64)>| {
+        let now = counts(a);
+        steps.push((now.0 - at_step.0, now.1 - at_step.1));
+        at_step = now;
+    };
     let start = Instant::now();
-    for (i, op) in trace.iter().enumerate() {
-        match *op {
-            TraceOp::Alloc { addr, size } => match a.allocate(size, None) {
-                Ok(x) => {
-                    if live.insert(addr, x).is_some() {
-                        return Err(Error::Config { what: format!("trace op {}: addr {addr} allocated twice", i + 1) });
+    'all: for _ in 0..opts.repeat.max(1) {
+        for (i, op) in trace.iter().enumerate() {
+            match *op {
+                TraceOp::Alloc { addr, size } => match a.allocate(size, None) {
+                    Ok(x) => {
+                        if live.insert(addr, x).is_some() {
+                            return Err(Error::Config {
+                                what: format!("trace op {}: addr {addr} allocated twice", i + 1),
+                            });
+                        }
                     }
+                    Err(Error::AllocatorOom { .. }) => {
+                        ooms += 1;
+                    }
+                    Err(e) => return Err(e),
+                },
+                TraceOp::Free { addr } => {
+                    // A free of a block whose alloc failed (OOM) is skipped with it.
+                    live.remove(&addr);
                 }
-                Err(Error::AllocatorOom { .. }) => {
-                    ooms += 1;
-                }
-                Err(e) => return Err(e),
-            },
-            TraceOp::Free { addr } => {
-                // A free of a block whose alloc failed (OOM) is skipped with it.
-                live.remove(&addr);
+                TraceOp::Step => end_step(a, &mut steps),
+            }
+            index += 1;
+            if !visit(index, a) {
+                break 'all;
             }
         }
+        live.clear();
+        end_step(a, &mut steps);
     }
     let elapsed = start.elapsed();
-    drop(live);
+    // A step marker that ends the trace leaves an empty step behind it: not a step.
+    while steps.len() > 1 && steps.last() == Some(&(0, 0)) && trace.last() == Some(&TraceOp::Step) {
+        steps.pop();
+    }
+    Ok(Run { ooms, elapsed, steps })
+}
+
+/// Replays `trace` at `capacity` as `opts` says.
+pub fn replay_with(
+    trace: &[TraceOp],
+    source: ReplaySource,
+    capacity: u64,
+    config: &Config,
+    opts: &ReplayOptions,
+) -> Result<ReplayReport> {
+    let a = allocator(source, capacity, config)?;
+    let r = run(&a, trace, opts, |_, _| true)?;
     let st = a.stats();
     let peak_allocated = st.allocated_bytes[AGGREGATE].peak as u64;
     let peak_reserved = st.reserved_bytes[AGGREGATE].peak as u64;
+    let ops = trace.iter().filter(|op| **op != TraceOp::Step).count() * opts.repeat.max(1);
+    let warm = &r.steps[r.steps.len().div_ceil(2).min(r.steps.len())..];
+    let warm = if r.steps.len() > 1 { warm } else { &[] };
     Ok(ReplayReport {
-        ops: trace.len() as u64,
+        ops: ops as u64,
         peak_allocated_bytes: peak_allocated,
         peak_reserved_bytes: peak_reserved,
         ratio: if peak_allocated == 0 { 0.0 } else { peak_reserved as f64 / peak_allocated as f64 },
         backend_allocs: st.num_device_alloc as u64,
         backend_frees: st.num_device_free as u64,
-        ns_per_op: elapsed.as_nanos() as f64 / trace.len().max(1) as f64,
+        remaps: st.num_remaps as u64,
+        steps: r.steps.len() as u64,
+        warm_steps: warm.len() as u64,
+        warm_source_calls: warm.iter().map(|s| s.0).sum(),
+        warm_remaps: warm.iter().map(|s| s.1).sum(),
+        ns_per_op: r.elapsed.as_nanos() as f64 / ops.max(1) as f64,
         min_capacity_bytes: None,
-        ooms,
+        ooms: r.ooms,
         at_min_capacity: None,
     })
 }
@@ -230,7 +351,7 @@ pub fn find_min_capacity(
     config: &Config,
 ) -> Result<Option<u64>> {
     let full = replay(trace, source, capacity, config)?;
-    Ok(min_capacity_of(trace, source, &full, config)?.map(|r| r.0))
+    Ok(min_capacity_of(trace, source, &full, config, &ReplayOptions::default())?.map(|r| r.0))
 }
 
 /// Replays `trace` at `capacity` and, with `find_min`, finds the minimum capacity as
@@ -242,10 +363,11 @@ pub fn replay_report(
     capacity: u64,
     config: &Config,
     find_min: bool,
+    opts: &ReplayOptions,
 ) -> Result<ReplayReport> {
-    let mut report = replay(trace, source, capacity, config)?;
+    let mut report = replay_with(trace, source, capacity, config, opts)?;
     if find_min {
-        if let Some((min, at)) = min_capacity_of(trace, source, &report, config)? {
+        if let Some((min, at)) = min_capacity_of(trace, source, &report, config, opts)? {
             report.min_capacity_bytes = Some(min);
             report.at_min_capacity = Some(Box::new(at));
         }
@@ -259,6 +381,7 @@ fn min_capacity_of(
     source: ReplaySource,
     full: &ReplayReport,
     config: &Config,
+    opts: &ReplayOptions,
 ) -> Result<Option<(u64, ReplayReport)>> {
     const STEP: u64 = 2 << 20;
     if full.ooms > 0 {
@@ -269,7 +392,7 @@ fn min_capacity_of(
     let mut at_hi = None;
     while lo < hi {
         let mid = (lo + hi) / 2;
-        let r = if mid > 0 { Some(replay(trace, source, mid * STEP, config)?) } else { None };
+        let r = if mid > 0 { Some(replay_with(trace, source, mid * STEP, config, opts)?) } else { None };
         match r {
             Some(r) if r.ooms == 0 => {
                 hi = mid;
@@ -280,7 +403,7 @@ fn min_capacity_of(
     }
     let at = match at_hi {
         Some(r) => r,
-        None => replay(trace, source, hi * STEP, config)?,
+        None => replay_with(trace, source, hi * STEP, config, opts)?,
     };
     Ok(Some((hi * STEP, at)))
 }
@@ -328,7 +451,7 @@ mod tests {
         let min = find_min_capacity(&t, ReplaySource::Virtual, 1 << 40, &c).unwrap().unwrap();
         assert!(min >= 32 << 20 && min <= r.peak_reserved_bytes, "{min}");
         // The report keeps the full replay's figures and adds the replay at the minimum.
-        let both = replay_report(&t, ReplaySource::Virtual, 1 << 40, &c, true).unwrap();
+        let both = replay_report(&t, ReplaySource::Virtual, 1 << 40, &c, true, &ReplayOptions::default()).unwrap();
         assert_eq!((both.peak_reserved_bytes, both.min_capacity_bytes), (r.peak_reserved_bytes, Some(min)));
         let at = both.at_min_capacity.as_deref().unwrap();
         assert_eq!(at.ooms, 0);

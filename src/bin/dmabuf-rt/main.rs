@@ -9,7 +9,7 @@ mod demo;
 use std::process::ExitCode;
 
 use dmabuf_rt::caching::Config;
-use dmabuf_rt::caching::replay::{ReplaySource, parse_trace, replay_report};
+use dmabuf_rt::caching::replay::{ReplayOptions, ReplaySource, parse_trace, replay_report};
 
 const USAGE: &str = "usage: dmabuf-rt <command>
 
@@ -18,9 +18,11 @@ commands:
              the main job: the caching allocator, queue copies and the zero-copy pipeline on the
              embedded default device (shmem), each against a peer measured in the same run
   devices    list DMA-BUF heaps, udmabuf and DRM nodes, and whether this process may open them
-  replay FILE.jsonl [--source virtual|shmem] [--capacity BYTES] [--find-min-capacity] [--json]
-             replay an allocation trace ({\"t\":ns,\"op\":\"alloc\"|\"free\",\"addr\":n,\"size\":n} per line)
-             through the caching allocator (settings from DMABUF_RT_ALLOC_CONF)
+  replay FILE.jsonl [--source virtual|shmem] [--capacity BYTES] [--find-min-capacity] [--repeat N] [--json]
+             replay an allocation trace ({\"t\":ns,\"op\":\"alloc\"|\"free\",\"addr\":n,\"size\":n} per line,
+             {\"op\":\"step\"} between steps) through the caching allocator (settings from
+             DMABUF_RT_ALLOC_CONF); --repeat replays it N times on one allocator, and the source
+             calls and remaps of the warm steps (the second half) are shown apart
   help       this text";
 
 fn main() -> ExitCode {
@@ -67,6 +69,7 @@ fn run_replay(args: &[String]) -> Result<(), String> {
     let mut source = ReplaySource::Virtual;
     let mut capacity: u64 = 1 << 40;
     let (mut find_min, mut json) = (false, false);
+    let mut opts = ReplayOptions::default();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -85,6 +88,13 @@ fn run_replay(args: &[String]) -> Result<(), String> {
                     .ok_or("--capacity takes a positive number of bytes")?;
             }
             "--find-min-capacity" => find_min = true,
+            "--repeat" => {
+                opts.repeat = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .filter(|&n| n > 0 && n <= 10_000)
+                    .ok_or("--repeat takes a number of replays from 1 to 10000")?;
+            }
             "--json" => json = true,
             f if !f.starts_with("--") && file.is_none() => file = Some(f.to_string()),
             other => return Err(format!("unexpected argument `{other}`")),
@@ -96,7 +106,7 @@ fn run_replay(args: &[String]) -> Result<(), String> {
     let config = Config::from_env().map_err(|e| e.to_string())?;
     // With --find-min-capacity, the figures of the replay at the capacity asked for come first,
     // then those of the replay at the minimum capacity (`at_min_capacity`).
-    let report = replay_report(&trace, source, capacity, &config, find_min).map_err(|e| e.to_string())?;
+    let report = replay_report(&trace, source, capacity, &config, find_min, &opts).map_err(|e| e.to_string())?;
     if json {
         println!("{}", report.to_json());
     } else {
