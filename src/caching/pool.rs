@@ -143,6 +143,8 @@ pub(crate) struct Pool {
     /// Freed blocks kept unmerged for exact reuse, by (queue, size): the fast path for
     /// periodic workloads. Flushed into the pools (with merging) on a miss.
     quick: Quick,
+    /// Scratch for flushing the quick cache without allocating.
+    quick_scratch: Vec<BlockId>,
     /// The expandable segment of each (queue, pool).
     expandable: HashMap<(QueueKey, PoolKind), u32>,
     /// The source cannot make expandable segments: classic segments are used instead.
@@ -179,6 +181,7 @@ impl Pool {
             queues: HashMap::default(),
             raw: RawTable::default(),
             quick: Quick::default(),
+            quick_scratch: Vec::new(),
             expandable: HashMap::new(),
             expandable_unsupported: false,
             source_error: None,

@@ -24,7 +24,10 @@ pub(crate) struct FxHasher(u64);
 
 impl Hasher for FxHasher {
     fn finish(&self) -> u64 {
-        self.0
+        // The multiply leaves the entropy in the high bits, and hash tables index by the low
+        // ones: a block address (512-aligned) would leave its low nine bits zero and crowd one
+        // bucket in 512. Rotating brings the high bits down (as rustc-hash 2 does).
+        self.0.rotate_left(26)
     }
     fn write(&mut self, bytes: &[u8]) {
         for &b in bytes {
@@ -149,9 +152,14 @@ impl Quick {
 
     /// Visits the head of every list that may hold blocks.
     fn heads_in_use(&self) -> impl Iterator<Item = (usize, BlockId)> + '_ {
+        // Set bits only, lowest first: a flush costs what it moves, not the size of the table.
         let small = self.used.iter().enumerate().flat_map(|(w, &bits)| {
             let s = w / WORDS;
-            (0..64).filter(move |b| bits & (1 << b) != 0).map(move |b| s * CLASSES + (w % WORDS) * 64 + b)
+            std::iter::successors((bits != 0).then_some(bits), |&b| {
+                let rest = b & (b - 1);
+                (rest != 0).then_some(rest)
+            })
+            .map(move |b| s * CLASSES + (w % WORDS) * 64 + b.trailing_zeros() as usize)
         });
         small.map(|i| (i, self.heads[i])).chain(self.large.values().map(|&h| (usize::MAX, h)))
     }
@@ -163,19 +171,35 @@ impl Quick {
         }
     }
 
-    /// Takes every block out.
-    pub(crate) fn take_all(&mut self) -> Vec<BlockId> {
-        let mut out = Vec::with_capacity(self.len);
-        let heads: Vec<(usize, BlockId)> = self.heads_in_use().collect();
-        for (slot, head) in heads {
-            if slot != usize::MAX {
-                self.heads[slot] = NONE;
+    /// Takes every block out, into `out` (cleared first): the cost is the blocks moved and the
+    /// classes used, not the table.
+    pub(crate) fn take_all_into(&mut self, out: &mut Vec<BlockId>) {
+        out.clear();
+        out.reserve(self.len);
+        for w in 0..self.used.len() {
+            let (s, mut bits) = (w / WORDS, std::mem::take(&mut self.used[w]));
+            while bits != 0 {
+                let slot = s * CLASSES + (w % WORDS) * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let head = std::mem::replace(&mut self.heads[slot], NONE);
+                self.chain(head, out);
             }
-            self.chain(head, &mut out);
         }
-        self.used.iter_mut().for_each(|w| *w = 0);
-        self.large.clear();
+        for (_, head) in self.large.drain() {
+            let mut id = head;
+            while id != NONE {
+                out.push(id);
+                id = self.next[id as usize];
+            }
+        }
         self.len = 0;
+    }
+
+    /// Takes every block out.
+    #[cfg(test)]
+    pub(crate) fn take_all(&mut self) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        self.take_all_into(&mut out);
         out
     }
 

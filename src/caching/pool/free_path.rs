@@ -157,12 +157,14 @@ impl Pool {
         if self.quick.len() == 0 {
             return;
         }
-        let ids = self.quick.take_all();
+        let mut ids = std::mem::take(&mut self.quick_scratch);
+        self.quick.take_all_into(&mut ids);
         // One at a time: a neighbour still marked quick is not merged until its own turn.
-        for id in ids {
+        for &id in &ids {
             self.quick_leave(id);
             self.pool_free(id);
         }
+        self.quick_scratch = ids;
     }
 
     /// Puts a free block into its pool, merged with its free (pooled) neighbours.
