@@ -583,6 +583,7 @@ mod tests {
     /// Page stitching: two chunks trade the memory they show, with their punched pages, and
     /// the bytes move with them (a block handed out over the target sees the donor's bytes).
     #[test]
+    #[cfg_attr(miri, ignore = "swaps and reads whole 2 MiB chunks: hours under Miri")]
     fn a_swap_moves_memory_and_holes_between_chunks() {
         let Reservation::Made(seg, mut e) = reserve(&SparseSource, 1 << 30, 4096) else {
             panic!("the sparse source reserves address space")
