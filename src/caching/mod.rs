@@ -76,6 +76,7 @@ pub mod replay;
 mod shared;
 mod snapshot;
 pub mod stats;
+pub mod svg;
 #[cfg(test)]
 mod tests;
 

@@ -1,6 +1,7 @@
 //! `dmabuf-rt`: command-line front end.
 
 mod bench;
+mod svg_cmd;
 // The zero-copy pipeline of `bench` is the example's demo, built on `dmabuf_rt::share`: one
 // copy of the code for the example, this CLI (`pipeline-stage`) and tests/pipeline.rs.
 #[path = "../../../examples/zero_copy_pipeline/demo/mod.rs"]
@@ -23,6 +24,10 @@ commands:
              {\"op\":\"step\"} between steps) through the caching allocator (settings from
              DMABUF_RT_ALLOC_CONF); --repeat replays it N times on one allocator, and the source
              calls and remaps of the warm steps (the second half) are shown apart
+  svg SNAPSHOT.json -o OUT.svg [--title TEXT] [--device N]
+             draw an allocator snapshot (Snapshot::to_json, dmabuf_rt_snapshot_json, or PyTorch's
+             memory snapshot as JSON) as a self-contained SVG: segments coloured by state, and the
+             reserved/allocated timeline when it has a trace (-o - writes to stdout)
   help       this text";
 
 fn main() -> ExitCode {
@@ -46,6 +51,13 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("dmabuf-rt replay: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Some("svg") => match svg_cmd::run(&args[1..]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("dmabuf-rt svg: {e}");
                 ExitCode::from(1)
             }
         },
