@@ -10,7 +10,9 @@ use std::collections::HashMap;
 use std::fmt::Write;
 use std::time::Instant;
 
+use super::snapshot::Snapshot;
 use super::stats::AGGREGATE;
+use super::svg::TimelinePoint;
 use super::{CachingAllocator, Config};
 use crate::error::{Error, Result};
 use crate::source::{MemorySource, ShmemSource, SparseSource};
@@ -342,6 +344,81 @@ pub fn replay_with(
     })
 }
 
+/// What `dmabuf-rt replay --svg` draws: the allocator at the peak of its reserved bytes, and
+/// the bytes over the whole replay.
+#[derive(Debug, Clone)]
+pub struct ReplayPicture {
+    /// The allocator's segments at the peak (the first operation after which the reserved bytes
+    /// were at their maximum, and of those the one with the most allocated).
+    pub at_peak: Snapshot,
+    /// That operation's index (1-based, over all repetitions).
+    pub peak_op: u64,
+    /// Reserved, allocated and requested bytes after every operation.
+    pub timeline: Vec<TimelinePoint>,
+}
+
+/// Replays `trace` as [`replay_with`] does, twice: once to record the timeline and find the
+/// operation at which the reserved bytes peaked, and again on a fresh allocator up to that
+/// operation to take its snapshot there (the allocator's choices do not depend on addresses
+/// or time, so the second replay reaches the same state; this is checked, and an error says
+/// so if it did not).
+pub fn replay_picture(
+    trace: &[TraceOp],
+    source: ReplaySource,
+    capacity: u64,
+    config: &Config,
+    opts: &ReplayOptions,
+) -> Result<ReplayPicture> {
+    let a = allocator(source, capacity, config)?;
+    // At most about a million points are kept (the picture draws 2,000), the peak always.
+    let ops = (trace.len() * opts.repeat.max(1)) as u64;
+    let stride = ops.div_ceil(1 << 20).max(1);
+    let mut timeline = Vec::with_capacity((ops / stride) as usize + 1);
+    let mut peak = (0u64, 0u64, 0u64);
+    run(&a, trace, opts, |op, a| {
+        let st = a.stats();
+        let p = TimelinePoint {
+            op,
+            reserved: st.reserved_bytes[AGGREGATE].current as u64,
+            allocated: st.allocated_bytes[AGGREGATE].current as u64,
+            requested: st.requested_bytes[AGGREGATE].current as u64,
+        };
+        let new_peak = (p.reserved, p.allocated) > (peak.1, peak.2);
+        if new_peak {
+            peak = (op, p.reserved, p.allocated);
+        }
+        if new_peak || op % stride == 0 {
+            timeline.push(p);
+        }
+        true
+    })?;
+    drop(a);
+    let a = allocator(source, capacity, config)?;
+    let mut at_peak = None;
+    run(&a, trace, opts, |op, a| {
+        if op < peak.0 {
+            return true;
+        }
+        at_peak = Some((a.snapshot(), a.stats()));
+        false
+    })?;
+    let (at_peak, st) = match at_peak {
+        Some(s) => s,
+        None => (a.snapshot(), a.stats()),
+    };
+    let again = (st.reserved_bytes[AGGREGATE].current as u64, st.allocated_bytes[AGGREGATE].current as u64);
+    if peak.0 > 0 && again != (peak.1, peak.2) {
+        return Err(Error::Config {
+            what: format!(
+                "the second replay reached {} reserved / {} allocated bytes at op {}, not the first's {} / {}: \
+                 the allocator's choices depended on something besides the trace",
+                again.0, again.1, peak.0, peak.1, peak.2
+            ),
+        });
+    }
+    Ok(ReplayPicture { at_peak, peak_op: peak.0, timeline })
+}
+
 /// The smallest capacity (to 2 MiB) at which `trace` replays without an out-of-memory, found
 /// by bisection between the peak allocated bytes and the peak reserved at `capacity`.
 pub fn find_min_capacity(
@@ -411,6 +488,47 @@ fn min_capacity_of(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[cfg_attr(miri, ignore = "terabyte capacities: the Miri stand-in mappings are real heap memory")]
+    fn the_picture_is_taken_at_the_reserved_peak() {
+        // Classic segments: 8 MiB blocks, a 4 MiB one between two generations; the peak is
+        // reached when the third 8 MiB block is handed out (three segments' worth), and the
+        // second generation reuses the cache, so the reserved bytes never go higher.
+        let mut t = vec![TraceOp::Alloc { addr: 100, size: 4 << 20 }];
+        for i in 0..3u64 {
+            t.push(TraceOp::Alloc { addr: i, size: 8 << 20 });
+        }
+        t.push(TraceOp::Step);
+        for i in 0..3u64 {
+            t.push(TraceOp::Free { addr: i });
+        }
+        t.push(TraceOp::Free { addr: 100 });
+        let c = Config { expandable_segments: false, ..Config::default() };
+        let opts = ReplayOptions { repeat: 3 };
+        let pic = replay_picture(&t, ReplaySource::Virtual, 1 << 40, &c, &opts).unwrap();
+        let r = replay_with(&t, ReplaySource::Virtual, 1 << 40, &c, &opts).unwrap();
+        // Every operation (step markers included) has its point, in order.
+        assert_eq!(pic.timeline.len(), t.len() * 3);
+        assert!(pic.timeline.windows(2).all(|w| w[0].op + 1 == w[1].op));
+        let top = pic.timeline.iter().map(|p| p.reserved).max().unwrap();
+        assert_eq!(top, r.peak_reserved_bytes);
+        assert_eq!(pic.peak_op, 4, "the third 8 MiB block is op 4");
+        let at = &pic.timeline[pic.peak_op as usize - 1];
+        assert_eq!((at.reserved, at.allocated), (top, 28 << 20));
+        assert!(pic.timeline.iter().all(|p| p.requested <= p.allocated && p.allocated <= p.reserved));
+        // The snapshot is of that moment: its segments add up to the peak, its allocated blocks
+        // to the allocated bytes there.
+        let segs = &pic.at_peak.segments;
+        assert_eq!(segs.iter().map(|s| s.size as u64).sum::<u64>(), top);
+        let allocated: usize = segs
+            .iter()
+            .flat_map(|s| &s.blocks)
+            .filter(|b| b.state == super::super::BlockState::Allocated)
+            .map(|b| b.size)
+            .sum();
+        assert_eq!(allocated as u64, at.allocated);
+    }
 
     #[test]
     fn parses_traces_and_names_bad_lines() {

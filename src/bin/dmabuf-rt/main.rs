@@ -10,7 +10,7 @@ mod demo;
 use std::process::ExitCode;
 
 use dmabuf_rt::caching::Config;
-use dmabuf_rt::caching::replay::{ReplayOptions, ReplaySource, parse_trace, replay_report};
+use dmabuf_rt::caching::replay::{ReplayOptions, ReplaySource, parse_trace, replay_picture, replay_report};
 
 const USAGE: &str = "usage: dmabuf-rt <command>
 
@@ -20,10 +20,12 @@ commands:
              embedded default device (shmem), each against a peer measured in the same run
   devices    list DMA-BUF heaps, udmabuf and DRM nodes, and whether this process may open them
   replay FILE.jsonl [--source virtual|shmem] [--capacity BYTES] [--find-min-capacity] [--repeat N] [--json]
+             [--svg OUT.svg]
              replay an allocation trace ({\"t\":ns,\"op\":\"alloc\"|\"free\",\"addr\":n,\"size\":n} per line,
              {\"op\":\"step\"} between steps) through the caching allocator (settings from
              DMABUF_RT_ALLOC_CONF); --repeat replays it N times on one allocator, and the source
-             calls and remaps of the warm steps (the second half) are shown apart
+             calls and remaps of the warm steps (the second half) are shown apart; --svg draws the
+             segments at the reserved peak and the reserved/allocated/requested timeline
   svg SNAPSHOT.json -o OUT.svg [--title TEXT] [--device N]
              draw an allocator snapshot (Snapshot::to_json, dmabuf_rt_snapshot_json, or PyTorch's
              memory snapshot as JSON) as a self-contained SVG: segments coloured by state, and the
@@ -81,6 +83,7 @@ fn run_replay(args: &[String]) -> Result<(), String> {
     let mut source = ReplaySource::Virtual;
     let mut capacity: u64 = 1 << 40;
     let (mut find_min, mut json) = (false, false);
+    let mut svg = None;
     let mut opts = ReplayOptions::default();
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -108,6 +111,7 @@ fn run_replay(args: &[String]) -> Result<(), String> {
                     .ok_or("--repeat takes a number of replays from 1 to 10000")?;
             }
             "--json" => json = true,
+            "--svg" => svg = Some(it.next().ok_or("--svg takes the SVG file to write (- for stdout)")?.clone()),
             f if !f.starts_with("--") && file.is_none() => file = Some(f.to_string()),
             other => return Err(format!("unexpected argument `{other}`")),
         }
@@ -123,6 +127,23 @@ fn run_replay(args: &[String]) -> Result<(), String> {
         println!("{}", report.to_json());
     } else {
         print!("{}", report.to_text());
+    }
+    if let Some(out) = svg {
+        let pic = replay_picture(&trace, source, capacity, &config, &opts).map_err(|e| e.to_string())?;
+        let segments = svg_cmd::segments_of(&pic.at_peak)?;
+        let title = format!(
+            "{file}: at the reserved peak (op {} of {}), {:.1} MiB reserved",
+            pic.peak_op,
+            pic.timeline.last().map_or(0, |p| p.op),
+            report.peak_reserved_bytes as f64 / (1u64 << 20) as f64
+        );
+        let doc = dmabuf_rt::caching::svg::render(&title, &segments, &pic.timeline, Some(pic.peak_op));
+        if out == "-" {
+            print!("{doc}");
+        } else {
+            std::fs::write(&out, &doc).map_err(|e| format!("{out}: {e}"))?;
+            eprintln!("dmabuf-rt replay: wrote {out} ({} bytes, {} segments)", doc.len(), segments.len());
+        }
     }
     Ok(())
 }

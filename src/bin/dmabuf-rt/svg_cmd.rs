@@ -548,6 +548,12 @@ pub(crate) fn picture(doc: &Json, device: Option<u64>) -> Result<Picture, String
     Ok(pic)
 }
 
+/// The segments of a snapshot of this library, to draw (what `replay --svg` shows).
+pub(crate) fn segments_of(snap: &dmabuf_rt::caching::Snapshot) -> Result<Vec<SvgSegment>, String> {
+    let doc = parse_json(&snap.to_json()).map_err(|e| format!("the snapshot's JSON: {e}"))?;
+    Ok(picture(&doc, None)?.segments)
+}
+
 /// The segments, the backed runs of an expandable segment (consecutive expandable segments of
 /// one stream and pool, in address order) merged into one with its gaps punched.
 fn group_runs(raw: Vec<RawSegment>) -> Result<Vec<SvgSegment>, String> {
