@@ -1075,8 +1075,14 @@ fn blocks_of_a_busy_queue_are_never_punched() {
 fn a_random_workload_on_the_stitched_pool_matches_its_model() {
     use dmabuf_rt::segment::Access;
     let mut remaps = 0;
-    for seed in 1..=6u64 {
-        let a = alloc("expandable_segments:True,page_stitching:True", 64 * MB);
+    for seed in 1..=8u64 {
+        // Half the seeds stitch 2 MiB chunks, half 64 KiB units.
+        let conf = if seed % 2 == 0 {
+            "expandable_segments:True,page_stitching:True"
+        } else {
+            "expandable_segments:True,page_stitching:True,stitch_unit_kb:64"
+        };
+        let a = alloc(conf, 64 * MB);
         let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
         let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         let mut next = move || {
@@ -1158,6 +1164,10 @@ fn a_random_workload_on_the_stitched_pool_matches_its_model() {
         );
         for (x, tag, _) in &live {
             tag_of(x, *tag);
+        }
+        if seed <= 2 {
+            // Both units stitched something.
+            assert!(st.num_remaps > 0, "seed {seed} ({conf}): nothing stitched");
         }
         remaps += st.num_remaps;
         drop(live);

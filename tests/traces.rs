@@ -158,3 +158,26 @@ fn a_repeated_trace_settles_with_trimming_off() {
         assert_eq!(r.warm_source_calls, 0, "{name}: a warm step called the source");
     }
 }
+
+#[test]
+fn the_trim_policy_holds_its_bound_on_every_trace() {
+    // With trimming on (the default), the reserved bytes stay within `trim_ratio` times the
+    // peak allocated, give or take the pages that blocks in use only partly cover (which
+    // cannot be punched): a cached block whose front was punched gives back its own backed
+    // end past the request (the variable-length trace once reached 1.0996 that way).
+    for cfg in ["", "page_stitching:True", "page_stitching:True,stitch_unit_kb:256"] {
+        let c = Config::parse(cfg).unwrap();
+        for name in TRACES {
+            let r =
+                replay_with(&trace(name), ReplaySource::Virtual, 1 << 40, &c, &ReplayOptions { repeat: 2 }).unwrap();
+            println!("{name} [{cfg}]: reserved / allocated {:.4}", r.ratio);
+            assert!(
+                r.ratio <= c.trim_ratio + 0.005,
+                "{name} [{cfg}]: peak reserved {} is {:.4} x peak allocated {}",
+                r.peak_reserved_bytes,
+                r.ratio,
+                r.peak_allocated_bytes
+            );
+        }
+    }
+}

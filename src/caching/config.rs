@@ -50,6 +50,12 @@ pub struct Config {
     /// CHANGELOG). A stitched segment's fd is no longer handed out (its offsets are not fd
     /// offsets), and a segment whose fd went out is never stitched.
     pub page_stitching: bool,
+    /// Expandable segments only (our key, `stitch_unit_kb`): what page stitching moves at once,
+    /// in bytes; a power of two from the page size to 2 MiB (the growth chunk), 2 MiB by
+    /// default. Smaller units let more of the memory under free blocks move (a large block
+    /// rarely covers whole 2 MiB chunks of a neighbour's free space) but take more remaps
+    /// and more kernel mappings (VMAs; Linux allows 65,530 per process by default).
+    pub stitch_unit: usize,
     /// Bypass caching.
     pub no_caching: bool,
 }
@@ -64,6 +70,7 @@ impl Default for Config {
             per_process_memory_fraction: 1.0,
             trim_ratio: 1.045,
             page_stitching: false,
+            stitch_unit: 2 << 20,
             no_caching: false,
         }
     }
@@ -141,12 +148,25 @@ impl Config {
                         _ => return Err(bad(key, value, "expected True or False")),
                     }
                 }
+                "stitch_unit_kb" => {
+                    let kb: usize = value.parse().map_err(|_| bad(key, value, "expected a number of KiB"))?;
+                    let bytes = kb.checked_mul(1024).unwrap_or(0);
+                    let page = crate::source::page_size();
+                    if !bytes.is_power_of_two() || bytes < page || bytes > 2 << 20 {
+                        return Err(bad(
+                            key,
+                            value,
+                            &format!("must be a power of two from the page size ({} KiB) to 2048", page / 1024),
+                        ));
+                    }
+                    c.stitch_unit = bytes;
+                }
                 other => {
                     return Err(Error::Config {
                         what: format!(
                             "{ENV}: unknown key `{other}` (known: max_split_size_mb, roundup_power2_divisions, \
                              garbage_collection_threshold, expandable_segments, per_process_memory_fraction, \
-                             trim_ratio, page_stitching)"
+                             trim_ratio, page_stitching, stitch_unit_kb)"
                         ),
                     });
                 }
@@ -243,6 +263,10 @@ mod tests {
         assert_eq!(c.per_process_memory_fraction, 0.5);
         assert!(!Config::parse("expandable_segments:False").unwrap().expandable_segments);
         assert_eq!(Config::parse("").unwrap(), Config::default());
+        let c = Config::parse("page_stitching:True,stitch_unit_kb:256").unwrap();
+        assert!(c.page_stitching);
+        assert_eq!(c.stitch_unit, 256 << 10);
+        assert_eq!(Config::default().stitch_unit, 2 << 20);
     }
 
     #[test]
@@ -272,6 +296,11 @@ mod tests {
             ("trim_ratio:0.9", "0 (off) or more than 1"),
             ("trim_ratio:inf", "0 (off) or more than 1"),
             ("trim_ratio:x", "expected a number"),
+            ("stitch_unit_kb:96", "power of two"),
+            ("stitch_unit_kb:4096", "power of two"),
+            ("stitch_unit_kb:0", "power of two"),
+            ("stitch_unit_kb:18014398509481984", "power of two"),
+            ("stitch_unit_kb:-1", "number of KiB"),
             ("colour:blue", "unknown key `colour`"),
             ("max_split_size_mb", "not `key:value`"),
         ] {

@@ -34,6 +34,9 @@ pub(crate) struct ExpState {
     /// `0..mapped / CHUNK`; the identity until pages are stitched). The holes above are by
     /// address: they move with their chunk when it moves.
     chunks: Vec<u32>,
+    /// The unit of page stitching (a power of two from the page size to [`CHUNK`]): what
+    /// moves at once, and the granularity of the map above.
+    unit: usize,
     /// The block that ends at the mapped end.
     pub(crate) tail: Option<BlockId>,
 }
@@ -133,11 +136,12 @@ impl ExpState {
     }
 
     /// The state of a reservation just made (nothing mapped yet).
-    fn new(seg: &Segment) -> Self {
+    fn new(seg: &Segment, unit: usize) -> Self {
         // CHUNK is a multiple of every page size Linux uses.
         let page = crate::source::page_size().clamp(1, CHUNK);
         let reserved_len = seg.mapping().map_or(0, crate::mapping::Mapping::reserved_len);
-        Self { reserved_len, page, holes: Vec::new(), punched: 0, chunks: Vec::new(), tail: None }
+        let unit = unit.clamp(page, CHUNK);
+        Self { reserved_len, page, holes: Vec::new(), punched: 0, chunks: Vec::new(), unit, tail: None }
     }
 
     /// Bytes of reservation.
@@ -157,14 +161,20 @@ impl ExpState {
     pub(crate) fn grow(&mut self, seg: &Segment, mapped: usize, grow: usize) -> Result<()> {
         seg.grow_to(mapped, mapped + grow)?;
         self.holes.resize(((mapped + grow) / self.page).div_ceil(64), 0);
-        self.chunks.extend((mapped / CHUNK..(mapped + grow) / CHUNK).map(|c| c as u32));
+        let unit = self.unit();
+        self.chunks.extend((mapped / unit..(mapped + grow) / unit).map(|c| c as u32));
         self.mark(mapped / self.page, (mapped + grow) / self.page, true);
         Ok(())
     }
 
-    /// Pages per chunk.
+    /// The unit of page stitching: what a remap moves at least.
+    pub(crate) fn unit(&self) -> usize {
+        self.unit
+    }
+
+    /// Pages per stitching unit.
     fn chunk_pages(&self) -> usize {
-        CHUNK / self.page
+        self.unit() / self.page
     }
 
     /// Punched pages of mapped chunk `c`.
@@ -181,7 +191,8 @@ impl ExpState {
     pub(crate) fn swap(&mut self, seg: &Segment, a: usize, b: usize, n: usize) -> Result<()> {
         debug_assert!(self.file_contiguous(a, n) && self.file_contiguous(b, n) && a.abs_diff(b) >= n);
         let (fa, fb) = (self.chunks[a] as usize, self.chunks[b] as usize);
-        seg.swap_ranges((a * CHUNK, fa * CHUNK), (b * CHUNK, fb * CHUNK), n * CHUNK)?;
+        let u = self.unit();
+        seg.swap_ranges((a * u, fa * u), (b * u, fb * u), n * u)?;
         let per = self.chunk_pages();
         for i in 0..n {
             self.chunks.swap(a + i, b + i);
@@ -215,7 +226,7 @@ impl ExpState {
         while p < to {
             let c = p / n;
             let end = ((c + 1) * n).min(to);
-            let (at, file) = (p * page, self.chunks[c] as usize * CHUNK + (p - c * n) * page);
+            let (at, file) = (p * page, self.chunks[c] as usize * self.unit() + (p - c * n) * page);
             let len = (end - p) * page;
             match runs.last_mut() {
                 Some(last) if last.0 + last.2 == at && last.1 + last.2 == file => last.2 += len,
@@ -299,13 +310,13 @@ impl ExpState {
             return Err(format!("{} punched pages counted, {holes} marked", self.punched));
         }
         let mut seen = vec![false; self.chunks.len()];
-        if self.chunks.len() != mapped / CHUNK
+        if self.chunks.len() != mapped / self.unit()
             || !self.chunks.iter().all(|&c| !std::mem::replace(&mut seen[c as usize], true))
         {
             return Err(format!(
-                "the chunk map ({} entries) is not a permutation of the {} mapped chunks",
+                "the chunk map ({} entries) is not a permutation of the {} mapped units",
                 self.chunks.len(),
-                mapped / CHUNK
+                mapped / self.unit()
             ));
         }
         let marked: usize = self.holes.iter().map(|w| w.count_ones() as usize).sum();
@@ -341,13 +352,13 @@ pub(crate) enum Reservation {
 /// Reserves address space for an expandable segment whose first request is `rounded` bytes,
 /// [`reservation_len`] of it, or less if the source refuses (`ulimit -v`, valgrind): halved
 /// until it fits, never below the request.
-pub(crate) fn reserve(source: &dyn MemorySource, allowed: u64, rounded: usize) -> Reservation {
+pub(crate) fn reserve(source: &dyn MemorySource, allowed: u64, rounded: usize, unit: usize) -> Reservation {
     let floor = rounded.next_multiple_of(CHUNK);
     let mut len = reservation_len(allowed, floor);
     loop {
         match source.reserve_expandable(len) {
             Ok(seg) => {
-                let exp = ExpState::new(&seg);
+                let exp = ExpState::new(&seg, unit);
                 return Reservation::Made(seg, exp);
             }
             Err(Error::Unsupported { .. }) => return Reservation::Unsupported,
@@ -452,6 +463,7 @@ mod tests {
             holes: vec![0; pages.div_ceil(64)],
             punched: 0,
             chunks: (0..(pages * 4096 / CHUNK) as u32).collect(),
+            unit: CHUNK,
             tail: None,
         }
     }
@@ -545,7 +557,7 @@ mod tests {
 
     #[test]
     fn grow_punch_and_check_on_a_reservation() {
-        let Reservation::Made(seg, mut e) = reserve(&SparseSource, 1 << 30, 4096) else {
+        let Reservation::Made(seg, mut e) = reserve(&SparseSource, 1 << 30, 4096, CHUNK) else {
             panic!("the sparse source reserves address space")
         };
         assert!(e.reserved_len() >= 4 * CHUNK);
@@ -585,7 +597,7 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "swaps and reads whole 2 MiB chunks: hours under Miri")]
     fn a_swap_moves_memory_and_holes_between_chunks() {
-        let Reservation::Made(seg, mut e) = reserve(&SparseSource, 1 << 30, 4096) else {
+        let Reservation::Made(seg, mut e) = reserve(&SparseSource, 1 << 30, 4096, CHUNK) else {
             panic!("the sparse source reserves address space")
         };
         e.grow(&seg, 0, 3 * CHUNK).unwrap();
@@ -619,7 +631,7 @@ mod tests {
     /// An fd handed out names pages by offset: the segment is never stitched after that.
     #[test]
     fn a_segment_whose_fd_went_out_is_not_stitched() {
-        let Reservation::Made(seg, mut e) = reserve(&SparseSource, 1 << 30, 4096) else {
+        let Reservation::Made(seg, mut e) = reserve(&SparseSource, 1 << 30, 4096, CHUNK) else {
             panic!("the sparse source reserves address space")
         };
         e.grow(&seg, 0, 2 * CHUNK).unwrap();

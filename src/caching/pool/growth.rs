@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::super::block::{BlockId, PoolKind, QueueKey};
-use super::super::expandable::{self, Budget, CHUNK, ExpState, Reservation};
+use super::super::expandable::{self, Budget, ExpState, Reservation};
 use super::super::snapshot::HistoryKind;
 use super::super::stats;
 use super::{Key, Pool, SegEntry};
@@ -33,7 +33,7 @@ impl Pool {
     ) -> Option<BlockId> {
         let idx = match self.expandable.get(&(queue, pool)) {
             Some(&i) => i,
-            None => match expandable::reserve(&*self.source, self.allowed, rounded) {
+            None => match expandable::reserve(&*self.source, self.allowed, rounded, self.config.stitch_unit) {
                 Reservation::Made(seg, exp) => {
                     let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
                     let entry = SegEntry { seg: Arc::new(seg), base, size: 0, pool, queue, exp: Some(exp) };
@@ -116,42 +116,53 @@ impl Pool {
     /// [`Pool::allocate`] only, and cheap unless the block's segment has punched pages.
     pub(super) fn reback_fits(&mut self, id: BlockId, rounded: usize) -> bool {
         let mut need = self.punched_bytes(id, rounded) as u64;
-        if need == 0 {
+        if need == 0 || self.budget().trim_excess(need, rounded as u64) == 0 {
+            // Nothing to back, or within the trim policy's bound: touching the pages backs
+            // them, with no call.
             return true;
         }
-        if self.budget().trim_excess(need, rounded as u64) == 0 {
-            // Within the trim policy's bound: touching the pages backs them, with no call.
-            return true;
-        }
-        if self.stitch(id, rounded) > 0 {
-            need = self.punched_bytes(id, rounded) as u64;
+        if self.config.page_stitching {
+            if self.stitch(id, rounded) > 0 {
+                need = self.punched_bytes(id, rounded) as u64;
+            }
+            if need > 0 && self.quick.len() > 0 && self.budget().trim_excess(need, rounded as u64) > 0 {
+                // The quick cache's blocks may hold what stitching needs: merge them, try again.
+                self.merge_quick_around(id);
+                self.stitch(id, rounded);
+                need = self.punched_bytes(id, rounded) as u64;
+            }
             if self.budget().trim_excess(need, rounded as u64) == 0 {
                 return true;
             }
         }
         if self.quick.len() > 0 {
-            // Memory in the quick cache can be neither moved nor punched: merge it first, with `id` out of
-            // its pool and marked allocated meanwhile so that no merge absorbs it; then `id`
-            // goes back through `pool_free`, which absorbs its free neighbours (leaving them
-            // unmerged would strand them: nothing merges two pooled blocks later). `id` keeps
-            // its id, so the caller's choice stands; it may start earlier now.
-            self.pool_remove(id);
-            self.blocks[id as usize].allocated = true;
-            self.flush_quick();
-            self.blocks[id as usize].allocated = false;
-            self.pool_free(id);
-            self.stitch(id, rounded);
+            // Memory in the quick cache cannot be punched either.
+            self.merge_quick_around(id);
             need = self.punched_bytes(id, rounded) as u64;
         }
         self.trim(need, rounded as u64, Some(id));
         // The trim spares `id` itself, but the part of it this request leaves free may hold
-        // backed pages (its front was punched and its end was not): past the allowed memory,
-        // those go too, rather than refusing a request that fits.
-        let over = self.budget().over_allowed(need);
+        // backed pages (its front was punched and its end was not): past the bound (or the
+        // allowed memory), those go too, rather than leaving the reserved bytes above it or
+        // refusing a request that fits.
+        let over = self.budget().trim_excess(need, rounded as u64);
         if over > 0 {
             self.punch_block_beyond(id, rounded, over);
         }
         self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64 + need <= self.allowed
+    }
+
+    /// Merges the quick cache into the pools (memory there can be neither moved nor punched),
+    /// with pooled block `id` out of its pool and marked allocated meanwhile so that no merge
+    /// absorbs it; then `id` goes back through `pool_free`, which absorbs its free neighbours
+    /// (leaving them unmerged would strand them: nothing merges two pooled blocks later). `id`
+    /// keeps its id, so the caller's choice stands; it may start earlier now.
+    fn merge_quick_around(&mut self, id: BlockId) {
+        self.pool_remove(id);
+        self.blocks[id as usize].allocated = true;
+        self.flush_quick();
+        self.blocks[id as usize].allocated = false;
+        self.pool_free(id);
     }
 
     /// Counts the punched pages under an expandable block that is being handed out as
@@ -172,15 +183,15 @@ impl Pool {
     }
 
     /// Page stitching, before the punched pages under the part of pooled block `id` that a
-    /// `rounded`-byte request takes are backed again (which would add to the reserved bytes):
-    /// each chunk there that lies wholly inside the block and has punched pages trades places
-    /// with a fully backed chunk that lies wholly inside a free pooled block of the same
-    /// segment (largest blocks first, so the memory comes from where it is least likely to be
-    /// reused soon; never from the part of `id` the request takes). Two remaps per chunk; no
-    /// memory taken from the source or given back, so the reserved bytes do not change. Nothing
-    /// moves while the segment's queue has work in flight (that work may still use free
-    /// blocks' bytes). Returns the chunks moved; `num_remaps` counts the remaps (two per run of
-    /// chunks moved at once).
+    /// `rounded`-byte request takes are backed again past the trim policy's bound: each
+    /// stitching unit there (`Config::stitch_unit`, 2 MiB by default) that lies wholly inside
+    /// the block and has punched pages trades places with a fully backed unit that lies wholly
+    /// inside a free pooled block of the same segment (largest blocks first, so the memory
+    /// comes from where it is least likely to be reused soon; never from the part of `id` the
+    /// request takes). Two remaps per run of units moved at once; no memory taken from the
+    /// source or given back, so the reserved bytes do not change. Nothing moves while the
+    /// segment's queue has work in flight (that work may still use free blocks' bytes).
+    /// Returns the units moved; `num_remaps` counts the remaps.
     pub(super) fn stitch(&mut self, id: BlockId, rounded: usize) -> usize {
         let b = &self.blocks[id as usize];
         let (seg, off, size, queue, pool) = (b.seg, b.offset, b.size, b.queue, b.pool);
@@ -189,8 +200,9 @@ impl Pool {
         if !self.config.page_stitching || entry.seg.stitch_broken() || self.queue_busy(queue) {
             return 0;
         }
-        // The chunks the request touches that lie wholly in the free block.
-        let (first, end) = (off.div_ceil(CHUNK), (off + rounded).div_ceil(CHUNK).min((off + size) / CHUNK));
+        // The units the request touches that lie wholly in the free block.
+        let unit = exp.unit();
+        let (first, end) = (off.div_ceil(unit), (off + rounded).div_ceil(unit).min((off + size) / unit));
         let targets: Vec<usize> = (first..end).filter(|&c| exp.chunk_holes(c) > 0).collect();
         if targets.is_empty() {
             return 0;
@@ -204,7 +216,8 @@ impl Pool {
             }
             // Of `id` itself, only the part beyond the request.
             let lo = if k.3 == id { off + rounded } else { d.offset };
-            for c in lo.div_ceil(CHUNK)..(d.offset + d.size) / CHUNK {
+            let units = lo.div_ceil(unit)..(d.offset + d.size) / unit;
+            for c in units {
                 if exp.chunk_holes(c) == 0 {
                     donors.push(c);
                     if donors.len() == targets.len() {

@@ -77,7 +77,7 @@ impl Pool {
         stats::dec_array(&mut self.stats.device.reserved_bytes, e.pool, backed as i64);
         self.expandable.remove(&(e.queue, e.pool));
         if backed > 0 {
-            self.log(HistoryKind::SegmentUnmap, e.base, e.size, e.queue);
+            self.log(HistoryKind::SegmentUnmap, e.base, backed, e.queue);
         }
         self.free_segs.push(si);
         drop(e); // unmaps the reservation and closes the memfd once no queue operation holds it
