@@ -353,7 +353,18 @@ impl CachingAllocator {
     /// handle of the allocator releases its memory, raw blocks included.
     pub fn allocate_raw(&self, size: usize, queue: Option<&Queue>) -> Result<*mut u8> {
         let key = QueueKey::of(queue.map(Queue::id));
-        if let Some(addr) = self.lock().try_quick_raw(size, key) {
+        if let Some(addr) = self.lock().quick_alloc_raw(size, key) {
+            return Ok(addr as *mut u8);
+        }
+        self.allocate_raw_slow(size, queue)
+    }
+
+    /// [`CachingAllocator::allocate_raw`] past its fast path.
+    #[inline(never)]
+    fn allocate_raw_slow(&self, size: usize, queue: Option<&Queue>) -> Result<*mut u8> {
+        // Frees applied since the fast path's look may have quick-cached a fit (the general
+        // path, kept for `Pool::try_quick_raw`'s callers; TODO: drop it with that function).
+        if let Some(addr) = self.lock().try_quick_raw(size, QueueKey::of(queue.map(Queue::id))) {
             return Ok(addr as *mut u8);
         }
         self.allocate_slow(size, queue, |mut pool, b| pool.hand_out_raw(b) as *mut u8)
@@ -371,6 +382,16 @@ impl CachingAllocator {
             return Err(Error::InvalidFree { ptr: 0, why: "null pointer" });
         }
         let mut pool = self.lock();
+        if pool.quick_free_raw(ptr as usize) {
+            return Ok(());
+        }
+        self.free_raw_slow(pool, ptr)
+    }
+
+    /// [`CachingAllocator::free_raw`] past its fast path: checked, refused with the reason, or
+    /// deferred for other queues.
+    #[inline(never)]
+    fn free_raw_slow(&self, mut pool: MutexGuard<'_, Pool>, ptr: *mut u8) -> Result<()> {
         match pool.free_raw(ptr as usize) {
             Ok(None) => Ok(()),
             Ok(Some((id, uses))) => {

@@ -383,17 +383,12 @@ impl Pool {
     }
 
     /// The allocation fast path: a quick-cached block of exactly the rounded size on this
-    /// queue. `None` sends the caller to [`Pool::allocate`], which handles everything else
-    /// (rounding options, bad sizes, misses) and tries the quick cache again itself.
+    /// queue (see [`Pool::quick_alloc`]).
     #[inline(always)]
     pub(crate) fn try_quick(&mut self, size: usize, queue: QueueKey) -> Option<Handed> {
-        // Plain 512-byte rounding of a sane size (1 byte to 1 TiB).
-        if !self.config.roundup_power2_divisions.is_empty() || size.wrapping_sub(1) >= 1 << 40 {
-            return None;
-        }
-        let rounded = size.max(MIN_BLOCK).next_multiple_of(MIN_BLOCK);
-        let id = self.quick_take(queue, rounded)?;
-        Some(self.hand_out(id, size, queue))
+        let (id, seg, offset) = self.quick_alloc(size, queue, false)?;
+        let segment = SegRef::new(&self.segments[seg as usize].as_ref().expect("live segment").seg);
+        Some(Handed { id, segment, offset })
     }
 
     /// Seed 003's malloc, read as PyTorch's `malloc` reads: after the quick cache (an exact fit

@@ -44,16 +44,19 @@ impl Hasher for FxHasher {
 
 pub(crate) type FxBuild = BuildHasherDefault<FxHasher>;
 
+/// One queue's small classes: the head of each class's list, and a bitmap of the classes
+/// that may hold blocks.
+struct Table {
+    heads: [BlockId; CLASSES],
+    /// A set bit: the class has held a block since the last flush.
+    used: [u64; WORDS],
+}
+
 #[derive(Default)]
 pub(crate) struct Quick {
-    /// The queues with small classes, in the order they came; queue `i` owns
-    /// `heads[i * CLASSES..][..CLASSES]` and `used[i * WORDS..][..WORDS]`.
-    queues: Vec<QueueKey>,
-    /// The queue index used last (queues are few and used in runs).
-    last: usize,
-    heads: Vec<BlockId>,
-    /// A set bit: the class has held a block since the last flush.
-    used: Vec<u64>,
+    /// The queues with small classes and their tables, the one used last first (queues are
+    /// few and used in runs: a hit on another queue moves it to the front).
+    tables: Vec<(QueueKey, Box<Table>)>,
     large: HashMap<(QueueKey, usize), BlockId, FxBuild>,
     /// The link of each block id.
     next: Vec<BlockId>,
@@ -74,72 +77,87 @@ impl Quick {
         }
     }
 
-    #[inline]
-    fn find(&mut self, queue: QueueKey) -> Option<usize> {
-        if self.queues.get(self.last) == Some(&queue) {
-            return Some(self.last);
+    /// The table of `queue` in `tables`, if it has one.
+    #[inline(always)]
+    fn table(tables: &mut [(QueueKey, Box<Table>)], queue: QueueKey) -> Option<&mut Table> {
+        if tables.first().is_some_and(|&(q, _)| q == queue) {
+            return Some(&mut tables[0].1);
         }
-        let i = self.queues.iter().position(|&s| s == queue)?;
-        self.last = i;
-        Some(i)
+        Self::table_behind(tables, queue)
+    }
+
+    /// The table of a queue other than the first, moved to the front.
+    #[cold]
+    #[inline(never)]
+    fn table_behind(tables: &mut [(QueueKey, Box<Table>)], queue: QueueKey) -> Option<&mut Table> {
+        let i = tables.iter().position(|&(q, _)| q == queue)?;
+        tables.swap(0, i);
+        Some(&mut tables[0].1)
+    }
+
+    /// The table of `queue`, made if it has none.
+    #[inline(always)]
+    fn table_or_add(&mut self, queue: QueueKey) -> &mut Table {
+        if self.tables.first().is_some_and(|&(q, _)| q == queue) {
+            return &mut self.tables[0].1;
+        }
+        self.table_behind_or_add(queue)
     }
 
     #[cold]
-    fn add_queue(&mut self, queue: QueueKey) -> usize {
-        self.queues.push(queue);
-        self.heads.resize(self.queues.len() * CLASSES, NONE);
-        self.used.resize(self.queues.len() * WORDS, 0);
-        self.last = self.queues.len() - 1;
-        self.last
+    #[inline(never)]
+    fn table_behind_or_add(&mut self, queue: QueueKey) -> &mut Table {
+        match self.tables.iter().position(|&(q, _)| q == queue) {
+            Some(i) => self.tables.swap(0, i),
+            None => {
+                let t = Box::new(Table { heads: [NONE; CLASSES], used: [0; WORDS] });
+                self.tables.insert(0, (queue, t));
+            }
+        }
+        &mut self.tables[0].1
     }
 
     /// Drops the table of `queue`, whose queue is gone. The cache must hold none of its
     /// blocks (the pool flushes it first).
     pub(crate) fn forget_queue(&mut self, queue: QueueKey) {
         self.large.retain(|k, _| k.0 != queue);
-        let Some(i) = self.queues.iter().position(|&s| s == queue) else { return };
-        debug_assert!(self.heads[i * CLASSES..][..CLASSES].iter().all(|&h| h == NONE));
-        let last = self.queues.len() - 1;
-        if i != last {
-            self.heads.copy_within(last * CLASSES..(last + 1) * CLASSES, i * CLASSES);
-            self.used.copy_within(last * WORDS..(last + 1) * WORDS, i * WORDS);
-            self.queues[i] = self.queues[last];
-        }
-        self.queues.pop();
-        self.heads.truncate(last * CLASSES);
-        self.used.truncate(last * WORDS);
-        self.last = 0;
+        let Some(i) = self.tables.iter().position(|&(q, _)| q == queue) else { return };
+        debug_assert!(self.tables[i].1.heads.iter().all(|&h| h == NONE));
+        self.tables.swap_remove(i);
     }
 
     /// Adds a free block of `size` (a multiple of 512) bound to `queue`.
     #[inline(always)]
     pub(crate) fn push(&mut self, queue: QueueKey, size: usize, id: BlockId) {
-        self.len += 1;
-        let slot = if size > SMALL_SIZE {
-            self.large.entry((queue, size)).or_insert(NONE)
+        let old = if size > SMALL_SIZE {
+            self.push_large(queue, size, id)
         } else {
-            let s = match self.find(queue) {
-                Some(s) => s,
-                None => self.add_queue(queue),
-            };
+            let t = self.table_or_add(queue);
             let c = size / MIN_BLOCK;
-            self.used[s * WORDS + c / 64] |= 1 << (c % 64);
-            &mut self.heads[s * CLASSES + c]
+            let old = std::mem::replace(&mut t.heads[c], id);
+            if old == NONE {
+                // The bit is cleared only by a flush: a class that already held a block has it.
+                t.used[c / 64] |= 1 << (c % 64);
+            }
+            old
         };
-        self.next[id as usize] = std::mem::replace(slot, id);
+        self.next[id as usize] = old;
+        self.len += 1;
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn push_large(&mut self, queue: QueueKey, size: usize, id: BlockId) -> BlockId {
+        std::mem::replace(self.large.entry((queue, size)).or_insert(NONE), id)
     }
 
     /// Takes a block of exactly `size` bound to `queue`, the one freed last.
     #[inline(always)]
     pub(crate) fn pop(&mut self, queue: QueueKey, size: usize) -> Option<BlockId> {
-        if self.len == 0 {
-            return None;
-        }
         let slot = if size > SMALL_SIZE {
             self.large.get_mut(&(queue, size))?
         } else {
-            let s = self.find(queue)?;
-            &mut self.heads[s * CLASSES + size / MIN_BLOCK]
+            &mut Self::table(&mut self.tables, queue)?.heads[size / MIN_BLOCK]
         };
         let id = *slot;
         if id == NONE {
@@ -151,17 +169,18 @@ impl Quick {
     }
 
     /// Visits the head of every list that may hold blocks.
-    fn heads_in_use(&self) -> impl Iterator<Item = (usize, BlockId)> + '_ {
+    fn heads_in_use(&self) -> impl Iterator<Item = BlockId> + '_ {
         // Set bits only, lowest first: a flush costs what it moves, not the size of the table.
-        let small = self.used.iter().enumerate().flat_map(|(w, &bits)| {
-            let s = w / WORDS;
-            std::iter::successors((bits != 0).then_some(bits), |&b| {
-                let rest = b & (b - 1);
-                (rest != 0).then_some(rest)
+        let small = self.tables.iter().flat_map(|(_, t)| {
+            t.used.iter().enumerate().flat_map(move |(w, &bits)| {
+                std::iter::successors((bits != 0).then_some(bits), |&b| {
+                    let rest = b & (b - 1);
+                    (rest != 0).then_some(rest)
+                })
+                .map(move |b| t.heads[w * 64 + b.trailing_zeros() as usize])
             })
-            .map(move |b| s * CLASSES + (w % WORDS) * 64 + b.trailing_zeros() as usize)
         });
-        small.map(|i| (i, self.heads[i])).chain(self.large.values().map(|&h| (usize::MAX, h)))
+        small.chain(self.large.values().copied())
     }
 
     fn chain(&self, mut id: BlockId, out: &mut Vec<BlockId>) {
@@ -176,13 +195,18 @@ impl Quick {
     pub(crate) fn take_all_into(&mut self, out: &mut Vec<BlockId>) {
         out.clear();
         out.reserve(self.len);
-        for w in 0..self.used.len() {
-            let (s, mut bits) = (w / WORDS, std::mem::take(&mut self.used[w]));
-            while bits != 0 {
-                let slot = s * CLASSES + (w % WORDS) * 64 + bits.trailing_zeros() as usize;
-                bits &= bits - 1;
-                let head = std::mem::replace(&mut self.heads[slot], NONE);
-                self.chain(head, out);
+        for (_, t) in &mut self.tables {
+            for w in 0..WORDS {
+                let mut bits = std::mem::take(&mut t.used[w]);
+                while bits != 0 {
+                    let c = w * 64 + bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    let mut id = std::mem::replace(&mut t.heads[c], NONE);
+                    while id != NONE {
+                        out.push(id);
+                        id = self.next[id as usize];
+                    }
+                }
             }
         }
         for (_, head) in self.large.drain() {
@@ -206,7 +230,7 @@ impl Quick {
     /// Every block held, in no particular order.
     pub(crate) fn ids(&self) -> Vec<BlockId> {
         let mut out = Vec::with_capacity(self.len);
-        for (_, head) in self.heads_in_use() {
+        for head in self.heads_in_use() {
             self.chain(head, &mut out);
         }
         out
@@ -217,11 +241,12 @@ impl Quick {
     pub(crate) fn entries(&self) -> Vec<(QueueKey, usize, BlockId)> {
         let mut out = Vec::with_capacity(self.len);
         let mut chain = Vec::new();
-        for (i, &head) in self.heads.iter().enumerate() {
-            chain.clear();
-            self.chain(head, &mut chain);
-            let (queue, size) = (self.queues[i / CLASSES], (i % CLASSES) * MIN_BLOCK);
-            out.extend(chain.iter().map(|&id| (queue, size, id)));
+        for (queue, t) in &self.tables {
+            for (c, &head) in t.heads.iter().enumerate() {
+                chain.clear();
+                self.chain(head, &mut chain);
+                out.extend(chain.iter().map(|&id| (*queue, c * MIN_BLOCK, id)));
+            }
         }
         for (&(queue, size), &head) in &self.large {
             chain.clear();

@@ -85,26 +85,38 @@ pub(crate) fn dec_array(a: &mut StatArray, pool: PoolKind, amount: i64) {
     p.dec(amount);
 }
 
-/// The stats the allocation fast path moves, for one pool.
+/// The stats the allocation fast path moves, for one pool, as their current values, peaks
+/// and removed totals (in [`Hot`]'s field order: allocation, allocated bytes, requested
+/// bytes, inactive split, inactive split bytes). The added total is not kept: it is the
+/// current value plus the removed total minus the current value at the last accumulated
+/// reset (`base`), so an increase moves one counter and a decrease two.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Hot {
-    pub(crate) allocation: Stat,
-    pub(crate) allocated_bytes: Stat,
-    pub(crate) requested_bytes: Stat,
-    pub(crate) inactive_split: Stat,
-    pub(crate) inactive_split_bytes: Stat,
+    cur: [i64; 5],
+    peak: [i64; 5],
+    freed: [i64; 5],
+    /// The current values at the last accumulated reset.
+    base: [i64; 5],
 }
 
 impl Hot {
-    fn each(&mut self) -> [&mut Stat; 5] {
-        [
-            &mut self.allocation,
-            &mut self.allocated_bytes,
-            &mut self.requested_bytes,
-            &mut self.inactive_split,
-            &mut self.inactive_split_bytes,
-        ]
+    /// Field `f` as a [`Stat`].
+    fn stat(&self, f: usize) -> Stat {
+        Stat {
+            current: self.cur[f],
+            peak: self.peak[f],
+            allocated: self.cur[f] - self.base[f] + self.freed[f],
+            freed: self.freed[f],
+        }
     }
+}
+
+/// Raises a peak (out of line: on the fast path peaks are rarely passed, and a branch over
+/// this call is cheaper than an unconditional compare-and-store).
+#[cold]
+#[inline(never)]
+fn raise(peak: &mut i64, value: i64) {
+    *peak = value;
 }
 
 /// The hot stats: kept per pool only. The aggregate ("all") entry is the sum of the two
@@ -118,15 +130,6 @@ pub(crate) struct HotStats {
     peaks: [i64; 5],
 }
 
-/// Field accessors of [`Hot`], in order (for the aggregate peaks).
-const FIELDS: [fn(&Hot) -> &Stat; 5] = [
-    |h| &h.allocation,
-    |h| &h.allocated_bytes,
-    |h| &h.requested_bytes,
-    |h| &h.inactive_split,
-    |h| &h.inactive_split_bytes,
-];
-
 impl HotStats {
     /// `pool`'s counters, the other pool's, and the aggregate peaks.
     #[inline(always)]
@@ -139,25 +142,44 @@ impl HotStats {
         (mine, other, &mut self.peaks)
     }
 
+    /// Adds `amount` to field `f` of `h`, raising its peak and the aggregate's.
+    #[inline(always)]
+    fn inc(h: &mut Hot, o: &Hot, peaks: &mut [i64; 5], f: usize, amount: i64) {
+        let cur = h.cur[f] + amount;
+        h.cur[f] = cur;
+        if cur > h.peak[f] {
+            raise(&mut h.peak[f], cur);
+        }
+        let all = cur + o.cur[f];
+        if all > peaks[f] {
+            raise(&mut peaks[f], all);
+        }
+    }
+
+    /// Subtracts `amount` from field `f` of `h`.
+    #[inline(always)]
+    fn dec(h: &mut Hot, f: usize, amount: i64) {
+        h.cur[f] -= amount;
+        debug_assert!(h.cur[f] >= 0, "stat went negative");
+        h.freed[f] += amount;
+    }
+
     /// A block of `size` bytes handed out for a request of `requested`.
     #[inline(always)]
     pub(crate) fn on_alloc(&mut self, pool: PoolKind, size: i64, requested: i64) {
         let (h, o, peaks) = self.split(pool);
-        h.allocation.inc(1);
-        h.allocated_bytes.inc(size);
-        h.requested_bytes.inc(requested);
-        peaks[0] = peaks[0].max(h.allocation.current + o.allocation.current);
-        peaks[1] = peaks[1].max(h.allocated_bytes.current + o.allocated_bytes.current);
-        peaks[2] = peaks[2].max(h.requested_bytes.current + o.requested_bytes.current);
+        Self::inc(h, o, peaks, ALLOCATION, 1);
+        Self::inc(h, o, peaks, ALLOCATED_BYTES, size);
+        Self::inc(h, o, peaks, REQUESTED_BYTES, requested);
     }
 
     /// The caller let go of a block of `size` bytes asked for as `requested`.
     #[inline(always)]
     pub(crate) fn on_free_request(&mut self, pool: PoolKind, size: i64, requested: i64) {
         let (h, _, _) = self.split(pool);
-        h.allocation.dec(1);
-        h.allocated_bytes.dec(size);
-        h.requested_bytes.dec(requested);
+        Self::dec(h, ALLOCATION, 1);
+        Self::dec(h, ALLOCATED_BYTES, size);
+        Self::dec(h, REQUESTED_BYTES, requested);
     }
 
     /// A free block of `size` bytes starts (`entering`) or stops counting as inactive split.
@@ -165,20 +187,17 @@ impl HotStats {
     pub(crate) fn inactive(&mut self, pool: PoolKind, size: i64, entering: bool) {
         let (h, o, peaks) = self.split(pool);
         if entering {
-            h.inactive_split.inc(1);
-            h.inactive_split_bytes.inc(size);
-            peaks[3] = peaks[3].max(h.inactive_split.current + o.inactive_split.current);
-            peaks[4] = peaks[4].max(h.inactive_split_bytes.current + o.inactive_split_bytes.current);
+            Self::inc(h, o, peaks, INACTIVE_SPLIT, 1);
+            Self::inc(h, o, peaks, INACTIVE_SPLIT_BYTES, size);
         } else {
-            h.inactive_split.dec(1);
-            h.inactive_split_bytes.dec(size);
+            Self::dec(h, INACTIVE_SPLIT, 1);
+            Self::dec(h, INACTIVE_SPLIT_BYTES, size);
         }
     }
 
     /// One stat as a [`StatArray`] (all, small, large); `field` indexes `Hot`'s fields.
     pub(crate) fn array(&self, field: usize) -> StatArray {
-        let f = FIELDS[field];
-        let (s, l) = (*f(&self.pools[0]), *f(&self.pools[1]));
+        let (s, l) = (self.pools[0].stat(field), self.pools[1].stat(field));
         let all = Stat {
             current: s.current + l.current,
             peak: self.peaks[field],
@@ -190,23 +209,23 @@ impl HotStats {
 
     /// The current value of one stat in the aggregate and `pool` (as `array` would give).
     pub(crate) fn current(&self, field: usize) -> [i64; 3] {
-        let f = FIELDS[field];
-        let (s, l) = (f(&self.pools[0]).current, f(&self.pools[1]).current);
+        let (s, l) = (self.pools[0].cur[field], self.pools[1].cur[field]);
         [s + l, s, l]
     }
 
     pub(crate) fn reset_accumulated(&mut self) {
         for h in &mut self.pools {
-            h.each().into_iter().for_each(Stat::reset_accumulated);
+            h.base = h.cur;
+            h.freed = [0; 5];
         }
     }
 
     pub(crate) fn reset_peak(&mut self) {
         for h in &mut self.pools {
-            h.each().into_iter().for_each(Stat::reset_peak);
+            h.peak = h.cur;
         }
         for (i, p) in self.peaks.iter_mut().enumerate() {
-            *p = self.pools[0].each()[i].current + self.pools[1].each()[i].current;
+            *p = self.pools[0].cur[i] + self.pools[1].cur[i];
         }
     }
 }

@@ -2,8 +2,8 @@
 //! list are drained oldest first, each block goes into the quick cache (unmerged, for exact
 //! reuse) or into its pool merged with its free neighbours, and the stats follow.
 
-use super::super::block::{BlockId, FreeMsg, QueueKey};
-use super::super::free_list::{FreeList, Node};
+use super::super::block::{BlockId, FreeMsg, MIN_BLOCK, QueueKey};
+use super::super::free_list::{Drain, FreeList, Node};
 use super::super::snapshot::HistoryKind;
 use super::{Pool, QUICK_MAX};
 
@@ -12,12 +12,31 @@ impl Pool {
     /// list is not empty first, on its fast path).
     #[inline]
     pub(crate) fn drain(&mut self, frees: &FreeList<FreeMsg>) {
+        let mut drained = frees.take_all();
+        let Some(first) = drained.next() else { return };
+        if drained.is_done() {
+            // One node (the common case): nothing to reorder.
+            let m = first.value;
+            self.recycle(first);
+            self.apply(m);
+            return;
+        }
+        self.drain_many(first, drained);
+    }
+
+    /// `drain` for more than one node: `first` (the newest) and the `rest`, applied oldest
+    /// first (a deferred free's request before its completion).
+    #[cold]
+    #[inline(never)]
+    fn drain_many(&mut self, first: Box<Node<FreeMsg>>, rest: Drain<FreeMsg>) {
         let mut scratch = std::mem::take(&mut self.scratch);
-        frees.drain_oldest_first(&mut scratch, |n| {
+        scratch.push(first);
+        scratch.extend(rest);
+        while let Some(n) = scratch.pop() {
             let m = n.value;
             self.recycle(n);
             self.apply(m);
-        });
+        }
         self.scratch = scratch;
     }
 
@@ -84,6 +103,80 @@ impl Pool {
             self.stats.hot.inactive(pool, size as i64, true);
         }
         self.quick.push(queue, size, id);
+    }
+
+    /// The allocation fast path of both APIs: a quick-cached block of exactly the rounded size
+    /// freed on this queue, marked allocated for a request of `size` (raw if `raw`) and
+    /// accounted. Returns its id, segment and offset. `None` sends the caller to
+    /// [`Pool::allocate`], which handles everything else (rounding options, bad sizes,
+    /// misses) and tries the quick cache again itself.
+    #[inline(always)]
+    pub(crate) fn quick_alloc(&mut self, size: usize, queue: QueueKey, raw: bool) -> Option<(BlockId, u32, usize)> {
+        // Plain 512-byte rounding of a sane size (1 byte to 1 TiB).
+        let below = size.wrapping_sub(1);
+        if below >= 1 << 40 || !self.config.roundup_power2_divisions.is_empty() {
+            return None;
+        }
+        let rounded = (below | (MIN_BLOCK - 1)) + 1;
+        let id = self.quick.pop(queue, rounded)?;
+        let b = &mut self.blocks[id as usize];
+        debug_assert!(b.in_quick && !b.allocated && !b.raw && b.size == rounded);
+        // Only blocks below `max_split_size` are quick-cached (`free_now`, `free_block`), so
+        // there is no oversize allocation to count here.
+        debug_assert!(b.size < self.config.max_split_size);
+        b.in_quick = false;
+        b.allocated = true;
+        b.requested = size;
+        b.raw = raw;
+        let (pool, bsize, seg, offset, split) = (b.pool, b.size as i64, b.seg, b.offset, b.is_split());
+        if split {
+            self.stats.hot.inactive(pool, bsize, false);
+        }
+        self.stats.hot.on_alloc(pool, bsize, size as i64);
+        // No punched pages to count here: only pooled free blocks are punched, they leave
+        // their pool only through `allocate`'s slow path, which counts their pages again
+        // (`back_chunks`), and the quick cache holds only blocks that were handed out.
+        if self.stats.any_pending() || self.history.record_all {
+            self.hand_out_rare(id, queue);
+        }
+        Some((id, seg, offset))
+    }
+
+    /// [`Pool::quick_alloc`] for a raw caller: the block's address.
+    #[inline(always)]
+    pub(crate) fn quick_alloc_raw(&mut self, size: usize, queue: QueueKey) -> Option<usize> {
+        let (_, seg, offset) = self.quick_alloc(size, queue, true)?;
+        Some(self.segments[seg as usize].as_ref().map_or(0, |s| s.base) + offset)
+    }
+
+    /// The raw free's fast path: the live raw block at `addr`, used on no other queue, straight
+    /// into the quick cache (as [`Pool::free_raw`] would put it). False, changing nothing,
+    /// for anything else: the caller then takes [`Pool::free_raw`], which checks and says why.
+    #[inline(always)]
+    pub(crate) fn quick_free_raw(&mut self, addr: usize) -> bool {
+        let id = self.raw.addrs.get_or_invalid(addr);
+        let quick_ok = !self.history.record_all
+            && !self.config.no_caching
+            && self.quick.len() < QUICK_MAX
+            && self.gone.is_empty();
+        let (max_split, misses) = (self.config.max_split_size, self.misses);
+        // An address that starts no block gives an id past the table.
+        let Some(b) = self.blocks.get_mut(id as usize) else { return false };
+        if !(quick_ok && b.allocated && b.raw && !b.raw_used && b.requested > 0 && b.size < max_split) {
+            return false;
+        }
+        let (pool, size, requested, queue, split) = (b.pool, b.size, b.requested, b.queue, b.is_split());
+        b.raw = false;
+        b.allocated = false;
+        b.requested = 0;
+        b.cached_at = misses;
+        b.in_quick = true;
+        self.stats.hot.on_free_request(pool, size as i64, requested as i64);
+        if split {
+            self.stats.hot.inactive(pool, size as i64, true);
+        }
+        self.quick.push(queue, size, id);
+        true
     }
 
     /// A free-list node for a new allocation (reused when possible).
