@@ -134,12 +134,8 @@ impl Quick {
         } else {
             let t = self.table_or_add(queue);
             let c = size / MIN_BLOCK;
-            let old = std::mem::replace(&mut t.heads[c], id);
-            if old == NONE {
-                // The bit is cleared only by a flush: a class that already held a block has it.
-                t.used[c / 64] |= 1 << (c % 64);
-            }
-            old
+            t.used[c / 64] |= 1 << (c % 64);
+            std::mem::replace(&mut t.heads[c], id)
         };
         self.next[id as usize] = old;
         self.len += 1;

@@ -195,6 +195,36 @@ impl HotStats {
         }
     }
 
+    /// A quick-cached block of `size` bytes handed out for a request of `requested`: it
+    /// leaves inactive split memory if it is `split` (`inactive` then `on_alloc`, choosing
+    /// the pool once).
+    #[inline(always)]
+    pub(crate) fn on_quick_alloc(&mut self, pool: PoolKind, size: i64, requested: i64, split: bool) {
+        let (h, o, peaks) = self.split(pool);
+        if split {
+            Self::dec(h, INACTIVE_SPLIT, 1);
+            Self::dec(h, INACTIVE_SPLIT_BYTES, size);
+        }
+        Self::inc(h, o, peaks, ALLOCATION, 1);
+        Self::inc(h, o, peaks, ALLOCATED_BYTES, size);
+        Self::inc(h, o, peaks, REQUESTED_BYTES, requested);
+    }
+
+    /// A block of `size` bytes asked for as `requested` freed into the quick cache: it enters
+    /// inactive split memory if it is `split` (`on_free_request` then `inactive`, choosing
+    /// the pool once).
+    #[inline(always)]
+    pub(crate) fn on_quick_free(&mut self, pool: PoolKind, size: i64, requested: i64, split: bool) {
+        let (h, o, peaks) = self.split(pool);
+        Self::dec(h, ALLOCATION, 1);
+        Self::dec(h, ALLOCATED_BYTES, size);
+        Self::dec(h, REQUESTED_BYTES, requested);
+        if split {
+            Self::inc(h, o, peaks, INACTIVE_SPLIT, 1);
+            Self::inc(h, o, peaks, INACTIVE_SPLIT_BYTES, size);
+        }
+    }
+
     /// One stat as a [`StatArray`] (all, small, large); `field` indexes `Hot`'s fields.
     pub(crate) fn array(&self, field: usize) -> StatArray {
         let (s, l) = (self.pools[0].stat(field), self.pools[1].stat(field));

@@ -98,10 +98,7 @@ impl Pool {
         b.requested = 0;
         b.cached_at = self.misses;
         b.in_quick = true;
-        self.stats.hot.on_free_request(pool, size as i64, requested as i64);
-        if split {
-            self.stats.hot.inactive(pool, size as i64, true);
-        }
+        self.stats.hot.on_quick_free(pool, size as i64, requested as i64, split);
         self.quick.push(queue, size, id);
     }
 
@@ -129,10 +126,7 @@ impl Pool {
         b.requested = size;
         b.raw = raw;
         let (pool, bsize, seg, offset, split) = (b.pool, b.size as i64, b.seg, b.offset, b.is_split());
-        if split {
-            self.stats.hot.inactive(pool, bsize, false);
-        }
-        self.stats.hot.on_alloc(pool, bsize, size as i64);
+        self.stats.hot.on_quick_alloc(pool, bsize, size as i64, split);
         // No punched pages to count here: only pooled free blocks are punched, they leave
         // their pool only through `allocate`'s slow path, which counts their pages again
         // (`back_chunks`), and the quick cache holds only blocks that were handed out.
@@ -171,10 +165,7 @@ impl Pool {
         b.requested = 0;
         b.cached_at = misses;
         b.in_quick = true;
-        self.stats.hot.on_free_request(pool, size as i64, requested as i64);
-        if split {
-            self.stats.hot.inactive(pool, size as i64, true);
-        }
+        self.stats.hot.on_quick_free(pool, size as i64, requested as i64, split);
         self.quick.push(queue, size, id);
         true
     }
