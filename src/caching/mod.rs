@@ -200,6 +200,7 @@ impl CachingAllocator {
 
     /// `size` bytes for use on `queue` (`None`: host-side use, no queue). The block is bound to
     /// that queue: after it is freed, only allocations on the same queue reuse it directly.
+    #[inline]
     pub fn allocate(&self, size: usize, queue: Option<&Queue>) -> Result<Allocation> {
         let queue_id = queue.map(Queue::id);
         let key = QueueKey::of(queue_id);
@@ -351,6 +352,7 @@ impl CachingAllocator {
     /// raw deleter: free it with [`CachingAllocator::free_raw`]. The allocator keeps the block
     /// in its own table (no [`Allocation`] object, no reference counts): dropping the last
     /// handle of the allocator releases its memory, raw blocks included.
+    #[inline(always)]
     pub fn allocate_raw(&self, size: usize, queue: Option<&Queue>) -> Result<*mut u8> {
         let key = QueueKey::of(queue.map(Queue::id));
         if let Some(addr) = self.lock().quick_alloc_raw(size, key) {
@@ -377,6 +379,7 @@ impl CachingAllocator {
     /// queued raw frees that found the lock taken and checked them later; by then another
     /// thread could have been handed the same address, and the stale free released its live
     /// block. A raw pointer carries no identity beyond its address, so it is checked now.)
+    #[inline(always)]
     pub fn free_raw(&self, ptr: *mut u8) -> Result<()> {
         if ptr.is_null() {
             return Err(Error::InvalidFree { ptr: 0, why: "null pointer" });
