@@ -386,7 +386,7 @@ impl Pool {
     /// queue (see [`Pool::quick_alloc`]).
     #[inline(always)]
     pub(crate) fn try_quick(&mut self, size: usize, queue: QueueKey) -> Option<Handed> {
-        let (id, seg, offset) = self.quick_alloc(size, queue, false)?;
+        let (id, seg, offset, _) = self.quick_alloc(size, queue, false)?;
         let segment = SegRef::new(&self.segments[seg as usize].as_ref().expect("live segment").seg);
         Some(Handed { id, segment, offset })
     }

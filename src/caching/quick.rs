@@ -52,14 +52,112 @@ struct Table {
     used: [u64; WORDS],
 }
 
+impl Table {
+    fn new() -> Box<Self> {
+        Box::new(Table { heads: [NONE; CLASSES], used: [0; WORDS] })
+    }
+}
+
+/// The per-queue tables: the one used last in front (queues are few and used in runs: a hit
+/// on another queue moves it to the front). There is always a front table; the first is
+/// made for no queue.
+struct Tables {
+    front: QueueKey,
+    table: Box<Table>,
+    rest: Vec<(QueueKey, Box<Table>)>,
+}
+
+impl Default for Tables {
+    fn default() -> Self {
+        Self { front: QueueKey::default(), table: Table::new(), rest: Vec::new() }
+    }
+}
+
+impl Tables {
+    /// The table of `queue`, if it has one.
+    #[inline(always)]
+    fn get(&mut self, queue: QueueKey) -> Option<&mut Table> {
+        if self.front == queue {
+            return Some(&mut self.table);
+        }
+        self.get_behind(queue)
+    }
+
+    /// The table of a queue other than the front one, moved to the front.
+    #[cold]
+    #[inline(never)]
+    fn get_behind(&mut self, queue: QueueKey) -> Option<&mut Table> {
+        let i = self.rest.iter().position(|&(q, _)| q == queue)?;
+        self.to_front(i);
+        Some(&mut self.table)
+    }
+
+    fn to_front(&mut self, i: usize) {
+        let (q, t) = &mut self.rest[i];
+        std::mem::swap(&mut self.front, q);
+        std::mem::swap(&mut self.table, t);
+    }
+
+    /// The table of `queue`, made if it has none.
+    #[inline(always)]
+    fn get_or_add(&mut self, queue: QueueKey) -> &mut Table {
+        if self.front == queue {
+            return &mut self.table;
+        }
+        self.get_behind_or_add(queue)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn get_behind_or_add(&mut self, queue: QueueKey) -> &mut Table {
+        match self.rest.iter().position(|&(q, _)| q == queue) {
+            Some(i) => self.to_front(i),
+            None => {
+                let old = std::mem::replace(&mut self.table, Table::new());
+                self.rest.push((std::mem::replace(&mut self.front, queue), old));
+            }
+        }
+        &mut self.table
+    }
+
+    /// Drops the table of `queue` (which must hold no blocks).
+    fn forget(&mut self, queue: QueueKey) {
+        if self.front == queue {
+            match self.rest.pop() {
+                Some((q, t)) => (self.front, self.table) = (q, t),
+                None => {
+                    debug_assert!(self.table.heads.iter().all(|&h| h == NONE));
+                    (self.front, self.table.used) = (QueueKey::default(), [0; WORDS]);
+                }
+            }
+        } else if let Some(i) = self.rest.iter().position(|&(q, _)| q == queue) {
+            debug_assert!(self.rest[i].1.heads.iter().all(|&h| h == NONE));
+            self.rest.swap_remove(i);
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (QueueKey, &Table)> {
+        std::iter::once((self.front, &*self.table)).chain(self.rest.iter().map(|(q, t)| (*q, &**t)))
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = &mut Table> {
+        std::iter::once(&mut *self.table).chain(self.rest.iter_mut().map(|(_, t)| &mut **t))
+    }
+}
+
+/// A block's entry: the next block on its list, and its address if the free that put it
+/// there knew it (a raw free does; [`UNKNOWN`] otherwise).
+type Link = (BlockId, usize);
+
+/// No address known.
+pub(crate) const UNKNOWN: usize = usize::MAX;
+
 #[derive(Default)]
 pub(crate) struct Quick {
-    /// The queues with small classes and their tables, the one used last first (queues are
-    /// few and used in runs: a hit on another queue moves it to the front).
-    tables: Vec<(QueueKey, Box<Table>)>,
+    tables: Tables,
     large: HashMap<(QueueKey, usize), BlockId, FxBuild>,
-    /// The link of each block id.
-    next: Vec<BlockId>,
+    /// The entry of each block id.
+    next: Vec<Link>,
     len: usize,
 }
 
@@ -73,71 +171,30 @@ impl Quick {
     /// Makes room for the link of block `id` (the pool calls it for every block it makes).
     pub(crate) fn track(&mut self, id: BlockId) {
         if self.next.len() <= id as usize {
-            self.next.resize(id as usize + 1, NONE);
+            self.next.resize(id as usize + 1, (NONE, UNKNOWN));
         }
-    }
-
-    /// The table of `queue` in `tables`, if it has one.
-    #[inline(always)]
-    fn table(tables: &mut [(QueueKey, Box<Table>)], queue: QueueKey) -> Option<&mut Table> {
-        if tables.first().is_some_and(|&(q, _)| q == queue) {
-            return Some(&mut tables[0].1);
-        }
-        Self::table_behind(tables, queue)
-    }
-
-    /// The table of a queue other than the first, moved to the front.
-    #[cold]
-    #[inline(never)]
-    fn table_behind(tables: &mut [(QueueKey, Box<Table>)], queue: QueueKey) -> Option<&mut Table> {
-        let i = tables.iter().position(|&(q, _)| q == queue)?;
-        tables.swap(0, i);
-        Some(&mut tables[0].1)
-    }
-
-    /// The table of `queue`, made if it has none.
-    #[inline(always)]
-    fn table_or_add(&mut self, queue: QueueKey) -> &mut Table {
-        if self.tables.first().is_some_and(|&(q, _)| q == queue) {
-            return &mut self.tables[0].1;
-        }
-        self.table_behind_or_add(queue)
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn table_behind_or_add(&mut self, queue: QueueKey) -> &mut Table {
-        match self.tables.iter().position(|&(q, _)| q == queue) {
-            Some(i) => self.tables.swap(0, i),
-            None => {
-                let t = Box::new(Table { heads: [NONE; CLASSES], used: [0; WORDS] });
-                self.tables.insert(0, (queue, t));
-            }
-        }
-        &mut self.tables[0].1
     }
 
     /// Drops the table of `queue`, whose queue is gone. The cache must hold none of its
     /// blocks (the pool flushes it first).
     pub(crate) fn forget_queue(&mut self, queue: QueueKey) {
         self.large.retain(|k, _| k.0 != queue);
-        let Some(i) = self.tables.iter().position(|&(q, _)| q == queue) else { return };
-        debug_assert!(self.tables[i].1.heads.iter().all(|&h| h == NONE));
-        self.tables.swap_remove(i);
+        self.tables.forget(queue);
     }
 
-    /// Adds a free block of `size` (a multiple of 512) bound to `queue`.
+    /// Adds a free block of `size` (a multiple of 512) bound to `queue`, starting at `addr`
+    /// (or [`UNKNOWN`]).
     #[inline(always)]
-    pub(crate) fn push(&mut self, queue: QueueKey, size: usize, id: BlockId) {
+    pub(crate) fn push(&mut self, queue: QueueKey, size: usize, id: BlockId, addr: usize) {
         let old = if size > SMALL_SIZE {
             self.push_large(queue, size, id)
         } else {
-            let t = self.table_or_add(queue);
+            let t = self.tables.get_or_add(queue);
             let c = size / MIN_BLOCK;
             t.used[c / 64] |= 1 << (c % 64);
             std::mem::replace(&mut t.heads[c], id)
         };
-        self.next[id as usize] = old;
+        self.next[id as usize] = (old, addr);
         self.len += 1;
     }
 
@@ -147,21 +204,23 @@ impl Quick {
         std::mem::replace(self.large.entry((queue, size)).or_insert(NONE), id)
     }
 
-    /// Takes a block of exactly `size` bound to `queue`, the one freed last.
+    /// Takes a block of exactly `size` bound to `queue`, the one freed last, and its address
+    /// if its free knew it (else [`UNKNOWN`]).
     #[inline(always)]
-    pub(crate) fn pop(&mut self, queue: QueueKey, size: usize) -> Option<BlockId> {
+    pub(crate) fn pop(&mut self, queue: QueueKey, size: usize) -> Option<(BlockId, usize)> {
         let slot = if size > SMALL_SIZE {
             self.large.get_mut(&(queue, size))?
         } else {
-            &mut Self::table(&mut self.tables, queue)?.heads[size / MIN_BLOCK]
+            &mut self.tables.get(queue)?.heads[size / MIN_BLOCK]
         };
         let id = *slot;
         if id == NONE {
             return None;
         }
-        *slot = self.next[id as usize];
+        let (next, addr) = self.next[id as usize];
+        *slot = next;
         self.len -= 1;
-        Some(id)
+        Some((id, addr))
     }
 
     /// Visits the head of every list that may hold blocks.
@@ -182,7 +241,7 @@ impl Quick {
     fn chain(&self, mut id: BlockId, out: &mut Vec<BlockId>) {
         while id != NONE {
             out.push(id);
-            id = self.next[id as usize];
+            id = self.next[id as usize].0;
         }
     }
 
@@ -191,7 +250,7 @@ impl Quick {
     pub(crate) fn take_all_into(&mut self, out: &mut Vec<BlockId>) {
         out.clear();
         out.reserve(self.len);
-        for (_, t) in &mut self.tables {
+        for t in self.tables.iter_mut() {
             for w in 0..WORDS {
                 let mut bits = std::mem::take(&mut t.used[w]);
                 while bits != 0 {
@@ -200,7 +259,7 @@ impl Quick {
                     let mut id = std::mem::replace(&mut t.heads[c], NONE);
                     while id != NONE {
                         out.push(id);
-                        id = self.next[id as usize];
+                        id = self.next[id as usize].0;
                     }
                 }
             }
@@ -209,7 +268,7 @@ impl Quick {
             let mut id = head;
             while id != NONE {
                 out.push(id);
-                id = self.next[id as usize];
+                id = self.next[id as usize].0;
             }
         }
         self.len = 0;
@@ -237,11 +296,11 @@ impl Quick {
     pub(crate) fn entries(&self) -> Vec<(QueueKey, usize, BlockId)> {
         let mut out = Vec::with_capacity(self.len);
         let mut chain = Vec::new();
-        for (queue, t) in &self.tables {
+        for (queue, t) in self.tables.iter() {
             for (c, &head) in t.heads.iter().enumerate() {
                 chain.clear();
                 self.chain(head, &mut chain);
-                out.extend(chain.iter().map(|&id| (*queue, c * MIN_BLOCK, id)));
+                out.extend(chain.iter().map(|&id| (queue, c * MIN_BLOCK, id)));
             }
         }
         for (&(queue, size), &head) in &self.large {
@@ -261,18 +320,18 @@ mod tests {
     fn exact_reuse_last_in_first_out_per_stream_and_size() {
         let mut q = Quick::default();
         q.track(9);
-        q.push(QueueKey::test(1), 4096, 7);
-        q.push(QueueKey::test(1), 4096, 9);
-        q.push(QueueKey::test(2), 4096, 3);
-        q.push(QueueKey::test(1), 8 << 20, 5);
-        q.push(QueueKey::test(1), 8 << 20, 6);
+        q.push(QueueKey::test(1), 4096, 7, UNKNOWN);
+        q.push(QueueKey::test(1), 4096, 9, UNKNOWN);
+        q.push(QueueKey::test(2), 4096, 3, UNKNOWN);
+        q.push(QueueKey::test(1), 8 << 20, 5, UNKNOWN);
+        q.push(QueueKey::test(1), 8 << 20, 6, UNKNOWN);
         assert_eq!(q.len(), 5);
-        assert_eq!(q.pop(QueueKey::test(1), 4096), Some(9));
+        assert_eq!(q.pop(QueueKey::test(1), 4096), Some((9, UNKNOWN)));
         assert_eq!(q.pop(QueueKey::test(1), 8192), None);
         assert_eq!(q.pop(QueueKey::test(3), 4096), None);
-        assert_eq!(q.pop(QueueKey::test(2), 4096), Some(3));
+        assert_eq!(q.pop(QueueKey::test(2), 4096), Some((3, UNKNOWN)));
         assert_eq!(q.pop(QueueKey::test(2), 4096), None);
-        assert_eq!(q.pop(QueueKey::test(1), 8 << 20), Some(6));
+        assert_eq!(q.pop(QueueKey::test(1), 8 << 20), Some((6, UNKNOWN)));
         let mut entries = q.entries();
         entries.sort_unstable();
         assert_eq!(entries, [(QueueKey::test(1), 4096, 7), (QueueKey::test(1), 8 << 20, 5)]);
@@ -285,11 +344,19 @@ mod tests {
         assert_eq!(q.len(), 0);
         assert_eq!(q.pop(QueueKey::test(1), 4096), None);
         // Reusable after a flush, and the flush forgot nothing.
-        q.push(QueueKey::test(1), 4096, 7);
-        q.push(QueueKey::test(1), SMALL_SIZE, 8);
-        q.push(QueueKey::test(2), MIN_BLOCK, 1);
+        q.push(QueueKey::test(1), 4096, 7, UNKNOWN);
+        q.push(QueueKey::test(1), SMALL_SIZE, 8, UNKNOWN);
+        q.push(QueueKey::test(2), MIN_BLOCK, 1, UNKNOWN);
         assert_eq!(q.ids().len(), 3);
         assert_eq!(q.take_all().len(), 3);
         assert!(q.ids().is_empty());
+        // A raw free's address comes back with its block; queues are forgotten.
+        q.push(QueueKey::test(3), 4096, 2, 0x4000);
+        assert_eq!(q.pop(QueueKey::test(3), 4096), Some((2, 0x4000)));
+        q.forget_queue(QueueKey::test(3));
+        q.forget_queue(QueueKey::test(1));
+        assert_eq!(q.pop(QueueKey::test(2), 4096), None);
+        q.push(QueueKey::test(1), 4096, 7, UNKNOWN);
+        assert_eq!(q.entries(), [(QueueKey::test(1), 4096, 7)]);
     }
 }

@@ -4,6 +4,7 @@
 
 use super::super::block::{BlockId, FreeMsg, MIN_BLOCK, QueueKey};
 use super::super::free_list::{Drain, FreeList, Node};
+use super::super::quick::UNKNOWN;
 use super::super::snapshot::HistoryKind;
 use super::{Pool, QUICK_MAX};
 
@@ -99,23 +100,24 @@ impl Pool {
         b.cached_at = self.misses;
         b.in_quick = true;
         self.stats.hot.on_quick_free(pool, size as i64, requested as i64, split);
-        self.quick.push(queue, size, id);
+        self.quick.push(queue, size, id, UNKNOWN);
     }
 
     /// The allocation fast path of both APIs: a quick-cached block of exactly the rounded size
     /// freed on this queue, marked allocated for a request of `size` (raw if `raw`) and
-    /// accounted. Returns its id, segment and offset. `None` sends the caller to
+    /// accounted. Returns its id, segment, offset and address if the quick cache knows it
+    /// ([`UNKNOWN`] otherwise). `None` sends the caller to
     /// [`Pool::allocate`], which handles everything else (rounding options, bad sizes,
     /// misses) and tries the quick cache again itself.
     #[inline(always)]
-    pub(crate) fn quick_alloc(&mut self, size: usize, queue: QueueKey, raw: bool) -> Option<(BlockId, u32, usize)> {
+    pub(crate) fn quick_alloc(&mut self, size: usize, queue: QueueKey, raw: bool) -> Option<(BlockId, u32, usize, usize)> {
         // Plain 512-byte rounding of a sane size (1 byte to 1 TiB).
         let below = size.wrapping_sub(1);
         if below >= 1 << 40 || !self.config.roundup_power2_divisions.is_empty() {
             return None;
         }
         let rounded = (below | (MIN_BLOCK - 1)) + 1;
-        let id = self.quick.pop(queue, rounded)?;
+        let (id, addr) = self.quick.pop(queue, rounded)?;
         let b = &mut self.blocks[id as usize];
         debug_assert!(b.in_quick && !b.allocated && !b.raw && b.size == rounded);
         // Only blocks below `max_split_size` are quick-cached (`free_now`, `free_block`), so
@@ -133,13 +135,17 @@ impl Pool {
         if self.stats.any_pending() || self.history.record_all {
             self.hand_out_rare(id, queue);
         }
-        Some((id, seg, offset))
+        Some((id, seg, offset, addr))
     }
 
     /// [`Pool::quick_alloc`] for a raw caller: the block's address.
     #[inline(always)]
     pub(crate) fn quick_alloc_raw(&mut self, size: usize, queue: QueueKey) -> Option<usize> {
-        let (_, seg, offset) = self.quick_alloc(size, queue, true)?;
+        let (_, seg, offset, addr) = self.quick_alloc(size, queue, true)?;
+        if addr != UNKNOWN {
+            // Freed raw: its free knew the address (the block has not moved since).
+            return Some(addr);
+        }
         Some(self.segments[seg as usize].as_ref().map_or(0, |s| s.base) + offset)
     }
 
@@ -156,9 +162,12 @@ impl Pool {
         let (max_split, misses) = (self.config.max_split_size, self.misses);
         // An address that starts no block gives an id past the table.
         let Some(b) = self.blocks.get_mut(id as usize) else { return false };
-        if !(quick_ok && b.allocated && b.raw && !b.raw_used && b.requested > 0 && b.size < max_split) {
+        // A raw block is live: `raw` is set when it is handed out and cleared when it is freed
+        // (before its request is applied, so a free waiting for other queues is not raw).
+        if !(quick_ok && b.raw && !b.raw_used && b.size < max_split) {
             return false;
         }
+        debug_assert!(b.allocated && b.requested > 0, "a raw block is live");
         let (pool, size, requested, queue, split) = (b.pool, b.size, b.requested, b.queue, b.is_split());
         b.raw = false;
         b.allocated = false;
@@ -166,7 +175,7 @@ impl Pool {
         b.cached_at = misses;
         b.in_quick = true;
         self.stats.hot.on_quick_free(pool, size as i64, requested as i64, split);
-        self.quick.push(queue, size, id);
+        self.quick.push(queue, size, id, addr);
         true
     }
 
@@ -218,7 +227,7 @@ impl Pool {
     pub(super) fn quick_insert(&mut self, id: BlockId) {
         let b = &mut self.blocks[id as usize];
         b.in_quick = true;
-        self.quick.push(b.queue, b.size, id);
+        self.quick.push(b.queue, b.size, id, UNKNOWN);
         self.account_inactive(id, true);
     }
 
@@ -231,7 +240,7 @@ impl Pool {
 
     #[inline(always)]
     pub(super) fn quick_take(&mut self, queue: QueueKey, size: usize) -> Option<BlockId> {
-        let id = self.quick.pop(queue, size)?;
+        let (id, _) = self.quick.pop(queue, size)?;
         self.quick_leave(id);
         Some(id)
     }
