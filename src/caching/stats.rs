@@ -85,14 +85,16 @@ pub(crate) fn dec_array(a: &mut StatArray, pool: PoolKind, amount: i64) {
     p.dec(amount);
 }
 
-/// The stats the allocation fast path moves, for one pool, as their current values, peaks
-/// and removed totals (in [`Hot`]'s field order: allocation, allocated bytes, requested
-/// bytes, inactive split, inactive split bytes). The added total is not kept: it is the
-/// current value plus the removed total minus the current value at the last accumulated
-/// reset (`base`), so an increase moves one counter and a decrease two.
+/// The stats the allocation fast path moves, for one pool (in field order: allocation,
+/// allocated bytes, requested bytes, inactive split, inactive split bytes), kept so that a
+/// change costs the fewest instructions. The current value is kept as its distance below the
+/// peak (`slack`): an increase subtracts from it and raises the peak only if it went
+/// negative, a decrease adds to it. The added total is not kept: it is the current value plus
+/// the removed total minus the current value at the last accumulated reset (`base`).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Hot {
-    cur: [i64; 5],
+    /// Peak minus current value.
+    slack: [i64; 5],
     peak: [i64; 5],
     freed: [i64; 5],
     /// The current values at the last accumulated reset.
@@ -100,98 +102,106 @@ pub(crate) struct Hot {
 }
 
 impl Hot {
+    fn current(&self, f: usize) -> i64 {
+        self.peak[f] - self.slack[f]
+    }
+
     /// Field `f` as a [`Stat`].
     fn stat(&self, f: usize) -> Stat {
-        Stat {
-            current: self.cur[f],
-            peak: self.peak[f],
-            allocated: self.cur[f] - self.base[f] + self.freed[f],
-            freed: self.freed[f],
-        }
+        let current = self.current(f);
+        Stat { current, peak: self.peak[f], allocated: current - self.base[f] + self.freed[f], freed: self.freed[f] }
     }
 }
 
-/// Raises a peak (out of line: on the fast path peaks are rarely passed, and a branch over
-/// this call is cheaper than an unconditional compare-and-store).
+/// A pool's field `f` passed its peak (its slack went negative): the current value is the
+/// new peak. Out of line: on the fast path peaks are rarely passed.
 #[cold]
 #[inline(never)]
-fn raise(peak: &mut i64, value: i64) {
-    *peak = value;
+fn raise(h: &mut Hot, f: usize) {
+    h.peak[f] -= h.slack[f];
+    h.slack[f] = 0;
 }
 
-/// The hot stats: kept per pool only. The aggregate ("all") entry is the sum of the two
-/// pools for current value and totals, so only its peaks are kept, updated on increases:
-/// an allocation or a free touches one pool's counters and, for increases, one peak each.
+/// The aggregate passed its peak: the current value is the new peak.
+#[cold]
+#[inline(never)]
+fn raise_all(slack: &mut i64) {
+    *slack = 0;
+}
+
+/// The hot stats: kept per pool. The aggregate ("all") entry is the sum of the two pools
+/// for current value and totals, so only its distance below its peak is kept (`all_slack`),
+/// moved with every change of either pool.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct HotStats {
     /// Small pool, large pool.
     pools: [Hot; 2],
-    /// Peaks of the aggregate, in `Hot` field order.
-    peaks: [i64; 5],
+    /// The aggregate's peak minus its current value, in `Hot` field order.
+    all_slack: [i64; 5],
 }
 
 impl HotStats {
-    /// `pool`'s counters, the other pool's, and the aggregate peaks.
+    /// `pool`'s counters and the aggregate's slack.
     #[inline(always)]
-    fn split(&mut self, pool: PoolKind) -> (&mut Hot, &Hot, &mut [i64; 5]) {
+    fn split(&mut self, pool: PoolKind) -> (&mut Hot, &mut [i64; 5]) {
         let [small, large] = &mut self.pools;
-        let (mine, other) = match pool {
-            PoolKind::Small => (small, &*large),
-            PoolKind::Large => (large, &*small),
+        let mine = match pool {
+            PoolKind::Small => small,
+            PoolKind::Large => large,
         };
-        (mine, other, &mut self.peaks)
+        (mine, &mut self.all_slack)
     }
 
-    /// Adds `amount` to field `f` of `h`, raising its peak and the aggregate's.
+    /// Adds `amount` to field `f` of `h`, raising its peak and the aggregate's if passed.
     #[inline(always)]
-    fn inc(h: &mut Hot, o: &Hot, peaks: &mut [i64; 5], f: usize, amount: i64) {
-        let cur = h.cur[f] + amount;
-        h.cur[f] = cur;
-        if cur > h.peak[f] {
-            raise(&mut h.peak[f], cur);
+    fn inc(h: &mut Hot, all: &mut [i64; 5], f: usize, amount: i64) {
+        h.slack[f] -= amount;
+        if h.slack[f] < 0 {
+            raise(h, f);
         }
-        let all = cur + o.cur[f];
-        if all > peaks[f] {
-            raise(&mut peaks[f], all);
+        all[f] -= amount;
+        if all[f] < 0 {
+            raise_all(&mut all[f]);
         }
     }
 
     /// Subtracts `amount` from field `f` of `h`.
     #[inline(always)]
-    fn dec(h: &mut Hot, f: usize, amount: i64) {
-        h.cur[f] -= amount;
-        debug_assert!(h.cur[f] >= 0, "stat went negative");
+    fn dec(h: &mut Hot, all: &mut [i64; 5], f: usize, amount: i64) {
+        h.slack[f] += amount;
+        all[f] += amount;
         h.freed[f] += amount;
+        debug_assert!(h.current(f) >= 0, "stat went negative");
     }
 
     /// A block of `size` bytes handed out for a request of `requested`.
     #[inline(always)]
     pub(crate) fn on_alloc(&mut self, pool: PoolKind, size: i64, requested: i64) {
-        let (h, o, peaks) = self.split(pool);
-        Self::inc(h, o, peaks, ALLOCATION, 1);
-        Self::inc(h, o, peaks, ALLOCATED_BYTES, size);
-        Self::inc(h, o, peaks, REQUESTED_BYTES, requested);
+        let (h, all) = self.split(pool);
+        Self::inc(h, all, ALLOCATION, 1);
+        Self::inc(h, all, ALLOCATED_BYTES, size);
+        Self::inc(h, all, REQUESTED_BYTES, requested);
     }
 
     /// The caller let go of a block of `size` bytes asked for as `requested`.
     #[inline(always)]
     pub(crate) fn on_free_request(&mut self, pool: PoolKind, size: i64, requested: i64) {
-        let (h, _, _) = self.split(pool);
-        Self::dec(h, ALLOCATION, 1);
-        Self::dec(h, ALLOCATED_BYTES, size);
-        Self::dec(h, REQUESTED_BYTES, requested);
+        let (h, all) = self.split(pool);
+        Self::dec(h, all, ALLOCATION, 1);
+        Self::dec(h, all, ALLOCATED_BYTES, size);
+        Self::dec(h, all, REQUESTED_BYTES, requested);
     }
 
     /// A free block of `size` bytes starts (`entering`) or stops counting as inactive split.
     #[inline(always)]
     pub(crate) fn inactive(&mut self, pool: PoolKind, size: i64, entering: bool) {
-        let (h, o, peaks) = self.split(pool);
+        let (h, all) = self.split(pool);
         if entering {
-            Self::inc(h, o, peaks, INACTIVE_SPLIT, 1);
-            Self::inc(h, o, peaks, INACTIVE_SPLIT_BYTES, size);
+            Self::inc(h, all, INACTIVE_SPLIT, 1);
+            Self::inc(h, all, INACTIVE_SPLIT_BYTES, size);
         } else {
-            Self::dec(h, INACTIVE_SPLIT, 1);
-            Self::dec(h, INACTIVE_SPLIT_BYTES, size);
+            Self::dec(h, all, INACTIVE_SPLIT, 1);
+            Self::dec(h, all, INACTIVE_SPLIT_BYTES, size);
         }
     }
 
@@ -200,14 +210,14 @@ impl HotStats {
     /// the pool once).
     #[inline(always)]
     pub(crate) fn on_quick_alloc(&mut self, pool: PoolKind, size: i64, requested: i64, split: bool) {
-        let (h, o, peaks) = self.split(pool);
+        let (h, all) = self.split(pool);
         if split {
-            Self::dec(h, INACTIVE_SPLIT, 1);
-            Self::dec(h, INACTIVE_SPLIT_BYTES, size);
+            Self::dec(h, all, INACTIVE_SPLIT, 1);
+            Self::dec(h, all, INACTIVE_SPLIT_BYTES, size);
         }
-        Self::inc(h, o, peaks, ALLOCATION, 1);
-        Self::inc(h, o, peaks, ALLOCATED_BYTES, size);
-        Self::inc(h, o, peaks, REQUESTED_BYTES, requested);
+        Self::inc(h, all, ALLOCATION, 1);
+        Self::inc(h, all, ALLOCATED_BYTES, size);
+        Self::inc(h, all, REQUESTED_BYTES, requested);
     }
 
     /// A block of `size` bytes asked for as `requested` freed into the quick cache: it enters
@@ -215,13 +225,13 @@ impl HotStats {
     /// the pool once).
     #[inline(always)]
     pub(crate) fn on_quick_free(&mut self, pool: PoolKind, size: i64, requested: i64, split: bool) {
-        let (h, o, peaks) = self.split(pool);
-        Self::dec(h, ALLOCATION, 1);
-        Self::dec(h, ALLOCATED_BYTES, size);
-        Self::dec(h, REQUESTED_BYTES, requested);
+        let (h, all) = self.split(pool);
+        Self::dec(h, all, ALLOCATION, 1);
+        Self::dec(h, all, ALLOCATED_BYTES, size);
+        Self::dec(h, all, REQUESTED_BYTES, requested);
         if split {
-            Self::inc(h, o, peaks, INACTIVE_SPLIT, 1);
-            Self::inc(h, o, peaks, INACTIVE_SPLIT_BYTES, size);
+            Self::inc(h, all, INACTIVE_SPLIT, 1);
+            Self::inc(h, all, INACTIVE_SPLIT_BYTES, size);
         }
     }
 
@@ -230,7 +240,7 @@ impl HotStats {
         let (s, l) = (self.pools[0].stat(field), self.pools[1].stat(field));
         let all = Stat {
             current: s.current + l.current,
-            peak: self.peaks[field],
+            peak: s.current + l.current + self.all_slack[field],
             allocated: s.allocated + l.allocated,
             freed: s.freed + l.freed,
         };
@@ -239,24 +249,23 @@ impl HotStats {
 
     /// The current value of one stat in the aggregate and `pool` (as `array` would give).
     pub(crate) fn current(&self, field: usize) -> [i64; 3] {
-        let (s, l) = (self.pools[0].cur[field], self.pools[1].cur[field]);
+        let (s, l) = (self.pools[0].current(field), self.pools[1].current(field));
         [s + l, s, l]
     }
 
     pub(crate) fn reset_accumulated(&mut self) {
         for h in &mut self.pools {
-            h.base = h.cur;
+            h.base = std::array::from_fn(|f| h.current(f));
             h.freed = [0; 5];
         }
     }
 
     pub(crate) fn reset_peak(&mut self) {
         for h in &mut self.pools {
-            h.peak = h.cur;
+            h.peak = std::array::from_fn(|f| h.current(f));
+            h.slack = [0; 5];
         }
-        for (i, p) in self.peaks.iter_mut().enumerate() {
-            *p = self.pools[0].cur[i] + self.pools[1].cur[i];
-        }
+        self.all_slack = [0; 5];
     }
 }
 
@@ -573,6 +582,81 @@ mod tests {
         assert_eq!(p.pending_current(), [0, 0, 0]);
         p.reset_peak();
         assert_eq!(p.derive().active[AGGREGATE].peak, 2);
+    }
+
+    /// The hot stats, however kept, read as plain [`Stat`]s moved one change at a time would:
+    /// a random run of allocations, frees and inactive-split changes in both pools, with
+    /// resets of the peaks and of the totals, checked against such a model after every step.
+    #[test]
+    fn hot_stats_read_as_plain_stats() {
+        let mut hot = HotStats::default();
+        let mut model = [StatArray::default(); 5];
+        let bump = |a: &mut StatArray, pool: PoolKind, amount: i64| {
+            if amount >= 0 { inc_array(a, pool, amount) } else { dec_array(a, pool, -amount) }
+        };
+        let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut live: Vec<(PoolKind, i64, i64)> = Vec::new();
+        let mut inactive: Vec<(PoolKind, i64)> = Vec::new();
+        for step in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let pool = if x % 3 == 0 { PoolKind::Large } else { PoolKind::Small };
+            let size = 512 * (1 + (x >> 8) as i64 % 64);
+            match x % 11 {
+                0..=3 => {
+                    let requested = size - (x >> 20) as i64 % 512;
+                    hot.on_alloc(pool, size, requested);
+                    bump(&mut model[ALLOCATION], pool, 1);
+                    bump(&mut model[ALLOCATED_BYTES], pool, size);
+                    bump(&mut model[REQUESTED_BYTES], pool, requested);
+                    live.push((pool, size, requested));
+                }
+                4..=6 if !live.is_empty() => {
+                    let (pool, size, requested) = live.swap_remove((x >> 30) as usize % live.len());
+                    let split = x % 2 == 0;
+                    hot.on_quick_free(pool, size, requested, split);
+                    bump(&mut model[ALLOCATION], pool, -1);
+                    bump(&mut model[ALLOCATED_BYTES], pool, -size);
+                    bump(&mut model[REQUESTED_BYTES], pool, -requested);
+                    if split {
+                        bump(&mut model[INACTIVE_SPLIT], pool, 1);
+                        bump(&mut model[INACTIVE_SPLIT_BYTES], pool, size);
+                        inactive.push((pool, size));
+                    }
+                }
+                7 if !inactive.is_empty() => {
+                    let (pool, size) = inactive.swap_remove((x >> 30) as usize % inactive.len());
+                    let requested = size - 100;
+                    hot.on_quick_alloc(pool, size, requested, true);
+                    bump(&mut model[INACTIVE_SPLIT], pool, -1);
+                    bump(&mut model[INACTIVE_SPLIT_BYTES], pool, -size);
+                    bump(&mut model[ALLOCATION], pool, 1);
+                    bump(&mut model[ALLOCATED_BYTES], pool, size);
+                    bump(&mut model[REQUESTED_BYTES], pool, requested);
+                    live.push((pool, size, requested));
+                }
+                8 => {
+                    hot.inactive(pool, size, true);
+                    bump(&mut model[INACTIVE_SPLIT], pool, 1);
+                    bump(&mut model[INACTIVE_SPLIT_BYTES], pool, size);
+                    inactive.push((pool, size));
+                }
+                9 if step % 7 == 0 => {
+                    hot.reset_peak();
+                    model.iter_mut().flatten().for_each(Stat::reset_peak);
+                }
+                10 if step % 5 == 0 => {
+                    hot.reset_accumulated();
+                    model.iter_mut().flatten().for_each(Stat::reset_accumulated);
+                }
+                _ => {}
+            }
+            for (f, want) in model.iter().enumerate() {
+                assert_eq!(hot.array(f), *want, "field {f} at step {step}");
+                assert_eq!(hot.current(f), want.map(|s| s.current), "field {f} at step {step}");
+            }
+        }
     }
 
     #[test]
