@@ -29,9 +29,12 @@ impl Rng {
     }
 }
 
-/// The sizes of the blocks held live: mixed, 512 B to about 2 MiB.
-fn live_size(i: usize) -> usize {
-    512 + (i * 4096) % (2 << 20)
+/// The sizes of the blocks held live: mixed, 512 B to about 2 MiB; past 20k blocks, to about
+/// 128 KiB, so that 200k of them (about 13 GiB) fit in the address space valgrind gives its
+/// client (2 MiB blocks would need 200 GiB, and the run stalls under callgrind).
+fn live_size(i: usize, live_n: usize) -> usize {
+    let span = if live_n > 20_000 { 128 << 10 } else { 2 << 20 };
+    512 + (i * 4096) % span
 }
 
 fn main() {
@@ -42,7 +45,7 @@ fn main() {
     let a = CachingAllocator::builder(SparseSource).config(Config::default()).capacity(1 << 40).build().unwrap();
     match mode.as_str() {
         "raw" | "raii" => {
-            let live: Vec<_> = (0..live_n).map(|i| a.allocate_raw(live_size(i), None).unwrap()).collect();
+            let live: Vec<_> = (0..live_n).map(|i| a.allocate_raw(live_size(i, live_n), None).unwrap()).collect();
             drop(a.allocate(4096, None).unwrap());
             a.free_raw(a.allocate_raw(4096, None).unwrap()).unwrap();
             if mode == "raw" {
@@ -78,7 +81,7 @@ fn main() {
         }
         "tlsf" => {
             let mut t = xalloc::SysTlsf::<u64>::new(1 << 40);
-            let live: Vec<_> = (0..live_n).map(|i| t.alloc(live_size(i) as u64).unwrap().0).collect();
+            let live: Vec<_> = (0..live_n).map(|i| t.alloc(live_size(i, live_n) as u64).unwrap().0).collect();
             for _ in 0..n {
                 let (r, off) = t.alloc(std::hint::black_box(4096)).unwrap();
                 std::hint::black_box(off);
