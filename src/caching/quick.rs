@@ -88,11 +88,11 @@ impl Tables {
     #[inline(never)]
     fn get_behind(&mut self, queue: QueueKey) -> Option<&mut Table> {
         let i = self.rest.iter().position(|&(q, _)| q == queue)?;
-        self.to_front(i);
+        self.move_to_front(i);
         Some(&mut self.table)
     }
 
-    fn to_front(&mut self, i: usize) {
+    fn move_to_front(&mut self, i: usize) {
         let (q, t) = &mut self.rest[i];
         std::mem::swap(&mut self.front, q);
         std::mem::swap(&mut self.table, t);
@@ -111,7 +111,7 @@ impl Tables {
     #[inline(never)]
     fn get_behind_or_add(&mut self, queue: QueueKey) -> &mut Table {
         match self.rest.iter().position(|&(q, _)| q == queue) {
-            Some(i) => self.to_front(i),
+            Some(i) => self.move_to_front(i),
             None => {
                 let old = std::mem::replace(&mut self.table, Table::new());
                 self.rest.push((std::mem::replace(&mut self.front, queue), old));

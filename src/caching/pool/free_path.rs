@@ -110,7 +110,12 @@ impl Pool {
     /// [`Pool::allocate`], which handles everything else (rounding options, bad sizes,
     /// misses) and tries the quick cache again itself.
     #[inline(always)]
-    pub(crate) fn quick_alloc(&mut self, size: usize, queue: QueueKey, raw: bool) -> Option<(BlockId, u32, usize, usize)> {
+    pub(crate) fn quick_alloc(
+        &mut self,
+        size: usize,
+        queue: QueueKey,
+        raw: bool,
+    ) -> Option<(BlockId, u32, usize, usize)> {
         // Plain 512-byte rounding of a sane size (1 byte to 1 TiB).
         let below = size.wrapping_sub(1);
         if below >= 1 << 40 || !self.config.roundup_power2_divisions.is_empty() {
@@ -155,10 +160,8 @@ impl Pool {
     #[inline(always)]
     pub(crate) fn quick_free_raw(&mut self, addr: usize) -> bool {
         let id = self.raw.addrs.get_or_invalid(addr);
-        let quick_ok = !self.history.record_all
-            && !self.config.no_caching
-            && self.quick.len() < QUICK_MAX
-            && self.gone.is_empty();
+        let quick_ok =
+            !self.history.record_all && !self.config.no_caching && self.quick.len() < QUICK_MAX && self.gone.is_empty();
         let (max_split, misses) = (self.config.max_split_size, self.misses);
         // An address that starts no block gives an id past the table.
         let Some(b) = self.blocks.get_mut(id as usize) else { return false };
@@ -180,6 +183,7 @@ impl Pool {
     }
 
     /// A free-list node for a new allocation (reused when possible).
+    #[inline]
     pub(crate) fn take_node(&mut self) -> Box<Node<FreeMsg>> {
         self.nodes.pop().unwrap_or_else(|| Node::new(FreeMsg::Free(0)))
     }
