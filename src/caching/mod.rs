@@ -364,11 +364,8 @@ impl CachingAllocator {
     /// [`CachingAllocator::allocate_raw`] past its fast path.
     #[inline(never)]
     fn allocate_raw_slow(&self, size: usize, queue: Option<&Queue>) -> Result<*mut u8> {
-        // Frees applied since the fast path's look may have quick-cached a fit (the general
-        // path, kept for `Pool::try_quick_raw`'s callers; TODO: drop it with that function).
-        if let Some(addr) = self.lock().try_quick_raw(size, QueueKey::of(queue.map(Queue::id))) {
-            return Ok(addr as *mut u8);
-        }
+        // (Frees applied since the fast path's look are found there too: `Pool::allocate`
+        // tries the quick cache first.)
         self.allocate_slow(size, queue, |mut pool, b| pool.hand_out_raw(b) as *mut u8)
     }
 

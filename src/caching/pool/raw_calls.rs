@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::super::block::{FreeMsg, QueueKey};
+use super::super::block::FreeMsg;
 use super::super::raw::RawDeferred;
 use super::super::snapshot::HistoryKind;
 use super::{Handed, Pool};
@@ -15,13 +15,6 @@ impl Pool {
     pub(crate) fn hand_out_raw(&mut self, h: Handed) -> usize {
         self.blocks[h.id as usize].raw = true;
         self.addr(h.id)
-    }
-
-    /// [`Pool::try_quick`] for a raw caller.
-    #[inline]
-    pub(crate) fn try_quick_raw(&mut self, size: usize, queue: QueueKey) -> Option<usize> {
-        let h = self.try_quick(size, queue)?;
-        Some(self.hand_out_raw(h))
     }
 
     /// Frees the raw allocation at `addr`: applied at once, or, if other queues used it, its
