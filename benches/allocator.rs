@@ -104,7 +104,17 @@ fn pair_offset(size: usize, loaded: bool) -> f64 {
 
 /// Random workload: 400k operations, about 1000 live blocks, log-uniform sizes.
 fn random_ours() -> f64 {
-    let a = ours();
+    random_on(ours())
+}
+
+/// The same with the trim policy off: placement only, as the peers do (they manage offsets and
+/// never give memory back; ours punches pages to keep reserved near the peak otherwise).
+fn random_ours_untrimmed() -> f64 {
+    let c = Config { trim_ratio: 0.0, ..Config::default() };
+    random_on(CachingAllocator::builder(SparseSource).config(c).capacity(1 << 40).build().unwrap())
+}
+
+fn random_on(a: CachingAllocator) -> f64 {
     let mut rng = Rng(0x9e3779b97f4a7c15);
     let mut live = Vec::new();
     let t = Instant::now();
@@ -205,6 +215,8 @@ fn main() {
     }
     let (o, x, f) = (best(random_ours), best(random_xalloc), best(random_offset));
     println!("{:<40}{o:>12.1}{x:>12.1}{f:>18.1}{:>12.2}", "random workload (per op)", o / x);
+    let u = best(random_ours_untrimmed);
+    println!("{:<40}{u:>12.1}{x:>12.1}{f:>18.1}{:>12.2}", "random workload, trim_ratio:0", u / x);
 
     let o = best(|| {
         let a = ours();

@@ -8,6 +8,8 @@
 //!   (log-uniform sizes from 512 B to 4 MiB, about 1000 live blocks), after 200k warm-up ops.
 //! - `alloc_pairs N tlsf [LIVE]` / `tlsf-random`: the same work on xalloc's TLSF (the peer).
 //!
+//! The allocator's settings come from `DMABUF_RT_ALLOC_CONF` (e.g. `trim_ratio:0`).
+//!
 //! Run: `cargo run --release --example alloc_pairs -- 10000 raw 20000`
 
 use dmabuf_rt::caching::{CachingAllocator, Config};
@@ -42,7 +44,8 @@ fn main() {
     let n: usize = arg(1).and_then(|s| s.parse().ok()).unwrap_or(10_000);
     let mode = arg(2).unwrap_or_else(|| "raii".into());
     let live_n: usize = arg(3).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let a = CachingAllocator::builder(SparseSource).config(Config::default()).capacity(1 << 40).build().unwrap();
+    let a =
+        CachingAllocator::builder(SparseSource).config(Config::from_env().unwrap()).capacity(1 << 40).build().unwrap();
     match mode.as_str() {
         "raw" | "raii" => {
             let live: Vec<_> = (0..live_n).map(|i| a.allocate_raw(live_size(i, live_n), None).unwrap()).collect();
