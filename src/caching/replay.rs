@@ -241,6 +241,54 @@ pub fn replay(trace: &[TraceOp], source: ReplaySource, capacity: u64, config: &C
     replay_with(trace, source, capacity, config, &ReplayOptions::default())
 }
 
+/// A trace operation with its address replaced by a dense slot.
+#[derive(Clone, Copy)]
+enum Slotted {
+    Alloc {
+        slot: usize,
+        size: usize,
+    },
+    Free {
+        slot: usize,
+    },
+    /// A free of an address the trace never allocated (its alloc came before the trace began):
+    /// nothing to free, but an operation all the same.
+    Nothing,
+    Step,
+}
+
+/// The trace with dense slots (a slot is reused once its block is freed), and how many slots
+/// it needs; refuses an address allocated twice without a free between (the trace is wrong).
+/// A free of an address never allocated frees nothing (the trace began after its alloc).
+fn resolve(trace: &[TraceOp]) -> Result<(Vec<Slotted>, usize)> {
+    let mut slot_of: HashMap<u64, usize> = HashMap::new();
+    let (mut spare, mut slots) = (Vec::new(), 0usize);
+    let mut out = Vec::with_capacity(trace.len());
+    for (i, op) in trace.iter().enumerate() {
+        out.push(match *op {
+            TraceOp::Alloc { addr, size } => {
+                let slot = spare.pop().unwrap_or_else(|| {
+                    slots += 1;
+                    slots - 1
+                });
+                if slot_of.insert(addr, slot).is_some() {
+                    return Err(Error::Config { what: format!("trace op {}: addr {addr} allocated twice", i + 1) });
+                }
+                Slotted::Alloc { slot, size }
+            }
+            TraceOp::Free { addr } => match slot_of.remove(&addr) {
+                Some(slot) => {
+                    spare.push(slot);
+                    Slotted::Free { slot }
+                }
+                None => Slotted::Nothing,
+            },
+            TraceOp::Step => Slotted::Step,
+        });
+    }
+    Ok((out, slots))
+}
+
 /// What one replay saw: the report's figures, and per step the source calls and remaps.
 struct Run {
     ooms: u64,
@@ -257,7 +305,11 @@ fn run(
     opts: &ReplayOptions,
     mut visit: impl FnMut(u64, &CachingAllocator) -> bool,
 ) -> Result<Run> {
-    let mut live = HashMap::new();
+    // Addresses become dense slots before the clock starts, so that the timed loop costs what
+    // the allocator does (no hashing per operation), as the PyTorch peer's loop does.
+    let (ops, slots) = resolve(trace)?;
+    let mut live: Vec<Option<super::Allocation>> = Vec::with_capacity(slots);
+    live.resize_with(slots, || None);
     let (mut ooms, mut index) = (0, 0u64);
     let mut steps = Vec::new();
     let counts = |a: &CachingAllocator| {
@@ -272,33 +324,24 @@ fn run(
     };
     let start = Instant::now();
     'all: for _ in 0..opts.repeat.max(1) {
-        for (i, op) in trace.iter().enumerate() {
+        for op in &ops {
             match *op {
-                TraceOp::Alloc { addr, size } => match a.allocate(size, None) {
-                    Ok(x) => {
-                        if live.insert(addr, x).is_some() {
-                            return Err(Error::Config {
-                                what: format!("trace op {}: addr {addr} allocated twice", i + 1),
-                            });
-                        }
-                    }
-                    Err(Error::AllocatorOom { .. }) => {
-                        ooms += 1;
-                    }
+                Slotted::Alloc { slot, size } => match a.allocate(size, None) {
+                    Ok(x) => live[slot] = Some(x),
+                    Err(Error::AllocatorOom { .. }) => ooms += 1,
                     Err(e) => return Err(e),
                 },
-                TraceOp::Free { addr } => {
-                    // A free of a block whose alloc failed (OOM) is skipped with it.
-                    live.remove(&addr);
-                }
-                TraceOp::Step => end_step(a, &mut steps),
+                // A free of a block whose alloc failed (OOM) is skipped with it.
+                Slotted::Free { slot } => live[slot] = None,
+                Slotted::Nothing => {}
+                Slotted::Step => end_step(a, &mut steps),
             }
             index += 1;
             if !visit(index, a) {
                 break 'all;
             }
         }
-        live.clear();
+        live.iter_mut().for_each(|l| *l = None);
         end_step(a, &mut steps);
     }
     let elapsed = start.elapsed();
