@@ -914,4 +914,25 @@ mod tests {
         assert!(run(&["a.json".to_string()]).unwrap_err().contains("missing -o"));
         assert!(run(&["a.json".to_string(), "--bogus".to_string()]).unwrap_err().contains("--bogus"));
     }
+
+    /// `replay --svg`: the segments of a snapshot of this library come out drawn, an expandable
+    /// segment's backed runs as one bar with its punched gaps.
+    #[test]
+    fn a_library_snapshot_is_drawn() {
+        use dmabuf_rt::caching::{CachingAllocator, Config};
+        use dmabuf_rt::source::SparseSource;
+        let a = CachingAllocator::builder(SparseSource).config(Config::default()).capacity(1 << 40).build().unwrap();
+        let (x, y) = (a.allocate(3 << 20, None).unwrap(), a.allocate(1 << 20, None).unwrap());
+        drop(x);
+        let snap = a.snapshot();
+        let segs = segments_of(&snap).unwrap();
+        let drawn: usize =
+            segs.iter().flat_map(|s| &s.blocks).filter(|b| b.state == SvgState::Allocated).map(|b| b.size).sum();
+        assert_eq!(drawn, y.len().next_multiple_of(512), "the live block, and only it, is drawn as allocated");
+        assert!(
+            segs.iter().all(|s| s.label.contains("exp")),
+            "{:?}",
+            segs.iter().map(|s| &s.label).collect::<Vec<_>>()
+        );
+    }
 }
