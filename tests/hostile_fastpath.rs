@@ -302,7 +302,13 @@ fn address_reuse_against_an_exact_model() {
                         2 => 512,
                         _ => 512 * (1 + rng.below(64) as usize),
                     };
-                    let p = a.allocate_raw(n, None).unwrap();
+                    // The live set wanders; near the capacity a request may not fit (which
+                    // pool has room depends on where the kernel put the segments): skip it.
+                    let p = match a.allocate_raw(n, None) {
+                        Ok(p) => p,
+                        Err(dmabuf_rt::Error::AllocatorOom { .. }) => continue,
+                        Err(e) => panic!("{conf}: {e}"),
+                    };
                     let tag = (step % 253) as u8 | 1;
                     assert!(live.insert(p as usize, (n, tag)).is_none(), "{conf}: {p:p} handed out twice");
                     fill(p, n.min(1024), tag);

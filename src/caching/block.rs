@@ -93,6 +93,12 @@ impl QueueKey {
         QueueKey(queue.map_or(0, QueueId::get))
     }
 
+    /// Any integer as a key, for tests of the pool's structures.
+    #[cfg(test)]
+    pub(crate) fn for_tests(n: u64) -> QueueKey {
+        QueueKey(n)
+    }
+
     /// The integer the snapshot and history show (0: none).
     pub(crate) fn get(self) -> u64 {
         self.0

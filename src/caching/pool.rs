@@ -6,7 +6,7 @@
 //! expandable segments' state, the raw table, the stats and the snapshot types live beside it
 //! in `caching/` and import nothing from it.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use super::block::{
@@ -26,6 +26,7 @@ use crate::segment::Segment;
 use crate::source::MemorySource;
 
 mod free_path;
+mod free_set;
 mod growth;
 mod invariants;
 mod raw_calls;
@@ -49,7 +50,7 @@ struct SegEntry {
 
 /// A free block's key in its pool: best fit is the first key at or after
 /// `(queue, size, 0, 0)`.
-type Key = (QueueKey, usize, usize, BlockId);
+use free_set::{FreeSet, Key};
 
 /// What an allocation attempt came to.
 pub(crate) enum Outcome {
@@ -120,7 +121,7 @@ pub(crate) struct Pool {
     segments: Vec<Option<SegEntry>>,
     free_segs: Vec<u32>,
     /// The free blocks of each pool (`PoolKind::slot`).
-    pools: [BTreeSet<Key>; 2],
+    pools: [FreeSet; 2],
     /// The stats, kept in the parts the hot path moves cheaply (see [`PoolStats`]).
     stats: PoolStats,
     /// Allocation misses so far (the GC clock).
@@ -659,10 +660,7 @@ impl Pool {
 
     /// Best fit in `pool` for `size` on `queue`, honouring the oversize rules.
     fn best_fit(&mut self, size: usize, queue: QueueKey, pool: PoolKind) -> Option<BlockId> {
-        let key = *self.pools[pool.slot()].range((queue, size, 0, 0)..).next()?;
-        if key.0 != queue {
-            return None;
-        }
+        let key = self.pools[pool.slot()].first_at_least(queue, size)?;
         let max_split = self.config.max_split_size;
         // Oversize blocks serve only oversize requests...
         if size < max_split && key.1 >= max_split {

@@ -208,8 +208,8 @@ impl Pool {
             return 0;
         }
         let mut donors = Vec::with_capacity(targets.len());
-        let keys = self.pools[pool.slot()].range((queue, 0, 0, 0)..=(queue, usize::MAX, usize::MAX, BlockId::MAX));
-        'blocks: for k in keys.rev() {
+        let keys = self.pools[pool.slot()].rev_of(queue);
+        'blocks: for k in keys {
             let d = &self.blocks[k.3 as usize];
             if d.seg != seg {
                 continue;
@@ -331,10 +331,7 @@ impl Pool {
             for i in 0..2 {
                 if !done[i] {
                     let set = &self.pools[i];
-                    peek[i] = match below[i] {
-                        None => set.iter().next_back().copied(),
-                        Some(k) => set.range(..k).next_back().copied(),
-                    };
+                    peek[i] = set.prev_before(below[i]);
                     done[i] = peek[i].is_none();
                 }
             }

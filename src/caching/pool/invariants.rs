@@ -141,7 +141,7 @@ impl Pool {
         }
         let mut pooled = 0;
         for (p, set) in self.pools.iter().enumerate() {
-            for &k in set {
+            for k in set.iter() {
                 let id = k.3;
                 if dead.contains(&id) || self.key(id) != k || self.blocks[id as usize].pool.slot() != p {
                     return Err(format!("pool {p} holds a stale key {k:?}"));

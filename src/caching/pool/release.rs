@@ -44,6 +44,9 @@ impl Pool {
         }
         if !left {
             self.gone.remove(&queue);
+            for p in &mut self.pools {
+                p.forget_queue(queue);
+            }
         }
     }
 
@@ -134,8 +137,8 @@ impl Pool {
         let max_split = self.config.max_split_size;
         let want = size.max(max_split);
         let candidates: Vec<Key> = self.pools[PoolKind::Large.slot()]
-            .range((queue, max_split, 0, 0)..(queue, usize::MAX, usize::MAX, BlockId::MAX))
-            .copied()
+            .range_of(queue, max_split)
+            .into_iter()
             .filter(|k| !self.blocks[k.3 as usize].is_split() && !self.is_expandable(k.3))
             .collect();
         if let Some(k) = candidates.iter().find(|k| k.1 >= want) {
