@@ -286,6 +286,7 @@ fn format_trace(ops: &[TraceOp]) -> String {
                 s += &format!("{{\"t\":{t},\"op\":\"alloc\",\"addr\":{addr},\"size\":{size}}}\n");
             }
             TraceOp::Free { addr } => s += &format!("{{\"t\":{t},\"op\":\"free\",\"addr\":{addr}}}\n"),
+            TraceOp::Step => s += &format!("{{\"t\":{t},\"op\":\"step\"}}\n"),
         }
     }
     s
@@ -308,13 +309,21 @@ fn trace_value(input: &mut Input<'_>) {
     while !input.is_empty() && ops.len() < 64 {
         let addr = input.u64();
         let size = input.u64() as usize;
-        let op = if input.bool() { TraceOp::Alloc { addr, size } } else { TraceOp::Free { addr } };
+        let op = match input.below(5) {
+            0 => TraceOp::Step,
+            1 | 2 => TraceOp::Alloc { addr, size },
+            _ => TraceOp::Free { addr },
+        };
+        let name = match op {
+            TraceOp::Alloc { .. } => "alloc",
+            TraceOp::Free { .. } => "free",
+            TraceOp::Step => "step",
+        };
         // The same object, its keys in an order and with spacing the input picks.
-        let mut fields = vec![
-            format!("\"t\":{}", input.u32()),
-            format!("\"op\":\"{}\"", if matches!(op, TraceOp::Alloc { .. }) { "alloc" } else { "free" }),
-            format!("\"addr\":{addr}"),
-        ];
+        let mut fields = vec![format!("\"t\":{}", input.u32()), format!("\"op\":\"{name}\"")];
+        if op != TraceOp::Step {
+            fields.push(format!("\"addr\":{addr}"));
+        }
         if let TraceOp::Alloc { size, .. } = op {
             fields.push(format!("\"size\":{size}"));
         }
