@@ -388,6 +388,23 @@ impl CachingAllocator {
         self.free_raw_slow(pool, ptr)
     }
 
+    /// [`CachingAllocator::free_raw`] of a block the caller says is `size` bytes (the size it
+    /// asked for): the size is checked and the block freed under one hold of the lock, so no
+    /// other thread's free and allocation can come between the check and the free. A size
+    /// that is not the block's is refused ([`Error::SizeMismatch`]: the block's, then the one
+    /// given) and frees nothing; any other refusal is [`CachingAllocator::free_raw`]'s.
+    pub fn free_raw_sized(&self, ptr: *mut u8, size: usize) -> Result<()> {
+        if ptr.is_null() {
+            return Err(Error::InvalidFree { ptr: 0, why: "null pointer" });
+        }
+        let pool = self.lock();
+        let (_, _, held) = pool.raw_block(ptr as usize).map_err(|why| Error::InvalidFree { ptr: ptr as usize, why })?;
+        if held != size {
+            return Err(Error::SizeMismatch { dst: held, src: size });
+        }
+        self.free_raw_slow(pool, ptr)
+    }
+
     /// [`CachingAllocator::free_raw`] past its fast path: checked, refused with the reason, or
     /// deferred for other queues.
     #[inline(never)]

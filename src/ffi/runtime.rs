@@ -230,13 +230,11 @@ impl Runtime {
     /// Frees device memory; `size`, when given, must be what was asked for.
     pub fn device_free(&self, device: usize, ptr: *mut u8, size: Option<usize>) -> Result<()> {
         let dev = self.device(device)?;
-        if let Some(size) = size {
-            let held = dev.allocator().raw_size(ptr)?;
-            if held != size {
-                return Err(Error::SizeMismatch { dst: held, src: size });
-            }
+        match size {
+            // Checked and freed under one hold of the allocator's lock.
+            Some(size) => dev.allocator().free_raw_sized(ptr, size),
+            None => dev.allocator().free_raw(ptr),
         }
-        dev.allocator().free_raw(ptr)
     }
 
     /// `size` bytes of pinned host memory.
