@@ -588,6 +588,7 @@ mod tests {
     /// a random run of allocations, frees and inactive-split changes in both pools, with
     /// resets of the peaks and of the totals, checked against such a model after every step.
     #[test]
+    #[cfg_attr(miri, ignore = "safe code; thousands of steps take Miri minutes")]
     fn hot_stats_read_as_plain_stats() {
         let mut hot = HotStats::default();
         let mut model = [StatArray::default(); 5];
@@ -597,7 +598,8 @@ mod tests {
         let mut x = 0x9e37_79b9_7f4a_7c15_u64;
         let mut live: Vec<(PoolKind, i64, i64)> = Vec::new();
         let mut inactive: Vec<(PoolKind, i64)> = Vec::new();
-        for step in 0..20_000 {
+        // Under Miri a tenth.
+        for step in 0..if cfg!(miri) { 2_000 } else { 20_000 } {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
