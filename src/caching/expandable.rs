@@ -1,14 +1,14 @@
 //! Expandable segments: one reservation of address space per (queue, pool), grown in
-//! [`CHUNK`]s mapped from a memfd, and page-stitched: any chunk of the memfd can be mapped at
-//! any chunk of the reservation, so memory that lies under a free block can be moved under a
+//! [`CHUNK`]s mapped from a memfd, and page-stitched: any unit of the memfd (a stitching unit,
+//! `Config::stitch_unit`, 2 MiB by default) can be mapped at any unit of the reservation, so memory that lies under a free block can be moved under a
 //! block being handed out (two remaps) instead of new memory being taken while free memory is
 //! stranded behind live neighbours. Free pages go back to the kernel per page (a punch) only
 //! under pressure. Address space is mapped before memory is needed: a chunk grown into the
 //! reservation shows a sparse part of the memfd, counted as punched until a block over it is
 //! handed out.
 //!
-//! This file holds a segment's state ([`ExpState`]: the reservation, which memfd chunk each
-//! mapped chunk shows, the map of punched pages and their arithmetic), the reservation sizing,
+//! This file holds a segment's state ([`ExpState`]: the reservation, which memfd unit each
+//! mapped unit shows, the map of punched pages and their arithmetic), the reservation sizing,
 //! and the trim policy's arithmetic ([`Budget`]); the pool decides when to grow, stitch, punch
 //! and trim, and calls in here.
 
@@ -30,10 +30,10 @@ pub(crate) struct ExpState {
     holes: Vec<u64>,
     /// How many mapped pages are punched (0: no block needs re-backing).
     punched: usize,
-    /// The memfd chunk each mapped chunk of the reservation shows (a permutation of
-    /// `0..mapped / CHUNK`; the identity until pages are stitched). The holes above are by
-    /// address: they move with their chunk when it moves.
-    chunks: Vec<u32>,
+    /// The memfd unit each mapped unit of the reservation shows (units of `unit` bytes; a
+    /// permutation of `0..mapped / unit`, the identity until pages are stitched). The holes
+    /// above are by address: they move with their unit when it moves.
+    units: Vec<u32>,
     /// The unit of page stitching (a power of two from the page size to [`CHUNK`]): what
     /// moves at once, and the granularity of the map above.
     unit: usize,
@@ -141,7 +141,7 @@ impl ExpState {
         let page = crate::source::page_size().clamp(1, CHUNK);
         let reserved_len = seg.mapping().map_or(0, crate::mapping::Mapping::reserved_len);
         let unit = unit.clamp(page, CHUNK);
-        Self { reserved_len, page, holes: Vec::new(), punched: 0, chunks: Vec::new(), unit, tail: None }
+        Self { reserved_len, page, holes: Vec::new(), punched: 0, units: Vec::new(), unit, tail: None }
     }
 
     /// Bytes of reservation.
@@ -162,7 +162,7 @@ impl ExpState {
         seg.grow_to(mapped, mapped + grow)?;
         self.holes.resize(((mapped + grow) / self.page).div_ceil(64), 0);
         let unit = self.unit();
-        self.chunks.extend((mapped / unit..(mapped + grow) / unit).map(|c| c as u32));
+        self.units.extend((mapped / unit..(mapped + grow) / unit).map(|c| c as u32));
         self.mark(mapped / self.page, (mapped + grow) / self.page, true);
         Ok(())
     }
@@ -173,29 +173,29 @@ impl ExpState {
     }
 
     /// Pages per stitching unit.
-    fn chunk_pages(&self) -> usize {
+    fn unit_pages(&self) -> usize {
         self.unit() / self.page
     }
 
-    /// Punched pages of mapped chunk `c`.
-    pub(crate) fn chunk_holes(&self, c: usize) -> usize {
-        let n = self.chunk_pages();
+    /// Punched pages of mapped unit `c`.
+    pub(crate) fn unit_holes(&self, c: usize) -> usize {
+        let n = self.unit_pages();
         self.holes_in(c * n, (c + 1) * n)
     }
 
-    /// Page stitching: the `n` mapped chunks from `a` and the `n` from `b` trade the memory
+    /// Page stitching: the `n` mapped units from `a` and the `n` from `b` trade the memory
     /// they show (two remaps of the memfd; no memory is taken or given back), and their
     /// punched pages move with it. Each run must show a contiguous range of the memfd
     /// ([`ExpState::file_contiguous`]), and neither may hold a block in use or in the quick
     /// cache (the pool's rule).
     pub(crate) fn swap(&mut self, seg: &Segment, a: usize, b: usize, n: usize) -> Result<()> {
         debug_assert!(self.file_contiguous(a, n) && self.file_contiguous(b, n) && a.abs_diff(b) >= n);
-        let (fa, fb) = (self.chunks[a] as usize, self.chunks[b] as usize);
+        let (fa, fb) = (self.units[a] as usize, self.units[b] as usize);
         let u = self.unit();
         seg.swap_ranges((a * u, fa * u), (b * u, fb * u), n * u)?;
-        let per = self.chunk_pages();
+        let per = self.unit_pages();
         for i in 0..n {
-            self.chunks.swap(a + i, b + i);
+            self.units.swap(a + i, b + i);
         }
         for i in 0..n * per {
             let (pa, pb) = (a * per + i, b * per + i);
@@ -208,9 +208,9 @@ impl ExpState {
         Ok(())
     }
 
-    /// Whether the `n` mapped chunks from `c` show one contiguous range of the memfd.
+    /// Whether the `n` mapped units from `c` show one contiguous range of the memfd.
     pub(crate) fn file_contiguous(&self, c: usize, n: usize) -> bool {
-        (1..n).all(|i| self.chunks[c + i] == self.chunks[c] + i as u32)
+        (1..n).all(|i| self.units[c + i] == self.units[c] + i as u32)
     }
 
     fn is_hole(&self, p: usize) -> bool {
@@ -218,15 +218,15 @@ impl ExpState {
     }
 
     /// The memfd ranges behind pages `[from, to)` of the reservation, in address order: one
-    /// `(address offset, memfd offset, len)` per run of chunks that stays contiguous in both.
+    /// `(address offset, memfd offset, len)` per run of units that stays contiguous in both.
     fn file_runs(&self, from: usize, to: usize) -> Vec<(usize, usize, usize)> {
         let (mut runs, page) = (Vec::<(usize, usize, usize)>::new(), self.page);
-        let n = self.chunk_pages();
+        let n = self.unit_pages();
         let mut p = from;
         while p < to {
             let c = p / n;
             let end = ((c + 1) * n).min(to);
-            let (at, file) = (p * page, self.chunks[c] as usize * self.unit() + (p - c * n) * page);
+            let (at, file) = (p * page, self.units[c] as usize * self.unit() + (p - c * n) * page);
             let len = (end - p) * page;
             match runs.last_mut() {
                 Some(last) if last.0 + last.2 == at && last.1 + last.2 == file => last.2 += len,
@@ -309,13 +309,13 @@ impl ExpState {
         if holes != self.punched {
             return Err(format!("{} punched pages counted, {holes} marked", self.punched));
         }
-        let mut seen = vec![false; self.chunks.len()];
-        if self.chunks.len() != mapped / self.unit()
-            || !self.chunks.iter().all(|&c| !std::mem::replace(&mut seen[c as usize], true))
+        let mut seen = vec![false; self.units.len()];
+        if self.units.len() != mapped / self.unit()
+            || !self.units.iter().all(|&c| !std::mem::replace(&mut seen[c as usize], true))
         {
             return Err(format!(
-                "the chunk map ({} entries) is not a permutation of the {} mapped units",
-                self.chunks.len(),
+                "the unit map ({} entries) is not a permutation of the {} mapped units",
+                self.units.len(),
                 mapped / self.unit()
             ));
         }
@@ -462,7 +462,7 @@ mod tests {
             page: 4096,
             holes: vec![0; pages.div_ceil(64)],
             punched: 0,
-            chunks: (0..(pages * 4096 / CHUNK) as u32).collect(),
+            units: (0..(pages * 4096 / CHUNK) as u32).collect(),
             unit: CHUNK,
             tail: None,
         }
@@ -592,11 +592,11 @@ mod tests {
         assert_eq!(off.over_allowed(10), 0);
     }
 
-    /// Page stitching: two chunks trade the memory they show, with their punched pages, and
+    /// Page stitching: two units (here whole 2 MiB chunks) trade the memory they show, with their punched pages, and
     /// the bytes move with them (a block handed out over the target sees the donor's bytes).
     #[test]
     #[cfg_attr(miri, ignore = "swaps and reads whole 2 MiB chunks: hours under Miri")]
-    fn a_swap_moves_memory_and_holes_between_chunks() {
+    fn a_swap_moves_memory_and_holes_between_units() {
         let Reservation::Made(seg, mut e) = reserve(&SparseSource, 1 << 30, 4096, CHUNK) else {
             panic!("the sparse source reserves address space")
         };
@@ -605,13 +605,13 @@ mod tests {
         // Chunks 0 and 2 backed, 1 punched (as grown).
         e.back(0, CHUNK);
         e.back(2 * CHUNK, CHUNK);
-        let n = e.chunk_pages();
-        assert_eq!((e.chunk_holes(0), e.chunk_holes(1), e.chunk_holes(2)), (0, n, 0));
+        let n = e.unit_pages();
+        assert_eq!((e.unit_holes(0), e.unit_holes(1), e.unit_holes(2)), (0, n, 0));
         let m = seg.mapping().unwrap();
         m.write(2 * CHUNK + 10, b"donor").unwrap();
         e.swap(&seg, 1, 2, 1).unwrap();
-        assert_eq!((e.chunk_holes(1), e.chunk_holes(2)), (0, n), "the holes moved with the memory");
-        assert_eq!(e.chunks[..3], [0, 2, 1]);
+        assert_eq!((e.unit_holes(1), e.unit_holes(2)), (0, n), "the holes moved with the memory");
+        assert_eq!(e.units[..3], [0, 2, 1]);
         let mut got = [0u8; 5];
         m.read(CHUNK + 10, &mut got).unwrap();
         assert_eq!(&got, b"donor");
@@ -638,7 +638,7 @@ mod tests {
         e.tail = Some(0);
         let _fd = seg.try_clone_fd().unwrap();
         assert!(e.swap(&seg, 0, 1, 1).is_err());
-        assert_eq!(e.chunks[..2], [0, 1], "nothing moved");
+        assert_eq!(e.units[..2], [0, 1], "nothing moved");
         assert!(!seg.is_stitched());
     }
 }

@@ -203,7 +203,7 @@ impl Pool {
         // The units the request touches that lie wholly in the free block.
         let unit = exp.unit();
         let (first, end) = (off.div_ceil(unit), (off + rounded).div_ceil(unit).min((off + size) / unit));
-        let targets: Vec<usize> = (first..end).filter(|&c| exp.chunk_holes(c) > 0).collect();
+        let targets: Vec<usize> = (first..end).filter(|&c| exp.unit_holes(c) > 0).collect();
         if targets.is_empty() {
             return 0;
         }
@@ -218,7 +218,7 @@ impl Pool {
             let lo = if k.3 == id { off + rounded } else { d.offset };
             let units = lo.div_ceil(unit)..(d.offset + d.size) / unit;
             for c in units {
-                if exp.chunk_holes(c) == 0 {
+                if exp.unit_holes(c) == 0 {
                     donors.push(c);
                     if donors.len() == targets.len() {
                         break 'blocks;
