@@ -165,10 +165,7 @@ impl Classes {
             }
         };
         let from_exact = from_exact.map(|(s, (a, i))| (s, a, i));
-        match (from_rest, from_exact) {
-            (Some(r), Some(e)) => Some(r.min(e)),
-            (r, e) => r.or(e),
-        }
+        from_rest.into_iter().chain(from_exact).min()
     }
 
     /// The largest `(size, address, id)` below `before` (the last of all for `None`).
@@ -195,10 +192,7 @@ impl Classes {
             }
         };
         let from_exact = from_exact.map(|(s, (a, i))| (s, a, i));
-        match (from_rest, from_exact) {
-            (Some(r), Some(e)) => Some(r.max(e)),
-            (r, e) => r.or(e),
-        }
+        from_rest.into_iter().chain(from_exact).max()
     }
 
     /// The first block of at least `size` bytes: the smallest size, then the lowest address.
@@ -212,10 +206,7 @@ impl Classes {
         } else {
             None
         };
-        match (from_rest, from_exact) {
-            (Some(r), Some(e)) => Some(r.min(e)),
-            (r, e) => r.or(e),
-        }
+        from_rest.into_iter().chain(from_exact).min()
     }
 }
 
