@@ -6,6 +6,17 @@
 import os, re, subprocess, sys, glob
 site, out_dir = sys.argv[1], sys.argv[2]
 here = os.path.dirname(os.path.abspath(__file__))
+
+
+def write_generic(name, label, symbols):
+    """OUT_DIR/NAME: a traced "return 0" stub for each symbol, sorted."""
+    with open(os.path.join(out_dir, name), "w") as o:
+        o.write("#include <stdio.h>\n#include <stdlib.h>\n")
+        o.write("static void tr(const char *n) { if (getenv(\"STUB_CUDA_TRACE\")) fprintf(stderr, \"[stubcuda] %s %%s\\n\", n); }\n" % label)
+        for sym in sorted(symbols):
+            o.write(f"int {sym}(void) {{ tr(\"{sym}\"); return 0; }}\n")
+
+
 want = set()
 for f in glob.glob(site + "/torch/lib/*.so*") + glob.glob(site + "/torch/_C*.so"):
     out = subprocess.run(["nm", "-D", "--undefined-only", f], capture_output=True, text=True).stdout
@@ -13,11 +24,7 @@ for f in glob.glob(site + "/torch/lib/*.so*") + glob.glob(site + "/torch/_C*.so"
         m = re.search(r"(\S+)@libcudart\.so\.13", line)
         if m: want.add(m.group(1))
 have = set(re.findall(r"^\S.*?\b(\w+)\s*\(", open(os.path.join(here, "cudart_stub.c")).read(), re.M))
-with open(os.path.join(out_dir, "cudart_generic.c"), "w") as o:
-    o.write("#include <stdio.h>\n#include <stdlib.h>\n")
-    o.write("static void tr(const char *n) { if (getenv(\"STUB_CUDA_TRACE\")) fprintf(stderr, \"[stubcuda] generic %s\\n\", n); }\n")
-    for s in sorted(want - have):
-        o.write(f"int {s}(void) {{ tr(\"{s}\"); return 0; }}\n")
+write_generic("cudart_generic.c", "generic", want - have)
 print(len(want), "wanted,", len(want - have), "generic")
 # driver symbols imported by libcaffe2_nvrtc (loaded lazily by ATen)
 want = set()
@@ -26,9 +33,5 @@ for line in out.splitlines():
     m = re.search(r"\s(cu[A-Z]\w*)$", line)
     if m and not m.group(1).startswith("cuFile"): want.add(m.group(1))
 have = set(re.findall(r"^CUresult\s+(\w+)\s*\(", open(os.path.join(here, "driver_stub.c")).read(), re.M))
-with open(os.path.join(out_dir, "driver_generic.c"), "w") as o:
-    o.write("#include <stdio.h>\n#include <stdlib.h>\n")
-    o.write("static void tr(const char *n) { if (getenv(\"STUB_CUDA_TRACE\")) fprintf(stderr, \"[stubcuda] generic driver %s\\n\", n); }\n")
-    for s in sorted(want - have):
-        o.write(f"int {s}(void) {{ tr(\"{s}\"); return 0; }}\n")
+write_generic("driver_generic.c", "generic driver", want - have)
 print(len(want), "driver wanted,", len(want - have), "generic", sorted(want-have))
