@@ -295,6 +295,17 @@ def _gpt_train(cfg, vocab, d, heads, layers, seq, batch, steps, markers):
         step_marker()
 
 
+def _cnn_step(model, opt, batch, res, classes):
+    """One SGD step of the CNN on a random batch at resolution `res` (cnn_train, cnn_multires)."""
+    x = torch.randn(batch, 3, res, res)
+    y = torch.randint(0, classes, (batch,))
+    loss = F.cross_entropy(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    del loss, x, y
+
+
 def cnn_train(cfg):
     batch, res, classes, steps = 16, 128, 1000, 5
     cfg.update(batch=batch, resolution=res, classes=classes, steps=steps, layout="ResNet-18")
@@ -302,13 +313,7 @@ def cnn_train(cfg):
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, foreach=True)
     for _ in range(steps):
-        x = torch.randn(batch, 3, res, res)
-        y = torch.randint(0, classes, (batch,))
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        del loss, x, y
+        _cnn_step(model, opt, batch, res, classes)
 
 
 def varlen_infer(cfg):
@@ -502,13 +507,7 @@ def cnn_multires(cfg):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, foreach=True)
     for res in resolutions:
         step_marker()
-        x = torch.randn(batch, 3, res, res)
-        y = torch.randint(0, classes, (batch,))
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        del loss, x, y
+        _cnn_step(model, opt, batch, res, classes)
     step_marker()
 
 
