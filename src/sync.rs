@@ -5,9 +5,13 @@
 pub(crate) use loom::cell::UnsafeCell;
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+#[cfg(loom)]
+pub(crate) use loom::sync::{Condvar, Mutex};
 
 #[cfg(not(loom))]
 pub(crate) use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+#[cfg(not(loom))]
+pub(crate) use std::sync::{Condvar, Mutex};
 
 /// `std::cell::UnsafeCell` with loom's closure API, so the same code compiles both ways and
 /// loom can see every access.

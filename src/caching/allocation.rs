@@ -11,7 +11,7 @@ use super::block::{BlockId, FreeMsg, SegRef};
 use super::free_list::Node;
 use super::shared::{self, AllocatorShared};
 use crate::error::Result;
-use crate::queue::{Mem, Queue, QueueHandle, QueueId};
+use crate::queue::{Mem, Queue, QueueId};
 use crate::segment::{Access, Segment};
 use crate::view::CpuView;
 
@@ -29,9 +29,10 @@ pub struct Allocation {
     pub(super) size: usize,
     /// The queue the block is bound to.
     pub(super) queue: Option<QueueId>,
-    /// Other queues that used the block. Not dropped by the drop glue: `Drop` takes it when
-    /// it is not empty, so the usual free pays nothing for it.
-    pub(super) uses: ManuallyDrop<Vec<QueueHandle>>,
+    /// Other queues that used the block, each with the node its deferred free's marker will
+    /// carry. Not dropped by the drop glue: `Drop` takes it when it is not empty, so the usual
+    /// free pays nothing for it.
+    pub(super) uses: ManuallyDrop<shared::Uses>,
 }
 
 impl std::fmt::Debug for Allocation {
@@ -102,8 +103,9 @@ impl Allocation {
     /// submitted to `queue` until then before anyone can reuse it (PyTorch's `recordStream`).
     #[doc(alias = "record_stream")]
     pub fn record_queue(&mut self, queue: &Queue) {
-        if Some(queue.id()) != self.queue && !self.uses.iter().any(|h| h.id() == queue.id()) {
-            self.uses.push(queue.handle());
+        if Some(queue.id()) != self.queue && !self.uses.iter().any(|(h, _)| h.id() == queue.id()) {
+            // The node is made now, so that the free allocates nothing.
+            self.uses.push((queue.handle(), Node::new(FreeMsg::Free(self.id))));
         }
     }
 }
@@ -125,11 +127,19 @@ impl Drop for Allocation {
             self.inner.frees.push(node);
             return;
         }
+        // Taken out of the ManuallyDrop, so it is dropped here.
+        let mut uses = std::mem::take(&mut *self.uses);
+        // Queues idle now have finished every use made before this free.
+        uses.retain(|(q, _)| !q.has_passed());
+        if uses.is_empty() {
+            node.value = FreeMsg::Free(self.id);
+            self.inner.frees.push(node);
+            return;
+        }
         // Counted before it is published, so no one sees the request without the count.
-        self.inner.pending.begin();
-        node.value = FreeMsg::Requested(self.id);
+        self.inner.pending.begin_n(uses.len());
+        node.value = FreeMsg::Requested(self.id, uses.len() as u32);
         self.inner.frees.push(node);
-        // Taken out of the ManuallyDrop, so it is dropped after the loop.
-        shared::complete_after(&self.inner, self.id, std::mem::take(&mut *self.uses));
+        shared::mark_all(&self.inner, self.id, uses);
     }
 }

@@ -167,10 +167,10 @@ impl Block {
 pub(crate) enum FreeMsg {
     /// The caller let go and no other queue used the block: free it now.
     Free(BlockId),
-    /// The caller let go; events on other queues must complete first.
-    Requested(BlockId),
-    /// Those events completed.
-    Completed(BlockId),
+    /// The caller let go; markers on this many other queues must pass first.
+    Requested(BlockId, u32),
+    /// One of those markers passed (the last one completes the free).
+    Passed(BlockId),
     /// The queue with this id is gone: its memory goes back once its blocks are free.
     QueueGone(QueueId),
 }

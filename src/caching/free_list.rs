@@ -12,7 +12,7 @@
 
 use std::ptr;
 
-use crate::sync::{AtomicPtr, AtomicUsize, Ordering, UnsafeCell};
+use crate::sync::{AtomicPtr, AtomicUsize, Condvar, Mutex, Ordering, UnsafeCell};
 
 /// A node carrying one freed item.
 #[derive(Debug)]
@@ -112,11 +112,20 @@ impl<T> Drop for FreeList<T> {
     }
 }
 
-/// The count of deferred frees: requested (their request pushed) but not completed (their
-/// completion not yet pushed). Whoever sees it at zero and then takes from the list gets every
-/// completion pushed before it dropped to zero.
+/// The count of deferred frees' outstanding waits: counted when a free is requested (before
+/// its request is pushed), uncounted as each of its completions is pushed (one per queue it
+/// waits for). Whoever sees it at zero and then takes from the list gets every completion
+/// pushed before it dropped to zero. A thread that must wait for it to reach zero (the OOM
+/// ladder, `empty_cache`) sleeps until the last `end` wakes it: no polling.
 #[derive(Debug)]
-pub struct Pending(AtomicUsize);
+pub struct Pending {
+    count: AtomicUsize,
+    /// Threads in [`Pending::wait_zero`]: `end` takes the lock and notifies only when some
+    /// sleep, so the usual deferred free pays one atomic load for it.
+    sleepers: AtomicUsize,
+    lock: Mutex<()>,
+    zero: Condvar,
+}
 
 impl Default for Pending {
     fn default() -> Self {
@@ -127,25 +136,59 @@ impl Default for Pending {
 impl Pending {
     /// None pending.
     pub fn new() -> Self {
-        Self(AtomicUsize::new(0))
+        Self { count: AtomicUsize::new(0), sleepers: AtomicUsize::new(0), lock: Mutex::new(()), zero: Condvar::new() }
     }
 
-    /// Counts a deferred free; call before pushing its request, so no one sees the request
-    /// without the count.
+    /// Counts a deferred free that waits for one completion; call before pushing its
+    /// request, so no one sees the request without the count.
     pub fn begin(&self) {
-        self.0.fetch_add(1, Ordering::AcqRel);
+        self.begin_n(1);
     }
 
-    /// Uncounts a deferred free; call after pushing its completion. Release: the push
-    /// happens-before whatever sees the count drop.
+    /// Counts a deferred free that waits for `n` completions.
+    pub fn begin_n(&self, n: usize) {
+        self.count.fetch_add(n, Ordering::AcqRel);
+    }
+
+    /// Uncounts one completion; call after pushing it. Release: the push happens-before
+    /// whatever sees the count drop. The last one wakes the threads in
+    /// [`Pending::wait_zero`].
     pub fn end(&self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        // SeqCst here and on `sleepers` in both places (a Dekker pair): either the sleeper,
+        // which counts itself before it reads the count, sees this decrement, or this sees
+        // the sleeper and wakes it (under the lock the sleeper holds from its read of the
+        // count until it sleeps).
+        if self.count.fetch_sub(1, Ordering::SeqCst) == 1 && self.sleepers.load(Ordering::SeqCst) > 0 {
+            let _held = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+            self.zero.notify_all();
+        }
     }
 
     /// True when no deferred free is outstanding. Acquire: pairs with `end`, so a take that
     /// follows sees every completion pushed before the count dropped.
     pub fn is_zero(&self) -> bool {
-        self.0.load(Ordering::Acquire) == 0
+        self.count.load(Ordering::Acquire) == 0
+    }
+
+    /// Sleeps until no deferred free is outstanding, or `limit` passes; returns whether the
+    /// count reached zero.
+    pub fn wait_zero(&self, limit: std::time::Duration) -> bool {
+        if self.is_zero() {
+            return true;
+        }
+        let deadline = std::time::Instant::now() + limit;
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        let mut held = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        while self.count.load(Ordering::SeqCst) != 0 {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            held = self.zero.wait_timeout(held, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        drop(held);
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+        self.is_zero()
     }
 }
 

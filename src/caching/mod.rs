@@ -56,10 +56,13 @@
 //! # The deferred-free flow, top-down
 //! Dropping an [`Allocation`] (`allocation.rs`) used only on its own queue pushes
 //! `FreeMsg::Free` onto the lock-free list. One used on other queues
-//! ([`Allocation::record_queue`]) pushes `FreeMsg::Requested` and records an event on each of
-//! those queues (`shared::complete_after`); the last event's completion hook, run by the queue
-//! that passes it, pushes `FreeMsg::Completed`. The next call that takes the lock drains the
-//! list (`Pool::drain` -> `apply` -> `free_block`, `pool/free_path.rs`), which merges the
+//! ([`Allocation::record_queue`]) that still have work outstanding pushes
+//! `FreeMsg::Requested(id, n)` and places a marker on each of those `n` queues
+//! (`shared::mark_all`, [`crate::queue::QueueHandle::mark`]: a slot in the queue's marker
+//! buffer, no event); as the queue passes it, the marker's node, made when the use was
+//! recorded, is pushed as `FreeMsg::Passed`, and the last one frees the block. Queues that are
+//! idle at the free have finished with it: no marker. The next call that takes the lock drains
+//! the list (`Pool::drain` -> `apply` -> `free_block`, `pool/free_path.rs`), which merges the
 //! block with its free neighbours and returns it to its pool.
 
 mod addrs;
@@ -282,10 +285,7 @@ impl CachingAllocator {
     /// pending-wait limit passes (a queue stuck on an event that never completes must not
     /// hang the allocator).
     fn wait_for_pending(&self) {
-        let start = std::time::Instant::now();
-        while !self.inner.pending.is_zero() && start.elapsed() < self.inner.pending_limit {
-            std::thread::sleep(std::time::Duration::from_micros(100));
-        }
+        self.inner.pending.wait_zero(self.inner.pending_limit);
     }
 
     /// Returns every cached, unsplit segment to the source, and the pages of free parts of
@@ -411,10 +411,19 @@ impl CachingAllocator {
     fn free_raw_slow(&self, mut pool: MutexGuard<'_, Pool>, ptr: *mut u8) -> Result<()> {
         match pool.free_raw(ptr as usize) {
             Ok(None) => Ok(()),
-            Ok(Some((id, uses))) => {
-                self.inner.pending.begin();
-                drop(pool);
-                shared::complete_after(&self.inner, id, uses);
+            Ok(Some((id, mut uses))) => {
+                // Queues idle now have finished every use made before this free.
+                uses.retain(|q| !q.has_passed());
+                if uses.is_empty() {
+                    pool.apply_free(id);
+                    return Ok(());
+                }
+                // Counted before the request is applied (and the lock released).
+                self.inner.pending.begin_n(uses.len());
+                pool.apply_requested(id, uses.len() as u32);
+                // The markers' nodes come from the pool's spares (no allocation once warm), so
+                // they are placed under its lock (a queue's lock is never held while taking it).
+                shared::mark_all(&self.inner, id, uses.into_iter().map(|q| (q, pool.take_node())));
                 Ok(())
             }
             Err(why) => Err(Error::InvalidFree { ptr: ptr as usize, why }),

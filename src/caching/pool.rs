@@ -133,6 +133,8 @@ pub(crate) struct Pool {
         reason = "the nodes travel through the lock-free list as boxes; keeping them boxed is the point"
     )]
     nodes: Vec<Box<Node<FreeMsg>>>,
+    /// Deferred frees waiting for more than one marker: the markers still to pass.
+    deferred_waits: HashMap<BlockId, u32>,
     /// Scratch for draining the free list in push order.
     #[allow(clippy::vec_box, reason = "the nodes are boxes in the list and are recycled as boxes")]
     scratch: Vec<Box<Node<FreeMsg>>>,
@@ -178,6 +180,7 @@ impl Pool {
             misses: 0,
             history: History::new(),
             nodes: Vec::new(),
+            deferred_waits: HashMap::new(),
             scratch: Vec::new(),
             queues: HashMap::default(),
             raw: RawTable::default(),

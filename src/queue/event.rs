@@ -300,8 +300,9 @@ impl Event {
         self.wait_generation(generation, timeout, None)
     }
 
-    /// Waits for `generation`; gives up on `timeout` or when `cancel` becomes true (checked
-    /// every few milliseconds).
+    /// Waits for `generation`; gives up on `timeout` or when `cancel` becomes true. `cancel`
+    /// is checked under the event's lock: whoever sets it must then call
+    /// [`Event::wake_waiters`] (no polling).
     pub(crate) fn wait_generation(
         &self,
         generation: u64,
@@ -340,17 +341,28 @@ impl Event {
             if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
                 return Err(Error::OperationFailed { reason: "queue dropped while waiting for an event".into() });
             }
-            let mut slice = if cancel.is_some() { Duration::from_millis(5) } else { Duration::from_secs(3600) };
-            if let Some(t) = timeout {
-                let left = t.saturating_sub(start.elapsed());
-                if left.is_zero() {
-                    return Err(Error::Timeout { what: "event", waited: t });
-                }
-                slice = slice.min(left);
-            }
             s.sleepers += 1;
-            s = self.inner.cv.wait_timeout(s, slice).unwrap_or_else(|p| p.into_inner()).0;
+            s = match timeout {
+                Some(t) => {
+                    let left = t.saturating_sub(start.elapsed());
+                    if left.is_zero() {
+                        s.sleepers -= 1;
+                        return Err(Error::Timeout { what: "event", waited: t });
+                    }
+                    self.inner.cv.wait_timeout(s, left).unwrap_or_else(|p| p.into_inner()).0
+                }
+                None => self.inner.cv.wait(s).unwrap_or_else(|p| p.into_inner()),
+            };
             s.sleepers -= 1;
+        }
+    }
+
+    /// Wakes every thread blocked waiting on this event, so that it looks again at what it
+    /// waits for (a cancel flag set since).
+    pub(crate) fn wake_waiters(&self) {
+        let s = self.lock();
+        if s.sleepers > 0 {
+            self.inner.cv.notify_all();
         }
     }
 

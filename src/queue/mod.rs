@@ -38,22 +38,25 @@ mod engine;
 mod event;
 mod fence;
 mod id;
+mod marker;
 mod mem;
 mod ring;
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 pub use event::{Completion, Event};
 pub use id::QueueId;
+pub use marker::{MarkerPayload, MarkerSink};
 pub use mem::{HostBuffer, Mem};
 use ring::Ring;
 
 use crate::error::{Error, Result};
 use engine::{cpu_copy, cpu_fill, kernel_copy};
+use marker::Markers;
 
 /// How copies move bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,6 +111,8 @@ impl QueueBuilder {
             ring: Mutex::new(Some(ring)),
             exit_hooks: Mutex::new(Vec::new()),
             closing: AtomicBool::new(false),
+            waiting_on: Mutex::new(None),
+            markers_waiting: AtomicUsize::new(0),
             engine: self.engine,
             inline_max: self.inline_max,
         });
@@ -151,10 +156,12 @@ enum Op {
     Callback(Callback),
 }
 
-/// An operation and the error epoch it was submitted in.
+/// An operation, the error epoch it was submitted in, and its ticket (its place in the
+/// queue's submission order, counted from 1).
 struct Queued {
     op: Op,
     epoch: u64,
+    ticket: u64,
 }
 
 #[derive(Default)]
@@ -175,6 +182,12 @@ struct State {
     exited: bool,
     /// Set if the executor thread died; submissions are refused after that.
     dead: bool,
+    /// The newest operation's ticket (tickets count submissions from 1).
+    submitted: u64,
+    /// Every operation up to this ticket has finished (run, skipped or cancelled).
+    passed: u64,
+    /// Markers waiting for operations to finish.
+    markers: Markers,
 }
 
 impl State {
@@ -193,8 +206,14 @@ struct QueueShared {
     ring: Mutex<Option<Ring>>,
     /// Run once when the executor has exited (see [`QueueHandle::on_exit`]).
     exit_hooks: Mutex<Vec<ExitHook>>,
-    /// Mirrors `State::closing` for waits that poll it without the state lock.
+    /// Mirrors `State::closing` for a wait operation, which checks it under its event's lock.
     closing: AtomicBool,
+    /// The event a wait operation is blocked on: dropping the queue wakes it, so that the
+    /// wait sees `closing` (no polling).
+    waiting_on: Mutex<Option<Event>>,
+    /// Mirrors `State::markers.len()` (a hint read without the lock: finishing an operation
+    /// looks for due markers only when some wait).
+    markers_waiting: AtomicUsize,
     engine: CopyEngine,
     inline_max: usize,
 }
@@ -202,12 +221,6 @@ struct QueueShared {
 impl QueueShared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Runs `f` on the ring; an error once the executor has exited and closed it.
-    fn with_ring<R>(&self, f: impl FnOnce(&mut Ring) -> R) -> std::result::Result<R, Arc<str>> {
-        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
-        ring.as_mut().map(f).ok_or_else(|| Arc::from("the queue's io_uring is closed (the queue has exited)"))
     }
 
     /// After the executor has exited (its work done or cancelled): closes the ring and runs
@@ -414,6 +427,29 @@ impl QueueHandle {
         s.exited || s.dead
     }
 
+    /// Whether everything submitted so far has finished (also once the queue is gone): no
+    /// operation submitted before this call can touch memory any more.
+    pub fn has_passed(&self) -> bool {
+        let s = self.shared.lock();
+        s.passed == s.submitted || s.exited || s.dead
+    }
+
+    /// Places a marker at the queue's current end: once everything submitted so far has
+    /// finished, `sink` receives `payload` (see [`MarkerSink`] for where and when). If the
+    /// queue has already passed this point (idle, gone, or its executor died), nothing is
+    /// placed and the payload comes back as the error. Costs no allocation once the queue's
+    /// marker buffer has grown to its working size.
+    pub fn mark(&self, sink: &Arc<dyn MarkerSink>, payload: MarkerPayload) -> std::result::Result<(), MarkerPayload> {
+        let mut s = self.shared.lock();
+        if s.passed == s.submitted || s.exited || s.dead {
+            return Err(payload);
+        }
+        let ticket = s.submitted;
+        s.markers.push(ticket, sink, payload);
+        self.shared.markers_waiting.store(s.markers.len(), Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Runs `f` once the queue is gone (see [`QueueHandle::is_gone`]): on the executor thread
     /// as it exits, or at once on this thread if it already has. `f` must be quick and must not
     /// block (the caching allocator uses it to free a dropped queue's memory).
@@ -441,31 +477,24 @@ pub fn executing_queue() -> Option<QueueId> {
     QueueId::from_raw(EXECUTING.with(std::cell::Cell::get))
 }
 
-/// Runs `f` once every queue in `queues` has passed its current end: an event is recorded on
-/// each, and `f` runs (on the thread that completes the last of them) when all have
-/// completed, failed or not. A queue that refuses the record has drained and exited (or its
-/// executor died and cancelled its work), so it counts as passed at once. This is how memory
-/// used on several queues learns when none of them can touch it any more.
+/// Runs `f` once every queue in `queues` has passed its current end: a marker is placed on
+/// each queue that has work outstanding, and `f` runs (after that queue's lock is released, on
+/// the thread that finishes the last of them) when all have passed, whether the work before
+/// them succeeded or not; at once, on this thread, if none has work outstanding. A queue that
+/// has been dropped has finished or cancelled its work and counts as passed. This is how
+/// memory used on several queues learns when none of them can touch it any more.
 pub fn after_queues(queues: impl IntoIterator<Item = QueueHandle>, f: impl FnOnce() + Send + 'static) {
-    let queues: Vec<QueueHandle> = queues.into_iter().collect();
-    if queues.is_empty() {
+    let busy: Vec<QueueHandle> = queues.into_iter().filter(|q| !q.has_passed()).collect();
+    if busy.is_empty() {
         f();
         return;
     }
-    let left = Arc::new(std::sync::atomic::AtomicUsize::new(queues.len()));
-    let f = Arc::new(Mutex::new(Some(f)));
-    for q in queues {
-        let (left, f) = (Arc::clone(&left), Arc::clone(&f));
-        let done = move || {
-            if left.fetch_sub(1, Ordering::AcqRel) == 1 {
-                if let Some(f) = f.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                    f();
-                }
-            }
-        };
-        match q.record_unless_passed() {
-            Ok(Some(ev)) => ev.on_complete(move |_| done()),
-            Ok(None) | Err(_) => done(),
+    let all = marker::AfterAll::new(busy.len(), Box::new(f));
+    let sink: Arc<dyn MarkerSink> = all.clone();
+    for q in &busy {
+        // A zero-sized payload: no allocation.
+        if q.mark(&sink, Box::new(())).is_err() {
+            all.one_passed();
         }
     }
 }
@@ -479,15 +508,17 @@ fn submit(shared: &QueueShared, op: Op) -> Result<()> {
         return Err(Error::OperationFailed { reason: "the queue has been dropped and has finished its work".into() });
     }
     let epoch = s.epoch;
+    s.submitted += 1;
+    let ticket = s.submitted;
     if !s.running && s.ops.is_empty() && inline_ok(shared, &op) {
         s.running = true;
         let failed = s.failure_for(epoch);
         drop(s);
-        let completes = execute(shared, Queued { op, epoch }, failed);
-        finish(shared, completes);
+        let completes = execute(shared, Queued { op, epoch, ticket }, failed);
+        finish(shared, completes, ticket);
         return Ok(());
     }
-    s.ops.push_back(Queued { op, epoch });
+    s.ops.push_back(Queued { op, epoch, ticket });
     if !s.running {
         shared.work.notify_one();
     }
@@ -503,6 +534,11 @@ impl Drop for Queue {
             self.shared.closing.store(true, Ordering::Release);
         }
         self.shared.work.notify_all();
+        // A wait operation blocked on an event that may never complete gives up now (it
+        // checks `closing` under the event's lock, which this wake-up takes).
+        if let Some(ev) = self.shared.waiting_on.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            ev.wake_waiters();
+        }
         if let Some(w) = self.worker.take() {
             if executing_queue().is_some() {
                 // Dropped on a queue's executor (in a host callback, or by a callback holding
@@ -574,15 +610,21 @@ impl Drop for ExecutorGuard<'_> {
         if !std::thread::panicking() {
             return;
         }
-        let left: Vec<Queued> = {
+        let (left, markers) = {
             let mut s = self.0.lock();
             s.dead = true;
             s.running = false;
-            s.ops.drain(..).collect()
+            s.passed = s.submitted;
+            (s.ops.drain(..).collect::<Vec<Queued>>(), s.markers.take_all())
         };
+        self.0.markers_waiting.store(0, Ordering::Relaxed);
         let why: Arc<str> = "the queue's executor thread died".into();
         for q in left {
             cancel(q.op, &why);
+        }
+        // Nothing the executor left will run: the memory markers wait for is free of it.
+        for m in markers {
+            marker::pass(m);
         }
         self.0.exited();
     }
@@ -622,23 +664,25 @@ fn executor(shared: &QueueShared) {
                 s = shared.work.wait(s).unwrap_or_else(|p| p.into_inner());
             }
         };
+        let ticket = queued.ticket;
         let completes = execute(shared, queued, failed);
-        finish(shared, completes);
+        finish(shared, completes, ticket);
     }
 }
 
 /// Runs one operation (or skips it if the queue failed in its epoch, `failed` being that
-/// failure) and posts its completion. Returns the event a record reached, to be completed by
-/// [`finish`] once the queue no longer counts the operation as running.
+/// failure). Work done on the CPU is complete when it returns: no completion goes through the
+/// kernel. Returns the event a record reached, to be completed by [`finish`] once the queue no
+/// longer counts the operation as running.
 fn execute(shared: &QueueShared, queued: Queued, failed: Option<Arc<str>>) -> Option<(Event, u64, Completion)> {
-    let Queued { op, epoch } = queued;
+    let Queued { op, epoch, .. } = queued;
     let mut completes = None;
     let result: std::result::Result<(), Arc<str>> = match (op, failed) {
         (Op::Record { event, generation }, failed) => {
-            // The event completes from the ring's CQE; after a failure it carries the error.
-            let posted = post_cpu_completion(shared);
-            completes = Some((event, generation, failed.map_or_else(|| posted.clone(), Err)));
-            posted
+            // Everything before it has finished: it completes now (in `finish`), carrying the
+            // queue's error if an earlier operation failed.
+            completes = Some((event, generation, failed.map_or(Ok(()), Err)));
+            Ok(())
         }
         (Op::Callback(f), Some(why)) => {
             let r = Err(Error::OperationFailed { reason: why });
@@ -646,7 +690,7 @@ fn execute(shared: &QueueShared, queued: Queued, failed: Option<Arc<str>>) -> Op
             Ok(())
         }
         (Op::Callback(f), None) => match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(Ok(())))) {
-            Ok(()) => post_cpu_completion(shared),
+            Ok(()) => Ok(()),
             Err(_) => Err("a host callback panicked".into()),
         },
         (_, Some(_)) => Ok(()), // skipped: the queue has failed
@@ -654,14 +698,11 @@ fn execute(shared: &QueueShared, queued: Queued, failed: Option<Arc<str>>) -> Op
             if kernel_copy_applies(shared, &dst, &src) {
                 kernel_copy(shared, &dst, &src)
             } else {
-                cpu_copy(&dst, &src).and_then(|()| post_deferred_completion(shared))
+                cpu_copy(&dst, &src)
             }
         }
-        (Op::Fill { dst, byte }, None) => cpu_fill(&dst, byte).and_then(|()| post_deferred_completion(shared)),
-        (Op::Wait { event, generation }, None) => event
-            .wait_generation(generation, None, Some(&shared.closing))
-            .map_err(|e| Arc::from(format!("waited-on event failed: {e}")))
-            .and_then(|()| post_cpu_completion(shared)),
+        (Op::Fill { dst, byte }, None) => cpu_fill(&dst, byte),
+        (Op::Wait { event, generation }, None) => wait_for(shared, &event, generation),
     };
     if let Err(why) = result {
         let mut s = shared.lock();
@@ -672,24 +713,47 @@ fn execute(shared: &QueueShared, queued: Queued, failed: Option<Arc<str>>) -> Op
     completes
 }
 
-/// Finishes an operation: runs the hooks of the event a record reached, then marks the queue
-/// not running and the event complete under the queue's lock. So a record submitted later (it
-/// may run inline the moment the queue is idle) never completes before this one, whoever sees
-/// the event complete also sees the queue idle if nothing else was queued, and
-/// `Queue::synchronize` never returns before the hooks of earlier records have run.
-fn finish(shared: &QueueShared, completes: Option<(Event, u64, Completion)>) {
+/// A wait operation: blocks until `generation` of `event` completes, or until the queue is
+/// dropped (which wakes it through `waiting_on`: no polling).
+fn wait_for(shared: &QueueShared, event: &Event, generation: u64) -> std::result::Result<(), Arc<str>> {
+    if event.is_generation_complete(generation) {
+        return event
+            .wait_generation(generation, None, None)
+            .map_err(|e| Arc::from(format!("waited-on event failed: {e}")));
+    }
+    // Published before the wait checks `closing` under the event's lock; Drop sets `closing`
+    // before it reads this: either the wait sees `closing`, or Drop wakes it.
+    *shared.waiting_on.lock().unwrap_or_else(|p| p.into_inner()) = Some(event.clone());
+    let r = event.wait_generation(generation, None, Some(&shared.closing));
+    *shared.waiting_on.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    r.map_err(|e| Arc::from(format!("waited-on event failed: {e}")))
+}
+
+/// Finishes operation `ticket`: runs the hooks of the event a record reached and passes the
+/// markers waiting for it, then marks the queue not running and the event complete under the
+/// queue's lock. So a record submitted later (it may run inline the moment the queue is idle)
+/// never completes before this one, whoever sees the event complete also sees the queue idle
+/// if nothing else was queued, and `Queue::synchronize` never returns before the hooks of
+/// earlier records have run and earlier markers have passed.
+fn finish(shared: &QueueShared, completes: Option<(Event, u64, Completion)>, ticket: u64) {
     if let Some((event, generation, result)) = &completes {
         event.run_hooks(*generation, result);
     }
-    let (wake, late) = {
+    if shared.markers_waiting.load(Ordering::Relaxed) > 0 {
+        pass_due(shared, ticket);
+    }
+    let (wake, late, due) = {
         let mut s = shared.lock();
         s.running = false;
+        debug_assert_eq!(s.passed + 1, ticket, "operations finish in submission order");
+        s.passed = ticket;
         // Lock order: queue, then event (as in `inline_ok`).
         let late = completes.map(|(event, generation, result)| event.mark_complete(generation, result));
         // Wake the executor when there is more to run, and also when the queue is closing: an
         // operation run inline on another thread kept it asleep through Drop's wake-up, and it
         // must now see the queue idle and exit, or Drop's join waits forever.
-        (!s.ops.is_empty() || s.closing, late)
+        // A marker placed after `pass_due` looked (for this very operation) is passed below.
+        (!s.ops.is_empty() || s.closing, late, s.markers.any_due(ticket))
     };
     if wake {
         shared.work.notify_one();
@@ -697,12 +761,24 @@ fn finish(shared: &QueueShared, completes: Option<(Event, u64, Completion)>) {
     if let Some(late) = late {
         late();
     }
+    if due {
+        pass_due(shared, ticket);
+    }
 }
 
-fn post_deferred_completion(shared: &QueueShared) -> std::result::Result<(), Arc<str>> {
-    shared.with_ring(|r| r.complete_cpu_deferred())?.map_err(|e| Arc::from(format!("io_uring completion: {e}")))
-}
-
-fn post_cpu_completion(shared: &QueueShared) -> std::result::Result<(), Arc<str>> {
-    shared.with_ring(|r| r.complete_cpu())?.map_err(|e| Arc::from(format!("io_uring completion: {e}")))
+/// Passes the markers waiting for operations up to `ticket`, one at a time, each outside the
+/// queue's lock (a sink may call into queues).
+fn pass_due(shared: &QueueShared, ticket: u64) {
+    loop {
+        let m = {
+            let mut s = shared.lock();
+            let m = s.markers.pop_due(ticket);
+            shared.markers_waiting.store(s.markers.len(), Ordering::Relaxed);
+            m
+        };
+        match m {
+            Some(m) => marker::pass(m),
+            None => return,
+        }
+    }
 }

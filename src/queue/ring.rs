@@ -1,6 +1,6 @@
 //! io_uring plumbing for queues and fences. The only unsafe in the queue module's ring use
 //! lives here: pushing an SQE promises the kernel that its buffers outlive the operation.
-//! Every call below waits for its own CQE before returning; where that cannot be known (the
+//! Every call below waits for its own CQEs before returning; where that cannot be known (the
 //! ring itself failed), the error says so ([`RingError::Ring`]) and the caller must keep the
 //! buffers alive for good.
 #![allow(unsafe_code)]
@@ -33,12 +33,15 @@ impl std::fmt::Display for RingError {
     }
 }
 
-/// A queue's ring: every operation's completion arrives here as a CQE.
+/// A queue's ring, for the work the kernel does (the kernel engine's READ/WRITE). Work done on
+/// the CPU never comes here: it is complete when it returns, and a receipt through the kernel
+/// would carry no information.
 ///
-/// Work done on the CPU posts a NOP whose submission is deferred: it rides along with the
-/// next operation that must reach the kernel anyway (an event record, a kernel copy, a full
-/// SQ), so a run of small copies costs one `io_uring_enter`, not one each. Every SQE carries a
-/// unique id, so a completion can never be taken for another's.
+/// A transfer pushes all its SQEs, then one `io_uring_enter` submits them and waits for all
+/// their completions. Every SQE carries a unique id, so a completion can never be taken for
+/// another's. The ring is used under its queue's lock by whichever thread runs the operation
+/// (the executor, or a submitter running it inline), so `IORING_SETUP_SINGLE_ISSUER` (and
+/// `DEFER_TASKRUN`, which needs it) do not apply; `COOP_TASKRUN` does: the submitter reaps.
 pub(crate) struct Ring {
     ring: IoUring,
     /// SQEs pushed whose CQEs have not been reaped.
@@ -53,9 +56,6 @@ impl std::fmt::Debug for Ring {
         f.debug_struct("Ring").field("fd", &self.ring.as_raw_fd()).field("in_flight", &self.in_flight).finish()
     }
 }
-
-/// user_data of deferred CPU-completion NOPs (never awaited individually).
-const DEFERRED: u64 = 0;
 
 impl Ring {
     /// A ring of `entries` SQEs. A refusal of `io_uring_setup` says why and what to do
@@ -85,20 +85,27 @@ impl Ring {
                 self.in_flight += 1;
                 return Ok(());
             }
-            // SQ full: nothing of `entry` is in the ring yet, so a failure here leaves its
-            // buffers unused.
-            self.reap_until(None).map_err(|e| RingError::NotSubmitted(e.to_string()))?;
+            // SQ full: hand what is queued to the kernel (without waiting: the completions
+            // are reaped with the rest). Nothing of `entry` is in the ring yet, so a failure
+            // here leaves its buffers unused.
+            match self.ring.submit() {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if matches!(e.raw_os_error(), Some(c) if c == EAGAIN || c == EBUSY) => std::thread::yield_now(),
+                Err(e) => {
+                    self.broken = Some(e.to_string());
+                    return Err(RingError::NotSubmitted(e.to_string()));
+                }
+            }
         }
     }
 
-    /// Submits everything pushed and reaps completions until the awaited one arrives (or, with
-    /// `None`, until nothing is in flight). Returns the awaited CQE's result.
-    fn reap_until(&mut self, awaited: Option<u64>) -> io::Result<Option<i32>> {
-        loop {
-            if self.in_flight == 0 {
-                return Ok(None);
-            }
-            match self.ring.submit_and_wait(1) {
+    /// Submits everything pushed and reaps completions until nothing is in flight; returns
+    /// the results of the completions with ids in `first..first + n` (by id), `None` for one
+    /// that never came. One `io_uring_enter` when the kernel completes everything at once.
+    fn reap_all(&mut self, first: u64, n: usize, results: &mut [Option<i32>]) -> io::Result<()> {
+        while self.in_flight > 0 {
+            match self.ring.submit_and_wait(self.in_flight as usize) {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 // The kernel is short of resources or of CQ room right now: reap what has
@@ -111,49 +118,15 @@ impl Ring {
                     return Err(e);
                 }
             }
-            let mut found = None;
             for cqe in self.ring.completion() {
                 self.in_flight -= 1;
-                if Some(cqe.user_data()) == awaited {
-                    found = Some(cqe.result());
+                let id = cqe.user_data();
+                if id >= first && id < first + n as u64 {
+                    results[(id - first) as usize] = Some(cqe.result());
                 }
             }
-            if found.is_some() {
-                return Ok(found);
-            }
         }
-    }
-
-    /// Submits `entry` (with everything deferred before it) and waits for its CQE.
-    ///
-    /// # Safety
-    ///
-    /// Every buffer `entry` names must stay valid until this returns, and forever if it
-    /// returns [`RingError::Ring`].
-    unsafe fn run(&mut self, entry: squeue::Entry) -> Result<u32, RingError> {
-        let id = self.next_id;
-        self.next_id += 1;
-        // SAFETY: the caller's contract.
-        unsafe { self.push(&entry.user_data(id)) }?;
-        match self.reap_until(Some(id)) {
-            Ok(Some(r)) if r < 0 => Err(RingError::Op(io::Error::from_raw_os_error(-r))),
-            Ok(Some(r)) => Ok(r as u32),
-            Ok(None) => Err(RingError::Ring(io::Error::other("completion lost"))),
-            Err(e) => Err(RingError::Ring(e)),
-        }
-    }
-
-    /// Posts a completion for work done on the CPU and waits for it (with everything deferred
-    /// before it): used where the completion must be observed now (event records).
-    pub(crate) fn complete_cpu(&mut self) -> Result<(), RingError> {
-        // SAFETY: a NOP names no buffer.
-        unsafe { self.run(opcode::Nop::new().build()) }.map(drop)
-    }
-
-    /// Posts a completion for work done on the CPU without entering the kernel now.
-    pub(crate) fn complete_cpu_deferred(&mut self) -> Result<(), RingError> {
-        // SAFETY: a NOP names no buffer.
-        unsafe { self.push(&opcode::Nop::new().build().user_data(DEFERRED)) }
+        Ok(())
     }
 
     /// `pread` through the ring: reads `len` bytes of `fd` at `offset` into `buf`, looping on
@@ -200,7 +173,9 @@ impl Ring {
         unsafe { self.transfer(len, io::ErrorKind::WriteZero, op) }
     }
 
-    /// Runs `op(done, chunk)` until `len` bytes have moved; a zero-byte completion is `stall`.
+    /// Moves `len` bytes with `op(at, chunk)` SQEs (at most 1 GiB each): all are pushed,
+    /// then submitted and awaited with one `io_uring_enter`; short transfers continue in a
+    /// further round. A zero-byte completion is `stall`.
     ///
     /// # Safety
     ///
@@ -212,15 +187,46 @@ impl Ring {
         stall: io::ErrorKind,
         op: impl Fn(usize, u32) -> squeue::Entry,
     ) -> Result<(), RingError> {
-        let mut done = 0usize;
-        while done < len {
-            let chunk = (len - done).min(1 << 30) as u32;
-            // SAFETY: the caller's contract.
-            let n = unsafe { self.run(op(done, chunk)) }?;
-            if n == 0 {
-                return Err(RingError::Op(io::Error::from(stall)));
+        const CHUNK: usize = 1 << 30;
+        let mut todo: Vec<(usize, u32)> =
+            (0..len).step_by(CHUNK).map(|at| (at, (len - at).min(CHUNK) as u32)).collect();
+        let mut results = Vec::new();
+        while !todo.is_empty() {
+            let first = self.next_id;
+            self.next_id += todo.len() as u64;
+            let mut pushed = 0;
+            let mut refused = None;
+            for (i, &(at, n)) in todo.iter().enumerate() {
+                // SAFETY: the caller's contract.
+                match unsafe { self.push(&op(at, n).user_data(first + i as u64)) } {
+                    Ok(()) => pushed += 1,
+                    Err(e) => {
+                        refused = Some(e);
+                        break;
+                    }
+                }
             }
-            done += n as usize;
+            results.clear();
+            results.resize(pushed, None);
+            // Every pushed SQE is reaped before anything is reported: their buffers are then
+            // free of the kernel, whatever happened to the others.
+            if let Err(e) = self.reap_all(first, pushed, &mut results) {
+                return Err(RingError::Ring(e));
+            }
+            if let Some(e) = refused {
+                return Err(e);
+            }
+            let mut again = Vec::new();
+            for (&(at, n), r) in todo.iter().zip(&results) {
+                match *r {
+                    None => return Err(RingError::Ring(io::Error::other("completion lost"))),
+                    Some(r) if r < 0 => return Err(RingError::Op(io::Error::from_raw_os_error(-r))),
+                    Some(0) => return Err(RingError::Op(io::Error::from(stall))),
+                    Some(r) if (r as u32) < n => again.push((at + r as usize, n - r as u32)),
+                    Some(_) => {}
+                }
+            }
+            todo = again;
         }
         Ok(())
     }

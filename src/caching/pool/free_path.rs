@@ -55,7 +55,10 @@ impl Pool {
                 self.after_free(id);
             }
             FreeMsg::QueueGone(queue) => self.queue_gone(QueueKey::of(Some(queue))),
-            FreeMsg::Requested(id) => {
+            FreeMsg::Requested(id, waits) => {
+                if waits > 1 {
+                    self.deferred_waits.insert(id, waits);
+                }
                 self.account_free_request(id);
                 let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
                 self.stats.pending_begin(pool, size);
@@ -63,7 +66,14 @@ impl Pool {
                     (self.addr(id), self.blocks[id as usize].size, self.blocks[id as usize].queue);
                 self.log(HistoryKind::FreeRequested, addr, size, queue);
             }
-            FreeMsg::Completed(id) => {
+            FreeMsg::Passed(id) => {
+                if let Some(left) = self.deferred_waits.get_mut(&id) {
+                    *left -= 1;
+                    if *left > 0 {
+                        return;
+                    }
+                    self.deferred_waits.remove(&id);
+                }
                 let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
                 self.stats.pending_end(pool, size);
                 self.free_block(id);

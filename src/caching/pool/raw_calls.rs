@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::super::block::FreeMsg;
+use super::super::block::{BlockId, FreeMsg};
 use super::super::raw::RawDeferred;
 use super::super::snapshot::HistoryKind;
 use super::{Handed, Pool};
@@ -17,8 +17,9 @@ impl Pool {
         self.addr(h.id)
     }
 
-    /// Frees the raw allocation at `addr`: applied at once, or, if other queues used it, its
-    /// request applied and the block and queues returned for the caller to wait on. A pointer
+    /// Frees the raw allocation at `addr`: applied at once, or, if other queues used it, the
+    /// block and those queues returned for the caller to decide (nothing applied yet: see
+    /// [`Pool::apply_requested`] and [`Pool::apply_free`]). A pointer
     /// that is not a live raw allocation is refused (and logged), changing nothing else.
     #[inline]
     pub(crate) fn free_raw(&mut self, addr: usize) -> std::result::Result<Option<RawDeferred>, &'static str> {
@@ -33,9 +34,17 @@ impl Pool {
             self.apply(FreeMsg::Free(id));
             return Ok(None);
         }
-        let uses = self.raw.take_uses(id);
-        self.apply(FreeMsg::Requested(id));
-        Ok(Some((id, uses)))
+        Ok(Some((id, self.raw.take_uses(id))))
+    }
+
+    /// Frees block `id` now (a raw free whose other queues had all passed).
+    pub(crate) fn apply_free(&mut self, id: BlockId) {
+        self.apply(FreeMsg::Free(id));
+    }
+
+    /// Applies the request of block `id`'s deferred free, which waits for `waits` markers.
+    pub(crate) fn apply_requested(&mut self, id: BlockId, waits: u32) {
+        self.apply(FreeMsg::Requested(id, waits));
     }
 
     /// Records that `queue` uses the raw allocation at `addr`.
