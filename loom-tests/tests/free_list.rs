@@ -107,3 +107,40 @@ fn a_deferred_free_is_applied_in_order_and_seen_once_the_count_is_zero() {
         hook.join().unwrap();
     });
 }
+
+/// A deferred free on two queues, as the allocator makes it now: the freeing thread counts two
+/// waits and pushes its request (`Requested(id, 2)`); one queue had already passed, so its
+/// `Passed` is pushed at once; the other queue's marker passes on its executor thread. The
+/// allocator drains meanwhile, then sleeps until the count reaches zero (`Pending::wait_zero`,
+/// the OOM ladder's wait: no polling) and drains again. The request comes first, both passages
+/// are seen, and the sleeper is always woken (a lost wake-up is a deadlock loom reports).
+#[test]
+fn a_deferred_free_on_two_queues_wakes_the_sleeper_once_both_markers_passed() {
+    use dmabuf_rt::caching::free_list::Pending;
+    loom::model(|| {
+        let list = Arc::new(FreeList::new());
+        let pending = Arc::new(Pending::new());
+        let (l, p) = (Arc::clone(&list), Arc::clone(&pending));
+        let freer = thread::spawn(move || {
+            p.begin_n(2);
+            l.push(Node::new("requested"));
+            let (l2, p2) = (Arc::clone(&l), Arc::clone(&p));
+            let marker = thread::spawn(move || {
+                l2.push(Node::new("passed"));
+                p2.end();
+            });
+            // The other queue was idle: its passage is pushed by the freeing thread itself.
+            l.push(Node::new("passed"));
+            p.end();
+            marker
+        });
+        let mut scratch = Vec::new();
+        let mut applied = Vec::new();
+        list.drain_oldest_first(&mut scratch, |n| applied.push(n.value));
+        let marker = freer.join().unwrap();
+        assert!(pending.wait_zero(std::time::Duration::from_secs(3600)), "woken with waits outstanding");
+        list.drain_oldest_first(&mut scratch, |n| applied.push(n.value));
+        assert_eq!(applied, ["requested", "passed", "passed"]);
+        marker.join().unwrap();
+    });
+}

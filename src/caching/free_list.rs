@@ -12,7 +12,7 @@
 
 use std::ptr;
 
-use crate::sync::{AtomicPtr, AtomicUsize, Condvar, Mutex, Ordering, UnsafeCell};
+use crate::sync::{AtomicPtr, AtomicUsize, Condvar, Mutex, Ordering, UnsafeCell, fence};
 
 /// A node carrying one freed item.
 #[derive(Debug)]
@@ -154,11 +154,15 @@ impl Pending {
     /// whatever sees the count drop. The last one wakes the threads in
     /// [`Pending::wait_zero`].
     pub fn end(&self) {
-        // SeqCst here and on `sleepers` in both places (a Dekker pair): either the sleeper,
-        // which counts itself before it reads the count, sees this decrement, or this sees
-        // the sleeper and wakes it (under the lock the sleeper holds from its read of the
-        // count until it sleeps).
-        if self.count.fetch_sub(1, Ordering::SeqCst) == 1 && self.sleepers.load(Ordering::SeqCst) > 0 {
+        if self.count.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        // A Dekker pair with `wait_zero`, each side a write, a SeqCst fence, a read: either
+        // the sleeper, which counts itself before it reads the count, sees this decrement, or
+        // this sees the sleeper and wakes it (under the lock the sleeper holds from its read
+        // of the count until it sleeps).
+        fence(Ordering::SeqCst); // the decrement's side
+        if self.sleepers.load(Ordering::Relaxed) > 0 {
             let _held = self.lock.lock().unwrap_or_else(|p| p.into_inner());
             self.zero.notify_all();
         }
@@ -177,9 +181,10 @@ impl Pending {
             return true;
         }
         let deadline = std::time::Instant::now() + limit;
-        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        self.sleepers.fetch_add(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst); // the sleeper's side of the Dekker pair in `end`
         let mut held = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        while self.count.load(Ordering::SeqCst) != 0 {
+        while self.count.load(Ordering::Acquire) != 0 {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
                 break;
@@ -187,7 +192,7 @@ impl Pending {
             held = self.zero.wait_timeout(held, left).unwrap_or_else(|p| p.into_inner()).0;
         }
         drop(held);
-        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+        self.sleepers.fetch_sub(1, Ordering::Relaxed);
         self.is_zero()
     }
 }
