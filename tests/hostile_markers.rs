@@ -45,10 +45,18 @@ fn a_block_used_on_several_busy_queues_waits_for_the_last_of_them() {
                 others[i].synchronize().unwrap();
                 let c = a.allocate(size, Some(&q1)).unwrap();
                 if !last {
-                    assert_ne!(c.as_ptr() as usize, addr, "{conf:?} round {round}: block reused with a queue still busy");
+                    assert_ne!(
+                        c.as_ptr() as usize,
+                        addr,
+                        "{conf:?} round {round}: block reused with a queue still busy"
+                    );
                 }
             }
-            assert_eq!(a.stats().active_bytes[AGGREGATE].current, 0, "{conf:?} round {round}: a deferred free never completed");
+            assert_eq!(
+                a.stats().active_bytes[AGGREGATE].current,
+                0,
+                "{conf:?} round {round}: a deferred free never completed"
+            );
         }
     }
 }

@@ -511,6 +511,29 @@ fn submit(shared: &QueueShared, op: Op) -> Result<()> {
     s.submitted += 1;
     let ticket = s.submitted;
     if !s.running && s.ops.is_empty() && inline_ok(shared, &op) {
+        if matches!(&op, Op::Fill { .. })
+            || matches!(&op, Op::Copy { dst, src } if !kernel_copy_applies(shared, dst, src))
+        {
+            // Small CPU work on an idle queue runs under the queue's lock: one lock for
+            // submission and completion. Nothing else can be waiting to complete (an idle
+            // queue has no pending record, and markers are placed only on busy queues), and
+            // the lock is held for no longer than the operation would keep the queue busy.
+            if s.failure_for(epoch).is_none() {
+                let r = match &op {
+                    Op::Copy { dst, src } => cpu_copy(dst, src),
+                    Op::Fill { dst, byte } => cpu_fill(dst, *byte),
+                    _ => Ok(()),
+                };
+                if let Err(why) = r {
+                    s.failure = Some((epoch, why));
+                }
+            }
+            s.passed = ticket;
+            drop(s);
+            // The operation's memory is let go outside the lock.
+            drop(op);
+            return Ok(());
+        }
         s.running = true;
         let failed = s.failure_for(epoch);
         drop(s);
