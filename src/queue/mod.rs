@@ -2,11 +2,16 @@
 //! submission order per queue, independently across queues.
 //!
 //! Each [`Queue`] owns one io_uring and one executor thread. Operations run one at a time in
-//! the order submitted; every operation's completion arrives as a CQE on the queue's ring
-//! (kernel copies are READ/WRITE SQEs; work done on the CPU posts a NOP), and events recorded
-//! on the queue complete from there, running their completion hooks. When the queue is idle,
-//! small operations run inline on the submitting thread, so a 4 KiB copy does not pay a thread
-//! wake-up.
+//! the order submitted, each with a ticket (its place in that order). Work done on the CPU
+//! (CPU copies, fills, waits, callbacks) is complete when it returns: no completion goes
+//! through the kernel, so CPU work makes no system call. The kernel engine's copies are
+//! READ/WRITE SQEs on the queue's ring, all chunks of a copy submitted and awaited with one
+//! `io_uring_enter`. Events recorded on the queue complete when the queue reaches them,
+//! running their completion hooks; markers ([`QueueHandle::mark`]) pass there too, without an
+//! event. When the queue is idle, small operations run inline on the submitting thread, so a
+//! 4 KiB copy does not pay a thread wake-up (copies and fills under one hold of the queue's
+//! lock). Nothing polls: a wait operation blocked on an event sleeps until the event
+//! completes or the queue is dropped, which wakes it.
 //!
 //! The copy engine was chosen by measurement (`cargo bench --bench queue`): CPU copies with
 //! the crate's byte-wise-atomic copy kernel (`crate::copy`) run at memcpy speed, while
@@ -28,10 +33,10 @@
 //! on the caller's thread when the queue is idle and the copy small, or queues it for the
 //! executor thread (`executor`). `execute` runs it through the engine (`engine.rs`: the CPU
 //! copy kernel inside the dma-buf sync bracket, or READ/WRITE SQEs on the queue's ring,
-//! `ring.rs`); its completion arrives as a CQE, and `finish` completes the events recorded
-//! behind it ([`Event`], `event.rs`), which wakes their waiters (host threads in
-//! [`Event::synchronize`], other queues' waits) and runs their completion hooks. Those hooks
-//! are where the caching allocator's deferred frees leave this module (see
+//! `ring.rs`), and `finish` completes the event a record reached ([`Event`], `event.rs`),
+//! which wakes its waiters (host threads in [`Event::synchronize`], other queues' waits) and
+//! runs its completion hooks, and passes the markers waiting for that ticket (`marker.rs`).
+//! Markers are where the caching allocator's deferred frees leave this module (see
 //! [`crate::caching`]). Kernel fences enter through `fence.rs`'s watcher instead of a queue.
 
 mod engine;
