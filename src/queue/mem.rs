@@ -164,6 +164,57 @@ impl From<&Arc<Segment>> for Mem {
     }
 }
 
+/// An operand of [`Queue::copy`](super::Queue::copy) or [`Queue::fill`](super::Queue::fill):
+/// a range given by value, or a borrowed [`Mem`], which the queue clones only if the operation
+/// has to wait in the queue (a small copy on an idle queue runs at once and clones nothing).
+#[derive(Debug)]
+pub enum MemArg<'a> {
+    /// A range the queue may keep.
+    Owned(Mem),
+    /// A range the caller keeps.
+    Borrowed(&'a Mem),
+}
+
+impl MemArg<'_> {
+    pub(crate) fn get(&self) -> &Mem {
+        match self {
+            MemArg::Owned(m) => m,
+            MemArg::Borrowed(m) => m,
+        }
+    }
+
+    pub(crate) fn into_owned(self) -> Mem {
+        match self {
+            MemArg::Owned(m) => m,
+            MemArg::Borrowed(m) => m.clone(),
+        }
+    }
+}
+
+impl From<Mem> for MemArg<'_> {
+    fn from(m: Mem) -> Self {
+        MemArg::Owned(m)
+    }
+}
+
+impl<'a> From<&'a Mem> for MemArg<'a> {
+    fn from(m: &'a Mem) -> Self {
+        MemArg::Borrowed(m)
+    }
+}
+
+impl From<&HostBuffer> for MemArg<'_> {
+    fn from(b: &HostBuffer) -> Self {
+        MemArg::Owned(b.into())
+    }
+}
+
+impl From<&Arc<Segment>> for MemArg<'_> {
+    fn from(s: &Arc<Segment>) -> Self {
+        MemArg::Owned(s.into())
+    }
+}
+
 impl Mem {
     /// `len` bytes at `ptr` that this crate does not own: host memory a C caller passes in.
     /// Copies go through the same byte-wise atomic copy as every other range.

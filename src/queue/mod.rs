@@ -56,7 +56,7 @@ use std::time::Duration;
 pub use event::{Completion, Event};
 pub use id::QueueId;
 pub use marker::{MarkerPayload, MarkerSink};
-pub use mem::{HostBuffer, Mem};
+pub use mem::{HostBuffer, Mem, MemArg};
 use ring::Ring;
 
 use crate::error::{Error, Result};
@@ -266,21 +266,26 @@ impl Queue {
     }
 
     /// Copies `src` to `dst` (host or segment ranges, any direction, any two devices) after
-    /// everything submitted before. The lengths must match and `dst` must be writable.
-    pub fn copy(&self, dst: impl Into<Mem>, src: impl Into<Mem>) -> Result<()> {
+    /// everything submitted before. The lengths must match and `dst` must be writable. Pass
+    /// `&Mem`s to spare the clones when the copy runs at once ([`MemArg`]).
+    pub fn copy<'d, 's>(&self, dst: impl Into<MemArg<'d>>, src: impl Into<MemArg<'s>>) -> Result<()> {
         let (dst, src) = (dst.into(), src.into());
-        check_copy(&dst, &src)?;
-        self.submit(Op::Copy { dst, src })
+        check_copy(dst.get(), src.get())?;
+        let s = self.shared.lock();
+        let Err(s) = run_inline_locked(&self.shared, s, dst.get(), Some(src.get()), 0) else { return Ok(()) };
+        submit_locked(&self.shared, s, Op::Copy { dst: dst.into_owned(), src: src.into_owned() })
     }
 
     /// Sets every byte of `dst` to `byte` after everything submitted before.
-    pub fn fill(&self, dst: impl Into<Mem>, byte: u8) -> Result<()> {
+    pub fn fill<'d>(&self, dst: impl Into<MemArg<'d>>, byte: u8) -> Result<()> {
         let dst = dst.into();
-        dst.ptr()?;
-        if !dst.writable() {
+        dst.get().ptr()?;
+        if !dst.get().writable() {
             return Err(Error::ReadOnly);
         }
-        self.submit(Op::Fill { dst, byte })
+        let s = self.shared.lock();
+        let Err(s) = run_inline_locked(&self.shared, s, dst.get(), None, byte) else { return Ok(()) };
+        submit_locked(&self.shared, s, Op::Fill { dst: dst.into_owned(), byte })
     }
 
     /// A new event that completes when the queue reaches this point.
@@ -504,8 +509,47 @@ pub fn after_queues(queues: impl IntoIterator<Item = QueueHandle>, f: impl FnOnc
     }
 }
 
+/// Small CPU work on an idle queue: a copy of `src` to `dst` (a fill of `dst` with `byte`
+/// when `src` is `None`), run under the queue's lock `s` (one lock for submission and
+/// completion). Nothing else can be waiting to complete on an idle queue (it has no pending
+/// record, and markers are placed only on busy queues), and the lock is held for no longer
+/// than the operation would keep the queue busy. Returns the lock when the work does not
+/// qualify: the queue is busy, failed, closing or gone, the work is large, or it goes to the
+/// kernel engine.
+fn run_inline_locked<'g>(
+    shared: &QueueShared,
+    mut s: MutexGuard<'g, State>,
+    dst: &Mem,
+    src: Option<&Mem>,
+    byte: u8,
+) -> std::result::Result<(), MutexGuard<'g, State>> {
+    let eligible = !s.running
+        && s.ops.is_empty()
+        && !s.dead
+        && !s.exited
+        && s.failure_for(s.epoch).is_none()
+        && dst.len() <= shared.inline_max
+        && src.is_none_or(|src| !kernel_copy_applies(shared, dst, src));
+    if !eligible {
+        return Err(s);
+    }
+    s.submitted += 1;
+    let r = match src {
+        Some(src) => cpu_copy(dst, src),
+        None => cpu_fill(dst, byte),
+    };
+    if let Err(why) = r {
+        s.failure = Some((s.epoch, why));
+    }
+    s.passed = s.submitted;
+    Ok(())
+}
+
 fn submit(shared: &QueueShared, op: Op) -> Result<()> {
-    let mut s = shared.lock();
+    submit_locked(shared, shared.lock(), op)
+}
+
+fn submit_locked(shared: &QueueShared, mut s: MutexGuard<'_, State>, op: Op) -> Result<()> {
     if s.dead {
         return Err(Error::OperationFailed { reason: "the queue's executor thread died".into() });
     }
@@ -516,29 +560,6 @@ fn submit(shared: &QueueShared, op: Op) -> Result<()> {
     s.submitted += 1;
     let ticket = s.submitted;
     if !s.running && s.ops.is_empty() && inline_ok(shared, &op) {
-        if matches!(&op, Op::Fill { .. })
-            || matches!(&op, Op::Copy { dst, src } if !kernel_copy_applies(shared, dst, src))
-        {
-            // Small CPU work on an idle queue runs under the queue's lock: one lock for
-            // submission and completion. Nothing else can be waiting to complete (an idle
-            // queue has no pending record, and markers are placed only on busy queues), and
-            // the lock is held for no longer than the operation would keep the queue busy.
-            if s.failure_for(epoch).is_none() {
-                let r = match &op {
-                    Op::Copy { dst, src } => cpu_copy(dst, src),
-                    Op::Fill { dst, byte } => cpu_fill(dst, *byte),
-                    _ => Ok(()),
-                };
-                if let Err(why) = r {
-                    s.failure = Some((epoch, why));
-                }
-            }
-            s.passed = ticket;
-            drop(s);
-            // The operation's memory is let go outside the lock.
-            drop(op);
-            return Ok(());
-        }
         s.running = true;
         let failed = s.failure_for(epoch);
         drop(s);
