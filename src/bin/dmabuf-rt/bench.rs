@@ -3,8 +3,11 @@
 //! the same run, showing progress on stderr, and ends with one summary table.
 //!
 //! Peers: the system allocator (glibc malloc/free) for alloc+free pairs, memcpy between two
-//! private buffers for copies, and the same three-process pipeline with frames copied through
-//! pipes for the pipeline. (The TLSF and offset-allocator comparisons of `cargo bench --bench
+//! private page-aligned buffers for copies, and the same three-process pipeline with frames
+//! copied through pipes for the pipeline. The memcpy buffers are page-aligned because two
+//! `Vec`s from malloc usually sit a few bytes apart modulo 4096 (16 for glibc), and then each
+//! load of the source hits a recent store to the destination in its low 12 address bits ("4K
+//! aliasing", a false dependency that held memcpy to 1.4-2.9 GB/s): the peer gets its best case. (The TLSF and offset-allocator comparisons of `cargo bench --bench
 //! allocator` need dev-dependencies; this command uses only what the library links.)
 
 use std::hint::black_box;
@@ -128,14 +131,38 @@ fn copy_ours(q: &Queue, size: usize, n: usize) -> Result<f64, String> {
     Ok((size * n) as f64 / t.elapsed().as_secs_f64() / 1e9)
 }
 
+/// `len` bytes starting on a page boundary: the aligned window of an over-allocated `Vec`
+/// (the memcpy peers' buffers; see the module comment).
+struct PageBuf {
+    v: Vec<u8>,
+    off: usize,
+    len: usize,
+}
+
+impl PageBuf {
+    fn new(len: usize, byte: u8) -> Self {
+        let v = vec![byte; len + 4096];
+        let off = v.as_ptr().align_offset(4096);
+        assert!(off < 4096);
+        Self { v, off, len }
+    }
+    fn get(&self) -> &[u8] {
+        &self.v[self.off..self.off + self.len]
+    }
+    fn get_mut(&mut self) -> &mut [u8] {
+        &mut self.v[self.off..self.off + self.len]
+    }
+}
+
+/// Host-to-device-sized memcpy between two private page-aligned buffers, GB/s.
 fn copy_memcpy(size: usize, n: usize) -> f64 {
-    let src = vec![1u8; size];
-    let mut dst = vec![0u8; size];
-    dst.copy_from_slice(&src);
+    let src = PageBuf::new(size, 1);
+    let mut dst = PageBuf::new(size, 0);
+    dst.get_mut().copy_from_slice(src.get());
     let t = Instant::now();
     for _ in 0..n {
-        dst.copy_from_slice(black_box(&src));
-        black_box(&mut dst);
+        dst.get_mut().copy_from_slice(black_box(src.get()));
+        black_box(dst.get_mut());
     }
     (size * n) as f64 / t.elapsed().as_secs_f64() / 1e9
 }
@@ -159,14 +186,16 @@ fn latency_ours(q: &Queue, n: usize) -> Result<f64, String> {
     Ok(v[n / 2].as_nanos() as f64)
 }
 
+/// The peer of [`latency_ours`]: one 4 KiB memcpy between private page-aligned buffers
+/// (median), ns.
 fn latency_memcpy(n: usize) -> f64 {
-    let src = vec![1u8; 4096];
-    let mut dst = vec![0u8; 4096];
+    let src = PageBuf::new(4096, 1);
+    let mut dst = PageBuf::new(4096, 0);
     let mut v = Vec::with_capacity(n);
     for _ in 0..n {
         let t = Instant::now();
-        dst.copy_from_slice(black_box(&src));
-        black_box(&mut dst);
+        dst.get_mut().copy_from_slice(black_box(src.get()));
+        black_box(dst.get_mut());
         v.push(t.elapsed());
     }
     v.sort();
