@@ -1,0 +1,39 @@
+//! Instruction counts of the copy kernel (`src/copy.rs`) for `valgrind --tool=callgrind`: run
+//! with N and 2N; the difference over N is the cost of one copy.
+//!
+//! `copy_instructions N write|read [SIZE]`: N copies of SIZE bytes (default 4096) into
+//! (`Mapping::write`) or out of (`Mapping::read`) a shmem segment's mapping, to or from a
+//! page-aligned private buffer (the mapping is page-aligned too).
+//!
+//! Run: `cargo build --release --example copy_instructions`, then
+//! `valgrind --tool=callgrind --callgrind-out-file=/dev/null target/release/examples/copy_instructions 10000 write`
+//! (the total is on the `Collected` line of the summary).
+
+use std::hint::black_box;
+
+use dmabuf_rt::source::{MemorySource, ShmemSource};
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let usage = "usage: copy_instructions N write|read [SIZE]";
+    let n: usize = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
+    let write = match args.get(2).map(String::as_str) {
+        Some("write") => true,
+        Some("read") => false,
+        _ => panic!("{usage}"),
+    };
+    let size: usize = args.get(3).map_or(4096, |a| a.parse().expect(usage));
+    let seg = ShmemSource::new().create_segment(size).unwrap();
+    let map = seg.mapping().unwrap();
+    // The page-aligned window of an over-allocated Vec.
+    let mut buf = vec![0x5au8; size + 4096];
+    let off = buf.as_ptr().align_offset(4096);
+    let host = &mut buf[off..off + size];
+    for _ in 0..n {
+        if write {
+            map.write(0, black_box(&*host)).unwrap();
+        } else {
+            map.read(0, black_box(&mut *host)).unwrap();
+        }
+    }
+}
