@@ -74,14 +74,14 @@ fn memcpy_gbps(size: usize) -> f64 {
 /// Queue copies `dst <- src`, submitted back to back and synchronized once, best of 3, GB/s.
 fn queue_gbps(q: &Queue, dst: &Mem, src: &Mem) -> f64 {
     let size = dst.len();
-    q.copy(dst.clone(), src.clone()).unwrap();
+    q.copy(dst, src).unwrap();
     q.synchronize().unwrap();
     (0..3)
         .map(|_| {
             let n = iters(size);
             let t = Instant::now();
             for _ in 0..n {
-                q.copy(dst.clone(), src.clone()).unwrap();
+                q.copy(dst, src).unwrap();
             }
             q.synchronize().unwrap();
             (size * n) as f64 / t.elapsed().as_secs_f64() / 1e9
@@ -150,7 +150,7 @@ fn main() {
     let mut rec_lat = Vec::new();
     for _ in 0..20_000 {
         let t = Instant::now();
-        q.copy(dst.clone(), src.clone()).unwrap();
+        q.copy(&dst, &src).unwrap();
         let idle = q.is_idle();
         copy_lat.push(t.elapsed());
         assert!(idle);

@@ -45,7 +45,14 @@ pub(super) fn cpu_copy(dst: &Mem, src: &Mem) -> std::result::Result<(), Arc<str>
         (Ok(d), Ok(s)) => (d, s),
         _ => return Err("copy side has no CPU mapping".into()),
     };
-    with_sync([(src.dmabuf(), sys::dma_buf::SYNC_READ), (dst.dmabuf(), sys::dma_buf::SYNC_WRITE)], || {
+    let (src_buf, dst_buf) = (src.dmabuf(), dst.dmabuf());
+    if src_buf.is_none() && dst_buf.is_none() {
+        // No dma-buf side: no sync bracket (the small-copy fast path pays nothing for it).
+        // SAFETY: as below.
+        unsafe { copy_maybe_overlapping(s, d, dst.len()) };
+        return Ok(());
+    }
+    with_sync([(src_buf, sys::dma_buf::SYNC_READ), (dst_buf, sys::dma_buf::SYNC_WRITE)], || {
         // SAFETY: both ranges lie inside live memory held by `dst`/`src` (Mem ranges are
         // bounds-checked at construction, and the Arcs they hold keep the memory mapped);
         // they are accessed only through `copy`. Overlapping ranges of one buffer are

@@ -12,7 +12,8 @@ use crate::copy;
 use crate::error::{Error, Result};
 use crate::segment::Segment;
 
-/// Host memory shared with queues: a zeroed, 64-byte-aligned heap buffer behind an `Arc`.
+/// Host memory shared with queues: a zeroed heap buffer behind an `Arc`, page-aligned from a
+/// page up (64-byte aligned below).
 /// Queues copy into and out of it while the caller may still hold it, so, like a segment's
 /// mapping, it is accessed only through bounds-checked byte-wise-atomic copies.
 #[derive(Clone)]
@@ -51,7 +52,10 @@ impl HostBuffer {
         if len == 0 {
             return Err(Error::ZeroLength);
         }
-        let layout = Layout::from_size_align(len, 64).map_err(|_| Error::TooLarge {
+        // Page-aligned from a page up (as segments are: copies between them and host buffers
+        // then see the same alignment on both sides, and no 4K aliasing); 64 bytes below.
+        let align = if len >= 4096 { 4096 } else { 64 };
+        let layout = Layout::from_size_align(len, align).map_err(|_| Error::TooLarge {
             requested: len as u64,
             limit: isize::MAX as u64,
             what: "address space",

@@ -121,11 +121,11 @@ fn copy_ours(q: &Queue, size: usize, n: usize) -> Result<f64, String> {
     let host = HostBuffer::new(size).map_err(|e| e.to_string())?;
     let dev = seg(size)?;
     let (d, s) = (Mem::from(&dev), Mem::from(&host));
-    q.copy(d.clone(), s.clone()).map_err(|e| e.to_string())?;
+    q.copy(&d, &s).map_err(|e| e.to_string())?;
     q.synchronize().map_err(|e| e.to_string())?;
     let t = Instant::now();
     for _ in 0..n {
-        q.copy(d.clone(), s.clone()).map_err(|e| e.to_string())?;
+        q.copy(&d, &s).map_err(|e| e.to_string())?;
     }
     q.synchronize().map_err(|e| e.to_string())?;
     Ok((size * n) as f64 / t.elapsed().as_secs_f64() / 1e9)
@@ -176,7 +176,7 @@ fn latency_ours(q: &Queue, n: usize) -> Result<f64, String> {
     let mut v = Vec::with_capacity(n);
     for _ in 0..n {
         let t = Instant::now();
-        q.copy(d.clone(), s.clone()).map_err(|e| e.to_string())?;
+        q.copy(&d, &s).map_err(|e| e.to_string())?;
         while !q.is_idle() {
             std::hint::spin_loop();
         }
