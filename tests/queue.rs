@@ -483,3 +483,46 @@ fn queues_and_events_are_shared_between_threads() {
     send_sync::<HostBuffer>();
     send_sync::<Mem>();
 }
+
+/// Operands lent to a queue (`q.copy(&dst, &src)`): run at once on an idle queue, and cloned
+/// when the copy has to wait, so the caller may drop every handle of its memory right after
+/// the call and the copy still reads and writes live memory (on each queue kind, from two
+/// threads at once).
+#[test]
+fn lent_operands_outlive_the_callers_handles_when_the_copy_waits() {
+    std::thread::scope(|s| {
+        for t in 0..2u8 {
+            s.spawn(move || {
+                for (name, q) in queues() {
+                    for len in [4096, 256 << 10] {
+                        let want = pattern(len, 7 + t);
+                        let dst_seg = seg(len);
+                        // Idle queue: runs at once.
+                        {
+                            let (d, src): (Mem, Mem) =
+                                ((&dst_seg).into(), (&HostBuffer::from_slice(&want).unwrap()).into());
+                            q.copy(&d, &src).unwrap();
+                        }
+                        q.synchronize().unwrap();
+                        let mut got = vec![0u8; len];
+                        dst_seg.mapping().unwrap().read(0, &mut got).unwrap();
+                        assert!(got == want, "{name}: an inline copy with lent operands");
+                        // Busy queue: the copy waits behind a gate; every handle the caller had
+                        // of the source is dropped before it runs.
+                        q.fill(&Mem::from(&dst_seg), 0).unwrap();
+                        let gate = QueueGate::close(&q);
+                        {
+                            let host = HostBuffer::from_slice(&want).unwrap();
+                            let (d, src): (Mem, Mem) = ((&dst_seg).into(), (&host).into());
+                            q.copy(&d, &src).unwrap();
+                        }
+                        gate.open();
+                        q.synchronize().unwrap();
+                        dst_seg.mapping().unwrap().read(0, &mut got).unwrap();
+                        assert!(got == want, "{name}: a queued copy with lent operands");
+                    }
+                }
+            });
+        }
+    });
+}
