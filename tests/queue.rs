@@ -509,7 +509,7 @@ fn lent_operands_outlive_the_callers_handles_when_the_copy_waits() {
                         assert!(got == want, "{name}: an inline copy with lent operands");
                         // Busy queue: the copy waits behind a gate; every handle the caller had
                         // of the source is dropped before it runs.
-                        q.fill(&Mem::from(&dst_seg), 0).unwrap();
+                        q.fill(Mem::from(&dst_seg), 0).unwrap();
                         let gate = QueueGate::close(&q);
                         {
                             let host = HostBuffer::from_slice(&want).unwrap();
