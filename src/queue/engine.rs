@@ -40,6 +40,49 @@ fn end_sync(sides: &[(Option<std::os::fd::BorrowedFd<'_>>, u64)]) -> std::result
     err
 }
 
+/// A copy whose ranges were checked (same length, CPU-mapped, writable destination), with
+/// both CPU addresses resolved once: what the small-copy fast path runs.
+pub(super) struct CheckedCopy<'a> {
+    dst: &'a Mem,
+    src: &'a Mem,
+    d: *mut u8,
+    s: *mut u8,
+}
+
+impl<'a> CheckedCopy<'a> {
+    /// Checks a copy of `src` to `dst`: the lengths must match, both sides must have a CPU
+    /// mapping, and `dst` must be writable.
+    #[inline]
+    pub(super) fn new(dst: &'a Mem, src: &'a Mem) -> crate::error::Result<Self> {
+        if dst.len() != src.len() {
+            return Err(crate::error::Error::SizeMismatch { dst: dst.len(), src: src.len() });
+        }
+        let (d, s) = (dst.ptr()?, src.ptr()?);
+        if !dst.writable() {
+            return Err(crate::error::Error::ReadOnly);
+        }
+        Ok(Self { dst, src, d, s })
+    }
+
+    /// Bytes to copy.
+    pub(super) fn len(&self) -> usize {
+        self.dst.len()
+    }
+
+    /// Runs the copy on this thread with the CPU copy kernel (inside the dma-buf sync bracket
+    /// where a side is a dma-buf).
+    #[inline]
+    pub(super) fn run(&self) -> std::result::Result<(), Arc<str>> {
+        if self.src.dmabuf().is_none() && self.dst.dmabuf().is_none() {
+            // SAFETY: both ranges lie inside live memory the two `Mem`s hold for the call
+            // (checked at construction: same length, mapped), accessed only through `copy`.
+            unsafe { copy_maybe_overlapping(self.s, self.d, self.len()) };
+            return Ok(());
+        }
+        cpu_copy(self.dst, self.src)
+    }
+}
+
 pub(super) fn cpu_copy(dst: &Mem, src: &Mem) -> std::result::Result<(), Arc<str>> {
     let (d, s) = match (dst.ptr(), src.ptr()) {
         (Ok(d), Ok(s)) => (d, s),

@@ -60,7 +60,7 @@ pub use mem::{HostBuffer, Mem, MemArg};
 use ring::Ring;
 
 use crate::error::{Error, Result};
-use engine::{cpu_copy, cpu_fill, kernel_copy};
+use engine::{CheckedCopy, cpu_copy, cpu_fill, kernel_copy};
 use marker::Markers;
 
 /// How copies move bytes.
@@ -270,9 +270,14 @@ impl Queue {
     /// `&Mem`s to spare the clones when the copy runs at once ([`MemArg`]).
     pub fn copy<'d, 's>(&self, dst: impl Into<MemArg<'d>>, src: impl Into<MemArg<'s>>) -> Result<()> {
         let (dst, src) = (dst.into(), src.into());
-        check_copy(dst.get(), src.get())?;
+        let checked = CheckedCopy::new(dst.get(), src.get())?;
         let s = self.shared.lock();
-        let Err(s) = run_inline_locked(&self.shared, s, dst.get(), Some(src.get()), 0) else { return Ok(()) };
+        let s = if kernel_copy_applies(&self.shared, dst.get(), src.get()) {
+            s
+        } else {
+            let Err(s) = run_inline_locked(&self.shared, s, checked.len(), || checked.run()) else { return Ok(()) };
+            s
+        };
         submit_locked(&self.shared, s, Op::Copy { dst: dst.into_owned(), src: src.into_owned() })
     }
 
@@ -284,7 +289,9 @@ impl Queue {
             return Err(Error::ReadOnly);
         }
         let s = self.shared.lock();
-        let Err(s) = run_inline_locked(&self.shared, s, dst.get(), None, byte) else { return Ok(()) };
+        let Err(s) = run_inline_locked(&self.shared, s, dst.get().len(), || cpu_fill(dst.get(), byte)) else {
+            return Ok(());
+        };
         submit_locked(&self.shared, s, Op::Fill { dst: dst.into_owned(), byte })
     }
 
@@ -509,36 +516,30 @@ pub fn after_queues(queues: impl IntoIterator<Item = QueueHandle>, f: impl FnOnc
     }
 }
 
-/// Small CPU work on an idle queue: a copy of `src` to `dst` (a fill of `dst` with `byte`
-/// when `src` is `None`), run under the queue's lock `s` (one lock for submission and
-/// completion). Nothing else can be waiting to complete on an idle queue (it has no pending
-/// record, and markers are placed only on busy queues), and the lock is held for no longer
-/// than the operation would keep the queue busy. Returns the lock when the work does not
-/// qualify: the queue is busy, failed, closing or gone, the work is large, or it goes to the
-/// kernel engine.
+/// Small CPU work (a copy or fill of `len` bytes) on an idle queue, run under the queue's
+/// lock `s` (one lock for submission and completion). Nothing else can be waiting to complete
+/// on an idle queue (it has no pending record, and markers are placed only on busy queues),
+/// and the lock is held for no longer than the operation would keep the queue busy. Returns
+/// the lock when the work does not qualify: the queue is busy, failed, closing or gone, or
+/// the work is large.
+#[inline]
 fn run_inline_locked<'g>(
     shared: &QueueShared,
     mut s: MutexGuard<'g, State>,
-    dst: &Mem,
-    src: Option<&Mem>,
-    byte: u8,
+    len: usize,
+    work: impl FnOnce() -> std::result::Result<(), Arc<str>>,
 ) -> std::result::Result<(), MutexGuard<'g, State>> {
     let eligible = !s.running
         && s.ops.is_empty()
+        && len <= shared.inline_max
         && !s.dead
         && !s.exited
-        && s.failure_for(s.epoch).is_none()
-        && dst.len() <= shared.inline_max
-        && src.is_none_or(|src| !kernel_copy_applies(shared, dst, src));
+        && s.failure.as_ref().is_none_or(|(e, _)| *e < s.epoch);
     if !eligible {
         return Err(s);
     }
     s.submitted += 1;
-    let r = match src {
-        Some(src) => cpu_copy(dst, src),
-        None => cpu_fill(dst, byte),
-    };
-    if let Err(why) = r {
+    if let Err(why) = work() {
         s.failure = Some((s.epoch, why));
     }
     s.passed = s.submitted;
@@ -607,10 +608,9 @@ impl Drop for Queue {
 
 /// Synchronous copy on the calling thread (the Paddle `memory_copy_*` sync calls): no queue,
 /// same checks and the same dma-buf bracketing as a queued copy.
-pub fn copy_now(dst: impl Into<Mem>, src: impl Into<Mem>) -> Result<()> {
+pub fn copy_now<'d, 's>(dst: impl Into<MemArg<'d>>, src: impl Into<MemArg<'s>>) -> Result<()> {
     let (dst, src) = (dst.into(), src.into());
-    check_copy(&dst, &src)?;
-    cpu_copy(&dst, &src).map_err(|reason| Error::OperationFailed { reason })
+    CheckedCopy::new(dst.get(), src.get())?.run().map_err(|reason| Error::OperationFailed { reason })
 }
 
 /// Synchronous fill on the calling thread: no queue, same checks and the same dma-buf
@@ -622,18 +622,6 @@ pub fn fill_now(dst: impl Into<Mem>, byte: u8) -> Result<()> {
         return Err(Error::ReadOnly);
     }
     cpu_fill(&dst, byte).map_err(|reason| Error::OperationFailed { reason })
-}
-
-fn check_copy(dst: &Mem, src: &Mem) -> Result<()> {
-    if dst.len() != src.len() {
-        return Err(Error::SizeMismatch { dst: dst.len(), src: src.len() });
-    }
-    dst.ptr()?;
-    src.ptr()?;
-    if !dst.writable() {
-        return Err(Error::ReadOnly);
-    }
-    Ok(())
 }
 
 /// Whether a copy goes to the kernel: the kernel engine, a memfd side, and no overlap (a
