@@ -526,3 +526,27 @@ fn lent_operands_outlive_the_callers_handles_when_the_copy_waits() {
         }
     });
 }
+
+/// A chain of kernel-engine copies (queued behind a gate, so the executor sends them to the
+/// ring as one linked chain) with a failing copy in the middle: the copies before it land, the
+/// failure fails the queue with the kernel's reason, and the copies after it in the chain do
+/// not run (their destinations keep their bytes).
+#[test]
+fn a_failure_in_a_chain_of_kernel_copies_stops_the_copies_after_it() {
+    let q = Queue::builder().engine(CopyEngine::Kernel).build().unwrap();
+    let (before, after) = (seg(8192), seg(8192));
+    let bad = unwritable_by_the_kernel(8192);
+    let host = HostBuffer::from_slice(&[0xcd; 8192]).unwrap();
+    let gate = QueueGate::close(&q);
+    q.copy(&before, &host).unwrap();
+    q.copy(&bad, &host).unwrap();
+    q.copy(&after, &host).unwrap();
+    gate.open();
+    let err = q.synchronize().unwrap_err();
+    assert!(err.to_string().contains("Operation not permitted"), "{err}");
+    let out = HostBuffer::new(8192).unwrap();
+    copy_now(&out, &before).unwrap();
+    assert!(out.to_vec().iter().all(|&b| b == 0xcd), "the copy before the failure did not land");
+    copy_now(&out, &after).unwrap();
+    assert!(out.to_vec().iter().all(|&b| b == 0), "a copy after the failure ran");
+}

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::ring::RingError;
+use super::ring::{RingError, Transfer};
 use super::{Mem, QueueShared};
 use crate::copy;
 use crate::sys;
@@ -129,37 +129,63 @@ pub(super) fn cpu_fill(dst: &Mem, byte: u8) -> std::result::Result<(), Arc<str>>
     })
 }
 
-pub(super) fn kernel_copy(shared: &QueueShared, dst: &Mem, src: &Mem) -> std::result::Result<(), Arc<str>> {
+/// The io_uring transfer that performs a copy: a WRITE to the destination's memfd from the
+/// source's mapping, or a READ from the source's memfd into the destination's mapping.
+fn transfer_of(dst: &Mem, src: &Mem) -> std::result::Result<Transfer, Arc<str>> {
     let (d, sp) = match (dst.ptr(), src.ptr()) {
         (Ok(d), Ok(s)) => (d, s),
         _ => return Err("copy side has no CPU mapping".into()),
     };
-    let sides = [(src.dmabuf(), sys::dma_buf::SYNC_READ), (dst.dmabuf(), sys::dma_buf::SYNC_WRITE)];
-    let r = with_sync(sides, || {
+    let fd = |f: std::os::fd::BorrowedFd<'_>| io_uring::types::Fd(std::os::fd::AsRawFd::as_raw_fd(&f));
+    if let Some((f, offset)) = dst.memfd() {
+        Ok(Transfer { write: true, fd: fd(f), buf: sp, len: src.len(), offset })
+    } else if let Some((f, offset)) = src.memfd() {
+        Ok(Transfer { write: false, fd: fd(f), buf: d, len: dst.len(), offset })
+    } else {
+        Err("kernel copy: no memfd side".into())
+    }
+}
+
+/// Runs `copies` (each with a memfd side and no overlap, see `kernel_copy_applies`) in order
+/// as one linked chain on the queue's ring: one `io_uring_enter` for all of them. The first
+/// failure is reported; the copies after it did not run. Sides that are dma-bufs are bracketed
+/// with DMA_BUF_IOCTL_SYNC, which only a chain of one copy may have (the executor batches only
+/// copies without one).
+pub(super) fn kernel_copies(shared: &QueueShared, copies: &[(&Mem, &Mem)]) -> std::result::Result<(), Arc<str>> {
+    let transfers = copies.iter().map(|(d, s)| transfer_of(d, s)).collect::<std::result::Result<Vec<_>, _>>()?;
+    let run = || {
         let Ok(mut ring) = shared.ring.lock() else {
-            return Err(("kernel copy", RingError::NotSubmitted("the queue's ring lock is poisoned".into())));
+            return Err((0, RingError::NotSubmitted("the queue's ring lock is poisoned".into())));
         };
         let Some(ring) = ring.as_mut() else {
-            return Err(("kernel copy", RingError::NotSubmitted("the queue's io_uring is closed".into())));
+            return Err((0, RingError::NotSubmitted("the queue's io_uring is closed".into())));
         };
-        if let Some((fd, off)) = dst.memfd() {
-            // SAFETY: the source range lies in live memory held by `src` for the whole call,
-            // and for good if the ring fails mid-flight (parked below).
-            unsafe { ring.write(fd, sp, src.len(), off) }.map_err(|e| ("io_uring WRITE to memfd", e))
-        } else if let Some((fd, off)) = src.memfd() {
-            // SAFETY: the destination range lies in live, writable memory held by `dst`, and
-            // for good if the ring fails mid-flight (parked below).
-            unsafe { ring.read(fd, d, dst.len(), off) }.map_err(|e| ("io_uring READ from memfd", e))
-        } else {
-            Err(("kernel copy", RingError::NotSubmitted("no memfd side".into())))
+        // SAFETY: every buffer lies in live memory held by the copies' `Mem`s for the whole
+        // call (destinations writable: checked at submission), and for good if the ring fails
+        // mid-flight (parked below).
+        unsafe { ring.transfer_chain(&transfers) }
+    };
+    let r = match copies {
+        [(dst, src)] => {
+            with_sync([(src.dmabuf(), sys::dma_buf::SYNC_READ), (dst.dmabuf(), sys::dma_buf::SYNC_WRITE)], run)?
         }
-    })?;
-    r.map_err(|(what, e)| {
+        _ => run(),
+    };
+    r.map_err(|(i, e)| {
         if matches!(e, RingError::Ring(_)) {
-            park(dst, src);
+            for (d, s) in copies {
+                park(d, s);
+            }
         }
+        let what = if transfers[i].write { "io_uring WRITE to memfd" } else { "io_uring READ from memfd" };
         Arc::from(format!("{what}: {e}"))
     })
+}
+
+/// Whether a kernel-engine copy can join a chain of several: no dma-buf side (whose sync
+/// bracket would have to span the chain).
+pub(super) fn chainable(dst: &Mem, src: &Mem) -> bool {
+    dst.dmabuf().is_none() && src.dmabuf().is_none()
 }
 
 /// Keeps the memory of an operation the kernel may still be using alive for the rest of the

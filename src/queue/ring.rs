@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 use io_uring::{IoUring, opcode, squeue, types};
 
@@ -129,79 +129,48 @@ impl Ring {
         Ok(())
     }
 
-    /// `pread` through the ring: reads `len` bytes of `fd` at `offset` into `buf`, looping on
-    /// short reads; a read that hits end-of-file is an error.
+    /// Runs `transfers` in order (READ or WRITE each, at most 1 GiB per SQE), as one chain of
+    /// linked SQEs (`IOSQE_IO_LINK`: each starts once the one before it has completed in
+    /// full; a failed or short one cancels the rest), pushed together, then submitted and
+    /// awaited with one `io_uring_enter`. A short transfer continues, with the ones after it,
+    /// in a further round. Returns the index and error of the first transfer that failed (the
+    /// ones after it never ran), or `Ok` once all have moved every byte.
     ///
     /// # Safety
     ///
-    /// `[buf, buf + len)` must be valid for writes until this returns (forever on
-    /// [`RingError::Ring`]), and accessed by other threads only under the crate's
-    /// shared-memory rule (`crate::copy`).
-    pub(crate) unsafe fn read(
-        &mut self,
-        fd: BorrowedFd<'_>,
-        buf: *mut u8,
-        len: usize,
-        offset: u64,
-    ) -> Result<(), RingError> {
-        let fd = types::Fd(fd.as_raw_fd());
-        let op = |done: usize, chunk: u32| {
-            opcode::Read::new(fd, buf.wrapping_add(done), chunk).offset(offset + done as u64).build()
-        };
-        // SAFETY: the destination range is valid (caller's contract, passed on).
-        unsafe { self.transfer(len, io::ErrorKind::UnexpectedEof, op) }
-    }
-
-    /// `pwrite` through the ring, looping on short writes.
-    ///
-    /// # Safety
-    ///
-    /// `[buf, buf + len)` must be valid for reads until this returns (forever on
-    /// [`RingError::Ring`]).
-    pub(crate) unsafe fn write(
-        &mut self,
-        fd: BorrowedFd<'_>,
-        buf: *const u8,
-        len: usize,
-        offset: u64,
-    ) -> Result<(), RingError> {
-        let fd = types::Fd(fd.as_raw_fd());
-        let op = |done: usize, chunk: u32| {
-            opcode::Write::new(fd, buf.wrapping_add(done), chunk).offset(offset + done as u64).build()
-        };
-        // SAFETY: the source range is valid (caller's contract, passed on).
-        unsafe { self.transfer(len, io::ErrorKind::WriteZero, op) }
-    }
-
-    /// Moves `len` bytes with `op(at, chunk)` SQEs (at most 1 GiB each): all are pushed,
-    /// then submitted and awaited with one `io_uring_enter`; short transfers continue in a
-    /// further round. A zero-byte completion is `stall`.
-    ///
-    /// # Safety
-    ///
-    /// Every SQE `op` builds must name buffers valid until this returns (forever on
-    /// [`RingError::Ring`]).
-    unsafe fn transfer(
-        &mut self,
-        len: usize,
-        stall: io::ErrorKind,
-        op: impl Fn(usize, u32) -> squeue::Entry,
-    ) -> Result<(), RingError> {
+    /// Every transfer's buffer must be valid (for writes, if it is a READ) until this
+    /// returns, and forever if it returns [`RingError::Ring`]; other threads may access it only
+    /// under the crate's shared-memory rule (`crate::copy`).
+    pub(crate) unsafe fn transfer_chain(&mut self, transfers: &[Transfer]) -> Result<(), (usize, RingError)> {
         const CHUNK: usize = 1 << 30;
-        let mut todo: Vec<(usize, u32)> =
-            (0..len).step_by(CHUNK).map(|at| (at, (len - at).min(CHUNK) as u32)).collect();
+        // (transfer, bytes done, bytes in this piece)
+        let mut todo: Vec<(usize, usize, u32)> = Vec::new();
+        for (i, t) in transfers.iter().enumerate() {
+            todo.extend((0..t.len).step_by(CHUNK).map(|at| (i, at, (t.len - at).min(CHUNK) as u32)));
+        }
         let mut results = Vec::new();
         while !todo.is_empty() {
+            // A chain fits the SQ (a chain split over two submissions would be two chains).
+            let (now, later) = todo.split_at(todo.len().min(MAX_CHAIN));
             let first = self.next_id;
-            self.next_id += todo.len() as u64;
+            self.next_id += now.len() as u64;
             let mut pushed = 0;
             let mut refused = None;
-            for (i, &(at, n)) in todo.iter().enumerate() {
+            for (k, &(i, at, n)) in now.iter().enumerate() {
+                let t = &transfers[i];
+                let mut e = if t.write {
+                    opcode::Write::new(t.fd, t.buf.wrapping_add(at), n).offset(t.offset + at as u64).build()
+                } else {
+                    opcode::Read::new(t.fd, t.buf.wrapping_add(at), n).offset(t.offset + at as u64).build()
+                };
+                if k + 1 < now.len() {
+                    e = e.flags(squeue::Flags::IO_LINK);
+                }
                 // SAFETY: the caller's contract.
-                match unsafe { self.push(&op(at, n).user_data(first + i as u64)) } {
+                match unsafe { self.push(&e.user_data(first + k as u64)) } {
                     Ok(()) => pushed += 1,
                     Err(e) => {
-                        refused = Some(e);
+                        refused = Some((i, e));
                         break;
                     }
                 }
@@ -211,25 +180,53 @@ impl Ring {
             // Every pushed SQE is reaped before anything is reported: their buffers are then
             // free of the kernel, whatever happened to the others.
             if let Err(e) = self.reap_all(first, pushed, &mut results) {
-                return Err(RingError::Ring(e));
-            }
-            if let Some(e) = refused {
-                return Err(e);
+                return Err((now[0].0, RingError::Ring(e)));
             }
             let mut again = Vec::new();
-            for (&(at, n), r) in todo.iter().zip(&results) {
+            let mut short = false;
+            for (k, (&(i, at, n), r)) in now.iter().zip(&results).enumerate() {
+                let stall = if transfers[i].write { io::ErrorKind::WriteZero } else { io::ErrorKind::UnexpectedEof };
                 match *r {
-                    None => return Err(RingError::Ring(io::Error::other("completion lost"))),
-                    Some(r) if r < 0 => return Err(RingError::Op(io::Error::from_raw_os_error(-r))),
-                    Some(0) => return Err(RingError::Op(io::Error::from(stall))),
-                    Some(r) if (r as u32) < n => again.push((at + r as usize, n - r as u32)),
+                    None => return Err((i, RingError::Ring(io::Error::other("completion lost")))),
+                    Some(r) if r < 0 => return Err((i, RingError::Op(io::Error::from_raw_os_error(-r)))),
+                    Some(0) => return Err((i, RingError::Op(io::Error::from(stall)))),
+                    Some(r) if (r as u32) < n => {
+                        // Short: the chain stopped here (the rest were cancelled). The rest of
+                        // this piece and everything after it go in the next round, in order.
+                        again.push((i, at + r as usize, n - r as u32));
+                        again.extend_from_slice(&now[k + 1..]);
+                        short = true;
+                        break;
+                    }
                     Some(_) => {}
                 }
             }
+            if !short {
+                if let Some((i, e)) = refused {
+                    // Everything pushed has completed; the ring refused the rest (it is
+                    // broken): transfer `i` and those after it never ran.
+                    return Err((i, e));
+                }
+            }
+            again.extend_from_slice(later);
             todo = again;
         }
         Ok(())
     }
+}
+
+/// The longest chain submitted at once: well within the SQ (64 entries), so that a chain is
+/// never split over two submissions.
+const MAX_CHAIN: usize = 32;
+
+/// One READ (into `buf`, from `fd` at `offset`) or WRITE (from `buf`) of a chain.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Transfer {
+    pub(crate) write: bool,
+    pub(crate) fd: types::Fd,
+    pub(crate) buf: *mut u8,
+    pub(crate) len: usize,
+    pub(crate) offset: u64,
 }
 
 /// Why `io_uring_setup` failed, with the kernel's errno and what to do about it: the error
