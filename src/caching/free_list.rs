@@ -314,6 +314,24 @@ mod tests {
     }
 
     #[test]
+    fn wait_zero_sleeps_until_the_last_completion_or_the_limit() {
+        let pending = Arc::new(Pending::new());
+        assert!(pending.wait_zero(std::time::Duration::ZERO), "nothing pending: at once");
+        pending.begin_n(3);
+        assert!(!pending.wait_zero(std::time::Duration::from_millis(1)), "still pending at the limit");
+        let p = Arc::clone(&pending);
+        let ender = std::thread::spawn(move || {
+            for _ in 0..3 {
+                p.end();
+            }
+        });
+        // No limit to speak of: only the last `end` can wake this (a lost wake-up hangs it).
+        assert!(pending.wait_zero(std::time::Duration::from_secs(3600)));
+        assert!(pending.is_zero());
+        ender.join().unwrap();
+    }
+
+    #[test]
     fn a_taker_sees_every_completion_pushed_before_pending_reached_zero() {
         // The protocol of `Pending`: begin, push the request, ..., push the completion, end.
         // Whoever reads zero and then takes must find every completion.
