@@ -146,11 +146,13 @@ impl Mapping {
     }
 
     /// Whether the mapping was made writable.
+    #[inline]
     pub fn is_writable(&self) -> bool {
         self.writable
     }
 
     /// Base address, for handing to code that follows the module's access rule (queues, FFI).
+    #[inline]
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }

@@ -358,6 +358,7 @@ impl Segment {
 
     /// Whether CPU writes are possible (false for imports sealed against writes or opened
     /// read-only).
+    #[inline]
     pub fn is_writable(&self) -> bool {
         self.mapping.as_ref().is_some_and(Mapping::is_writable)
     }
@@ -368,6 +369,7 @@ impl Segment {
     }
 
     /// True when the fd is a dma-buf any DMA-BUF importer can take.
+    #[inline]
     pub fn is_dma_buf(&self) -> bool {
         self.fd_kind == FdKind::DmaBuf
     }
@@ -424,6 +426,7 @@ impl Segment {
     }
 
     /// The segment's own mapping, for code that follows [`crate::mapping`]'s access rule.
+    #[inline]
     pub fn mapping(&self) -> Option<&Mapping> {
         self.mapping.as_ref()
     }

@@ -118,6 +118,7 @@ impl HostBuffer {
         v
     }
 
+    #[inline]
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.inner.ptr.as_ptr()
     }
@@ -266,6 +267,7 @@ impl Mem {
     }
 
     /// The CPU address of the range's first byte.
+    #[inline]
     pub(crate) fn ptr(&self) -> Result<*mut u8> {
         match &self.target {
             Target::Host(b) => Ok(b.as_ptr().wrapping_add(self.offset)),
@@ -277,6 +279,7 @@ impl Mem {
         }
     }
 
+    #[inline]
     pub(crate) fn writable(&self) -> bool {
         match &self.target {
             Target::Host(_) => true,
@@ -286,6 +289,7 @@ impl Mem {
     }
 
     /// The dma-buf to bracket CPU access with, if the range is in one.
+    #[inline]
     pub(crate) fn dmabuf(&self) -> Option<BorrowedFd<'_>> {
         match &self.target {
             Target::Segment(s) if s.is_dma_buf() => Some(std::os::fd::AsFd::as_fd(&**s)),
