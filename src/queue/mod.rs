@@ -590,9 +590,10 @@ impl Drop for Queue {
             ev.wake_waiters();
         }
         if let Some(w) = self.worker.take() {
-            if executing_queue().is_some() {
+            if executing_queue().is_some() || Finishing::active() {
                 // Dropped on a queue's executor (in a host callback, or by a callback holding
-                // the last reference to its own queue): joining could wait for this very
+                // the last reference to its own queue), or from a completion hook or marker
+                // sink on a thread finishing an operation: joining could wait for this very
                 // thread, or for a queue blocked waiting on it. The executor drains what was
                 // submitted and exits on its own, as CUDA's stream destroy lets a stream
                 // finish its work after the call returns.
@@ -820,14 +821,28 @@ fn wait_for(shared: &QueueShared, event: &Event, generation: u64) -> std::result
 /// if nothing else was queued, and `Queue::synchronize` never returns before the hooks of
 /// earlier records have run and earlier markers have passed.
 fn finish(shared: &QueueShared, completes: Option<(Event, u64, Completion)>, ticket: u64) {
-    if let Some((event, generation, result)) = &completes {
-        event.run_hooks(*generation, result);
+    {
+        // Hooks and sinks may drop this very queue: its Drop must not join the executor,
+        // which waits for this operation to finish (see `Finishing`).
+        let _finishing = Finishing::enter();
+        if let Some((event, generation, result)) = &completes {
+            event.run_hooks(*generation, result);
+        }
+        if shared.markers_waiting.load(Ordering::Relaxed) > 0 {
+            pass_due(shared, ticket);
+        }
     }
-    if shared.markers_waiting.load(Ordering::Relaxed) > 0 {
-        pass_due(shared, ticket);
-    }
-    let (wake, late, due) = {
+    let (wake, late) = loop {
         let mut s = shared.lock();
+        if s.markers.any_due(ticket) {
+            // A marker placed (for this very operation) after `pass_due` looked: passed before
+            // the queue counts the operation finished, so that whoever sees the queue idle, or
+            // a later record complete, knows every earlier marker has passed.
+            drop(s);
+            let _finishing = Finishing::enter();
+            pass_due(shared, ticket);
+            continue;
+        }
         s.running = false;
         debug_assert!(s.passed < ticket, "operations finish in submission order");
         s.passed = ticket;
@@ -836,8 +851,7 @@ fn finish(shared: &QueueShared, completes: Option<(Event, u64, Completion)>, tic
         // Wake the executor when there is more to run, and also when the queue is closing: an
         // operation run inline on another thread kept it asleep through Drop's wake-up, and it
         // must now see the queue idle and exit, or Drop's join waits forever.
-        // A marker placed after `pass_due` looked (for this very operation) is passed below.
-        (!s.ops.is_empty() || s.closing, late, s.markers.any_due(ticket))
+        break (!s.ops.is_empty() || s.closing, late);
     };
     if wake {
         shared.work.notify_one();
@@ -845,8 +859,34 @@ fn finish(shared: &QueueShared, completes: Option<(Event, u64, Completion)>, tic
     if let Some(late) = late {
         late();
     }
-    if due {
-        pass_due(shared, ticket);
+}
+
+thread_local! {
+    /// How many operations this thread is finishing (running their events' hooks and passing
+    /// their markers) while their queue still counts them as running.
+    static FINISHING: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Marks this thread as finishing an operation for as long as it lives: a queue dropped from a
+/// completion hook or a marker's sink on a thread that ran the operation inline must not join
+/// its executor (the executor waits for that very operation to finish), as on the executor's
+/// own thread.
+struct Finishing;
+
+impl Finishing {
+    fn enter() -> Finishing {
+        FINISHING.with(|f| f.set(f.get() + 1));
+        Finishing
+    }
+
+    fn active() -> bool {
+        FINISHING.with(|f| f.get() > 0)
+    }
+}
+
+impl Drop for Finishing {
+    fn drop(&mut self) {
+        FINISHING.with(|f| f.set(f.get() - 1));
     }
 }
 
