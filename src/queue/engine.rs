@@ -106,6 +106,7 @@ pub(super) fn cpu_copy(dst: &Mem, src: &Mem) -> std::result::Result<(), Arc<str>
 
 /// # Safety
 /// As `copy::copy`, except that the ranges may overlap (a copy within one segment).
+#[inline]
 unsafe fn copy_maybe_overlapping(src: *const u8, dst: *mut u8, len: usize) {
     let (s, d) = (src as usize, dst as usize);
     if s + len <= d || d + len <= s {

@@ -224,6 +224,7 @@ struct QueueShared {
 }
 
 impl QueueShared {
+    #[inline]
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -627,6 +628,7 @@ pub fn fill_now(dst: impl Into<Mem>, byte: u8) -> Result<()> {
 
 /// Whether a copy goes to the kernel: the kernel engine, a memfd side, and no overlap (a
 /// pwrite from a mapping of the very pages it writes would read bytes it already changed).
+#[inline]
 fn kernel_copy_applies(shared: &QueueShared, dst: &Mem, src: &Mem) -> bool {
     shared.engine == CopyEngine::Kernel && (dst.memfd().is_some() || src.memfd().is_some()) && !dst.overlaps(src)
 }
