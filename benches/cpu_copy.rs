@@ -15,28 +15,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use dmabuf_rt::source::{MemorySource, ShmemSource};
-
-/// `len` bytes starting on a page boundary: the aligned window of an over-allocated `Vec`.
-struct PageBuf {
-    v: Vec<u8>,
-    off: usize,
-    len: usize,
-}
-
-impl PageBuf {
-    fn new(len: usize, byte: u8) -> Self {
-        let v = vec![byte; len + 4096];
-        let off = v.as_ptr().align_offset(4096);
-        assert!(off < 4096);
-        Self { v, off, len }
-    }
-    fn get(&self) -> &[u8] {
-        &self.v[self.off..self.off + self.len]
-    }
-    fn get_mut(&mut self) -> &mut [u8] {
-        &mut self.v[self.off..self.off + self.len]
-    }
-}
+use dmabuf_rt::testing::PageBuf;
 
 /// Rounds per size; each figure is the best round.
 const ROUNDS: usize = 5;

@@ -17,6 +17,7 @@ use std::os::fd::AsRawFd;
 use std::time::Instant;
 
 use dmabuf_rt::source::{MemorySource, ShmemSource};
+use dmabuf_rt::testing::PageBuf;
 use io_uring::{IoUring, opcode, types};
 
 /// Best of 3 runs of `n` calls of `f`, in GB/s for `size`-byte operations.
@@ -53,11 +54,8 @@ fn main() {
         let seg = ShmemSource::new().create_segment(size).unwrap();
         let map = seg.mapping().unwrap();
         let fd = types::Fd(seg.memfd().expect("a shmem segment is a memfd").as_raw_fd());
-        // The page-aligned window of an over-allocated Vec.
-        let mut buf = vec![0x5au8; size + 4096];
-        let off = buf.as_ptr().align_offset(4096);
-        let host = &mut buf[off..off + size];
-        let (ptr, len) = (host.as_mut_ptr(), size as u32);
+        let mut buf = PageBuf::new(size, 0x5a);
+        let (ptr, len) = (buf.get_mut().as_mut_ptr(), size as u32);
         let mut ring = IoUring::new(8).expect("io_uring");
         let iov = libc_iovec(ptr, size);
         // SAFETY: the buffer outlives the registration (the ring is dropped first, below).

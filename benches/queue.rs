@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use dmabuf_rt::Segment;
 use dmabuf_rt::queue::{CopyEngine, HostBuffer, Mem, Queue};
 use dmabuf_rt::source::{MemorySource, ShmemSource};
+use dmabuf_rt::testing::PageBuf;
 
 const SIZES: [usize; 3] = [4 << 10, 1 << 20, 64 << 20];
 
@@ -29,28 +30,6 @@ fn iters(size: usize) -> usize {
 
 fn seg(len: usize) -> Arc<Segment> {
     Arc::new(ShmemSource::new().create_segment(len).unwrap())
-}
-
-/// `len` bytes starting on a page boundary: the aligned window of an over-allocated `Vec`.
-struct PageBuf {
-    v: Vec<u8>,
-    off: usize,
-    len: usize,
-}
-
-impl PageBuf {
-    fn new(len: usize, byte: u8) -> Self {
-        let v = vec![byte; len + 4096];
-        let off = v.as_ptr().align_offset(4096);
-        assert!(off < 4096);
-        Self { v, off, len }
-    }
-    fn get(&self) -> &[u8] {
-        &self.v[self.off..self.off + self.len]
-    }
-    fn get_mut(&mut self) -> &mut [u8] {
-        &mut self.v[self.off..self.off + self.len]
-    }
 }
 
 /// Single-thread memcpy between two private page-aligned buffers, best of 3 runs, GB/s.

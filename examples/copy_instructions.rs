@@ -38,10 +38,8 @@ fn main() {
     }
     let seg = ShmemSource::new().create_segment(size).unwrap();
     let map = seg.mapping().unwrap();
-    // The page-aligned window of an over-allocated Vec.
-    let mut buf = vec![0x5au8; size + 4096];
-    let off = buf.as_ptr().align_offset(4096);
-    let host = &mut buf[off..off + size];
+    let mut buf = dmabuf_rt::testing::PageBuf::new(size, 0x5a);
+    let host = buf.get_mut();
     for _ in 0..n {
         if write {
             map.write(0, black_box(&*host)).unwrap();

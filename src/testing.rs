@@ -24,3 +24,33 @@ pub fn or_skip<T, E: std::fmt::Display>(test: &str, r: Result<T, E>) -> Option<T
 pub fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
 }
+
+/// `len` bytes starting on a page boundary, private to the caller: the aligned window of an
+/// over-allocated `Vec`. The memcpy peers of the benchmarks copy between these (two `Vec`s a
+/// few bytes apart modulo 4096 slow memcpy down through 4K aliasing).
+#[derive(Debug)]
+pub struct PageBuf {
+    v: Vec<u8>,
+    off: usize,
+    len: usize,
+}
+
+impl PageBuf {
+    /// `len` bytes, each `byte`.
+    pub fn new(len: usize, byte: u8) -> Self {
+        let v = vec![byte; len + 4096];
+        let off = v.as_ptr().align_offset(4096);
+        assert!(off < 4096);
+        Self { v, off, len }
+    }
+
+    /// The bytes.
+    pub fn get(&self) -> &[u8] {
+        &self.v[self.off..self.off + self.len]
+    }
+
+    /// The bytes, writable.
+    pub fn get_mut(&mut self) -> &mut [u8] {
+        &mut self.v[self.off..self.off + self.len]
+    }
+}

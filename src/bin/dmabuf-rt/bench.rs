@@ -19,6 +19,7 @@ use dmabuf_rt::Segment;
 use dmabuf_rt::caching::{CachingAllocator, Config};
 use dmabuf_rt::queue::{HostBuffer, Mem, Queue};
 use dmabuf_rt::source::{MemorySource, ShmemSource, SparseSource};
+use dmabuf_rt::testing::PageBuf;
 
 /// One row of the summary.
 struct Row {
@@ -129,29 +130,6 @@ fn copy_ours(q: &Queue, size: usize, n: usize) -> Result<f64, String> {
     }
     q.synchronize().map_err(|e| e.to_string())?;
     Ok((size * n) as f64 / t.elapsed().as_secs_f64() / 1e9)
-}
-
-/// `len` bytes starting on a page boundary: the aligned window of an over-allocated `Vec`
-/// (the memcpy peers' buffers; see the module comment).
-struct PageBuf {
-    v: Vec<u8>,
-    off: usize,
-    len: usize,
-}
-
-impl PageBuf {
-    fn new(len: usize, byte: u8) -> Self {
-        let v = vec![byte; len + 4096];
-        let off = v.as_ptr().align_offset(4096);
-        assert!(off < 4096);
-        Self { v, off, len }
-    }
-    fn get(&self) -> &[u8] {
-        &self.v[self.off..self.off + self.len]
-    }
-    fn get_mut(&mut self) -> &mut [u8] {
-        &mut self.v[self.off..self.off + self.len]
-    }
 }
 
 /// Host-to-device-sized memcpy between two private page-aligned buffers, GB/s.
