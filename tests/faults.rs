@@ -509,33 +509,10 @@ fn rlimit_as_tight() {
 
 /// A seccomp filter (all threads) answering `io_uring_setup` with `errno`.
 fn refuse_io_uring(errno: i32) {
-    // The classic-BPF program: allow everything but io_uring_setup on x86_64.
-    const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
-    const NR_IO_URING_SETUP: u32 = 425;
-    let ld = |k| libc::sock_filter { code: (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16, jt: 0, jf: 0, k };
-    let jeq = |k, jt, jf| libc::sock_filter { code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16, jt, jf, k };
-    let ret = |k| libc::sock_filter { code: (libc::BPF_RET | libc::BPF_K) as u16, jt: 0, jf: 0, k };
-    let prog = [
-        ld(4), // seccomp_data.arch
-        jeq(AUDIT_ARCH_X86_64, 0, 3),
-        ld(0), // seccomp_data.nr
-        jeq(NR_IO_URING_SETUP, 0, 1),
-        ret(libc::SECCOMP_RET_ERRNO | (errno as u32 & libc::SECCOMP_RET_DATA)),
-        ret(libc::SECCOMP_RET_ALLOW),
-    ];
-    let fprog = libc::sock_fprog { len: prog.len() as u16, filter: prog.as_ptr().cast_mut() };
-    rustix::thread::set_no_new_privs(true).expect("PR_SET_NO_NEW_PRIVS");
-    // SAFETY: `fprog` points to a valid program for the duration of the call; TSYNC applies
-    // it to every thread of this (child) process, which only ever gets stricter.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_seccomp,
-            libc::SECCOMP_SET_MODE_FILTER,
-            libc::SECCOMP_FILTER_FLAG_TSYNC,
-            &fprog as *const libc::sock_fprog,
-        )
-    };
-    assert_eq!(rc, 0, "seccomp(SECCOMP_SET_MODE_FILTER): {}", std::io::Error::last_os_error());
+    use common::seccomp::{NR_IO_URING_SETUP, install_one_rule};
+    // TSYNC applies it to every thread of this (child) process.
+    let action = libc::SECCOMP_RET_ERRNO | (errno as u32 & libc::SECCOMP_RET_DATA);
+    assert_eq!(install_one_rule(NR_IO_URING_SETUP, action, libc::SECCOMP_FILTER_FLAG_TSYNC), 0);
 }
 
 fn io_uring_refused(name: &'static str, label: &'static str, errno: i32, words: &'static [&'static str]) {

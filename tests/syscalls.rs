@@ -25,33 +25,10 @@ use dmabuf_rt::source::{MemorySource, ShmemSource};
 /// on; returns the count.
 #[cfg(target_arch = "x86_64")]
 fn count_io_uring_enter() -> Arc<AtomicUsize> {
+    use common::seccomp::{NR_IO_URING_ENTER, install_one_rule};
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-    const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
-    const NR_IO_URING_ENTER: u32 = 426;
-    let ld = |k| libc::sock_filter { code: (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16, jt: 0, jf: 0, k };
-    let jeq = |k, jt, jf| libc::sock_filter { code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16, jt, jf, k };
-    let ret = |k| libc::sock_filter { code: (libc::BPF_RET | libc::BPF_K) as u16, jt: 0, jf: 0, k };
-    let prog = [
-        ld(4), // seccomp_data.arch
-        jeq(AUDIT_ARCH_X86_64, 0, 3),
-        ld(0), // seccomp_data.nr
-        jeq(NR_IO_URING_ENTER, 0, 1),
-        ret(libc::SECCOMP_RET_USER_NOTIF),
-        ret(libc::SECCOMP_RET_ALLOW),
-    ];
-    let fprog = libc::sock_fprog { len: prog.len() as u16, filter: prog.as_ptr().cast_mut() };
-    rustix::thread::set_no_new_privs(true).expect("PR_SET_NO_NEW_PRIVS");
-    // SAFETY: `fprog` points to a valid program for the duration of the call; the filter
-    // applies to this thread and the threads it starts (no TSYNC).
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_seccomp,
-            libc::SECCOMP_SET_MODE_FILTER,
-            libc::SECCOMP_FILTER_FLAG_NEW_LISTENER,
-            &fprog as *const libc::sock_fprog,
-        )
-    };
-    assert!(rc >= 0, "seccomp(SECCOMP_FILTER_FLAG_NEW_LISTENER): {}", std::io::Error::last_os_error());
+    // No TSYNC: the filter applies to this thread and the threads it starts.
+    let rc = install_one_rule(NR_IO_URING_ENTER, libc::SECCOMP_RET_USER_NOTIF, libc::SECCOMP_FILTER_FLAG_NEW_LISTENER);
     // SAFETY: the kernel returned a new fd, owned by nobody else.
     let listener = unsafe { OwnedFd::from_raw_fd(rc as i32) };
     let count = Arc::new(AtomicUsize::new(0));
@@ -83,17 +60,26 @@ fn count_io_uring_enter() -> Arc<AtomicUsize> {
     count
 }
 
+/// Whether test `name`'s body runs in this process: only in its isolated child, and only on
+/// x86-64 (the filter matches x86-64 system call numbers); otherwise it says why it skipped or
+/// runs the child and checks it.
+fn runs_here(name: &str) -> bool {
+    if !cfg!(target_arch = "x86_64") {
+        eprintln!("skipped: the seccomp filter here is written for x86_64 system call numbers");
+        return false;
+    }
+    if !is_child(name) {
+        isolated(name, &[], Duration::from_secs(120));
+        return false;
+    }
+    true
+}
+
 const ROUNDS: usize = 2_000;
 
 #[test]
 fn cpu_work_on_queues_makes_no_io_uring_enter() {
-    const NAME: &str = "cpu_work_on_queues_makes_no_io_uring_enter";
-    if !cfg!(target_arch = "x86_64") {
-        eprintln!("skipped: the seccomp filter here is written for x86_64 system call numbers");
-        return;
-    }
-    if !is_child(NAME) {
-        isolated(NAME, &[], Duration::from_secs(120));
+    if !runs_here("cpu_work_on_queues_makes_no_io_uring_enter") {
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -151,13 +137,7 @@ fn cpu_work_on_queues_makes_no_io_uring_enter() {
 /// `io_uring_enter` for many, and the bytes come out right (the chain keeps their order).
 #[test]
 fn queued_kernel_copies_share_one_io_uring_enter() {
-    const NAME: &str = "queued_kernel_copies_share_one_io_uring_enter";
-    if !cfg!(target_arch = "x86_64") {
-        eprintln!("skipped: the seccomp filter here is written for x86_64 system call numbers");
-        return;
-    }
-    if !is_child(NAME) {
-        isolated(NAME, &[], Duration::from_secs(120));
+    if !runs_here("queued_kernel_copies_share_one_io_uring_enter") {
         return;
     }
     #[cfg(target_arch = "x86_64")]

@@ -62,6 +62,7 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 pub mod isolate;
+pub mod seccomp;
 
 /// What this process's open fds are, grouped ("3x anon_inode:[io_uring], 2x memfd, ..."), for
 /// a leak's message.
