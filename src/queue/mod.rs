@@ -196,6 +196,12 @@ struct State {
 }
 
 impl State {
+    /// Whether everything submitted so far has finished (or never will run: the queue is gone
+    /// or its executor died).
+    fn has_passed(&self) -> bool {
+        self.passed == self.submitted || self.exited || self.dead
+    }
+
     /// The failure an operation submitted in `epoch` must honour, if any.
     fn failure_for(&self, epoch: u64) -> Option<Arc<str>> {
         self.failure.as_ref().filter(|(e, _)| *e >= epoch).map(|(_, why)| why.clone())
@@ -285,10 +291,7 @@ impl Queue {
     /// Sets every byte of `dst` to `byte` after everything submitted before.
     pub fn fill<'d>(&self, dst: impl Into<MemArg<'d>>, byte: u8) -> Result<()> {
         let dst = dst.into();
-        dst.get().ptr()?;
-        if !dst.get().writable() {
-            return Err(Error::ReadOnly);
-        }
+        check_fill(dst.get())?;
         let s = self.shared.lock();
         let Err(s) = run_inline_locked(&self.shared, s, dst.get().len(), || cpu_fill(dst.get(), byte)) else {
             return Ok(());
@@ -448,8 +451,7 @@ impl QueueHandle {
     /// Whether everything submitted so far has finished (also once the queue is gone): no
     /// operation submitted before this call can touch memory any more.
     pub fn has_passed(&self) -> bool {
-        let s = self.shared.lock();
-        s.passed == s.submitted || s.exited || s.dead
+        self.shared.lock().has_passed()
     }
 
     /// Places a marker at the queue's current end: once everything submitted so far has
@@ -459,7 +461,7 @@ impl QueueHandle {
     /// marker buffer has grown to its working size.
     pub fn mark(&self, sink: &Arc<dyn MarkerSink>, payload: MarkerPayload) -> std::result::Result<(), MarkerPayload> {
         let mut s = self.shared.lock();
-        if s.passed == s.submitted || s.exited || s.dead {
+        if s.has_passed() {
             return Err(payload);
         }
         let ticket = s.submitted;
@@ -617,13 +619,19 @@ pub fn copy_now<'d, 's>(dst: impl Into<MemArg<'d>>, src: impl Into<MemArg<'s>>) 
 
 /// Synchronous fill on the calling thread: no queue, same checks and the same dma-buf
 /// bracketing as a queued fill.
-pub fn fill_now(dst: impl Into<Mem>, byte: u8) -> Result<()> {
+pub fn fill_now<'d>(dst: impl Into<MemArg<'d>>, byte: u8) -> Result<()> {
     let dst = dst.into();
+    check_fill(dst.get())?;
+    cpu_fill(dst.get(), byte).map_err(|reason| Error::OperationFailed { reason })
+}
+
+/// Checks a fill of `dst`: it must have a CPU mapping and be writable.
+fn check_fill(dst: &Mem) -> Result<()> {
     dst.ptr()?;
     if !dst.writable() {
         return Err(Error::ReadOnly);
     }
-    cpu_fill(&dst, byte).map_err(|reason| Error::OperationFailed { reason })
+    Ok(())
 }
 
 /// Whether a copy goes to the kernel: the kernel engine, a memfd side, and no overlap (a
