@@ -107,24 +107,44 @@ impl Mapping {
         Ok(())
     }
 
-    /// Maps `len` bytes of `fd` at file offset `file_off` over bytes `[at, at + len)` of this
-    /// mapping's accessible prefix (`MAP_FIXED`, shared, read-write): how a page-stitched
-    /// segment moves memory from one place of its reservation to another. The range keeps its
-    /// address; the bytes it shows are now those of the file range. Callers remap only ranges
+    /// Maps `len` bytes of `fd` at file offset `file_off` at bytes `[at, at + len)` of this
+    /// reservation (`MAP_FIXED`, shared, read-write), anywhere in it, and widens the accessible
+    /// prefix to cover them: how a page-stitched arena makes a view of memfd units. The same
+    /// file range may be mapped at several places at once (aliases); callers map only ranges
     /// no block in use covers, under the pool's lock.
     #[cfg(not(miri))]
-    pub(crate) fn remap_fixed(&self, fd: BorrowedFd<'_>, at: usize, file_off: u64, len: usize) -> io::Result<()> {
-        let in_range = at.checked_add(len).is_some_and(|end| end <= self.mapped.load(Ordering::Acquire));
+    pub(crate) fn map_at(&self, fd: BorrowedFd<'_>, at: usize, file_off: u64, len: usize) -> io::Result<()> {
+        let in_range = at.checked_add(len).is_some_and(|end| end <= self.reserved);
         if !in_range || len == 0 {
             return Err(io::Error::from(io::ErrorKind::InvalidInput));
         }
         let ptr = self.ptr.as_ptr().wrapping_add(at).cast::<c_void>();
         let prot = ProtFlags::READ | ProtFlags::WRITE;
-        // SAFETY: the range lies inside this mapping's accessible prefix (checked), which it
-        // owns; MAP_FIXED replaces our own shared pages there with other pages of the same
-        // file, and no block in use covers the range (the caller's rule), so nothing reads or
-        // writes it meanwhile.
+        // SAFETY: the range lies inside this mapping's reservation (checked), which it owns;
+        // MAP_FIXED replaces our own pages there (reserved address space or an old view no
+        // block uses: the caller's rule), never memory Rust holds references to.
         unsafe { rustix::mm::mmap(ptr, len, prot, MapFlags::SHARED | MapFlags::FIXED, fd, file_off) }?;
+        // Published only now that the pages are there.
+        self.mapped.fetch_max(at + len, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Lets go of the memory shown at bytes `[at, at + len)` of this reservation (an arena's
+    /// view that is let go): it becomes private anonymous memory, read-write and unbacked
+    /// (`MAP_NORESERVE`: no memory until written), not `PROT_NONE`, so that work a careless
+    /// caller still has queued on a block it freed writes into nothing that matters instead of
+    /// killing the process. The accessible prefix does not shrink.
+    pub(crate) fn unmap_at(&self, at: usize, len: usize) -> io::Result<()> {
+        let in_range = at.checked_add(len).is_some_and(|end| end <= self.reserved);
+        if !in_range || len == 0 {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        }
+        let ptr = self.ptr.as_ptr().wrapping_add(at).cast::<c_void>();
+        let flags = MapFlags::PRIVATE | MapFlags::NORESERVE | MapFlags::FIXED;
+        let prot = ProtFlags::READ | ProtFlags::WRITE;
+        // SAFETY: the range lies inside this mapping's reservation (checked); it replaces our
+        // own pages with fresh anonymous ones, and no block uses the range (the caller's rule).
+        unsafe { rustix::mm::mmap_anonymous(ptr, len, prot, flags) }?;
         Ok(())
     }
 
@@ -285,22 +305,6 @@ mod miri_stand_in {
         }
 
         pub(crate) fn populate(&self) -> io::Result<()> {
-            Ok(())
-        }
-
-        /// Swaps the bytes of `[a, a + len)` and `[b, b + len)`: what remapping the two ranges
-        /// onto each other's file ranges shows (the stand-in has no file behind it). Plain
-        /// accesses, on purpose: only ranges no block uses are remapped, so Miri reports a race.
-        pub(crate) fn swap_stand_in(&self, a: usize, b: usize, len: usize) -> crate::error::Result<()> {
-            self.check(a, len)?;
-            self.check(b, len)?;
-            if a.abs_diff(b) < len {
-                return Err(crate::error::Error::OutOfBounds { offset: b, len, size: self.len() });
-            }
-            let base = self.ptr.as_ptr();
-            // SAFETY: both ranges are in bounds of the live allocation (checked) and disjoint
-            // (checked); the caller guarantees no one else uses them.
-            unsafe { std::ptr::swap_nonoverlapping(base.add(a), base.add(b), len) };
             Ok(())
         }
 

@@ -101,8 +101,6 @@ pub struct Segment {
     /// [`FD_STITCHED`]; the two last exclude each other (an fd handed out names pages by their
     /// offsets, which stitching would move).
     fd_state: std::sync::atomic::AtomicU8,
-    /// A stitch failed half-way and could not be undone.
-    stitch_broken: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for Segment {
@@ -129,17 +127,7 @@ impl Segment {
         writable: bool,
     ) -> Result<Self> {
         let mapping = Mapping::map_shared(fd.as_fd(), 0, len, writable).map_err(Error::io("mmap segment"))?;
-        Ok(Self {
-            mapping: Some(mapping),
-            backing,
-            fd,
-            len,
-            fd_kind,
-            kind,
-            origin,
-            fd_state: Default::default(),
-            stitch_broken: Default::default(),
-        })
+        Ok(Self { mapping: Some(mapping), backing, fd, len, fd_kind, kind, origin, fd_state: Default::default() })
     }
 
     /// An expandable segment: a memfd of `len` bytes (sparse) behind a reservation of the same
@@ -155,7 +143,6 @@ impl Segment {
             kind,
             origin,
             fd_state: Default::default(),
-            stitch_broken: Default::default(),
         })
     }
 
@@ -166,37 +153,39 @@ impl Segment {
         m.map_fixed_shared(self.fd.as_fd(), from, to - from).map_err(Error::io("mmap(MAP_FIXED) into reservation"))
     }
 
-    /// Swaps the memory behind bytes `[a, a + len)` and `[b, b + len)` of an expandable
-    /// segment's reservation, which show file ranges `fa` and `fb` (page stitching): `a` then
-    /// shows `fb` and `b` shows `fa`, with no copy and no memory given back or taken. Neither
-    /// range may be in use. If the second remap fails, the first is undone. From the first
-    /// swap on, the segment's offsets are no longer offsets in its fd ([`Segment::is_stitched`]).
+    /// Makes a view of the memfd at bytes `[at, at + len)` of the reservation: file range
+    /// `[file_off, file_off + len)` (a page-stitched arena's view; the file range may show at
+    /// other places too). From then on the segment's offsets are not fd offsets.
     #[cfg(not(miri))]
-    pub(crate) fn swap_ranges(&self, (a, fa): (usize, usize), (b, fb): (usize, usize), len: usize) -> Result<()> {
+    pub(crate) fn map_view(&self, at: usize, file_off: usize, len: usize) -> Result<()> {
         let m = self.mapping.as_ref().ok_or_else(|| Error::Unsupported { what: "no reservation".into() })?;
-        let fd = self.fd.as_fd();
         self.enter_fd_state(FD_STITCHED)?;
-        m.remap_fixed(fd, a, fb as u64, len).map_err(Error::io("mmap(MAP_FIXED) to stitch pages"))?;
-        if let Err(e) = m.remap_fixed(fd, b, fa as u64, len) {
-            if let Err(undo) = m.remap_fixed(fd, a, fa as u64, len) {
-                // Both ranges now show `fb`: keep them out of use for good.
-                self.stitch_broken.store(true, std::sync::atomic::Ordering::Release);
-                log::error!(
-                    "dmabuf-rt: page stitching: undoing a half-done swap failed ({undo}); the segment takes no new blocks"
-                );
-            }
-            return Err(Error::io("mmap(MAP_FIXED) to stitch pages")(e));
-        }
-        Ok(())
+        m.map_at(self.fd.as_fd(), at, file_off as u64, len).map_err(Error::io("mmap(MAP_FIXED) of a stitched view"))
     }
 
-    /// Under Miri (the mapping is a heap stand-in with no file behind it): the two ranges'
-    /// bytes trade places, as the remaps show them.
-    #[cfg(miri)]
-    pub(crate) fn swap_ranges(&self, (a, _): (usize, usize), (b, _): (usize, usize), len: usize) -> Result<()> {
+    /// Gives bytes `[at, at + len)` of the reservation back to address space (a view let go).
+    #[cfg(not(miri))]
+    pub(crate) fn unmap_view(&self, at: usize, len: usize) -> Result<()> {
         let m = self.mapping.as_ref().ok_or_else(|| Error::Unsupported { what: "no reservation".into() })?;
-        self.enter_fd_state(FD_STITCHED)?;
-        m.swap_stand_in(a, b, len)
+        m.unmap_at(at, len).map_err(Error::io("mmap(PROT_NONE) over a stitched view"))
+    }
+
+    /// Under Miri there are no aliasing mappings: the pool makes no arena there.
+    #[cfg(miri)]
+    pub(crate) fn map_view(&self, _at: usize, _file_off: usize, _len: usize) -> Result<()> {
+        Err(Error::Unsupported { what: "stitched views under Miri".into() })
+    }
+
+    /// As above.
+    #[cfg(miri)]
+    pub(crate) fn unmap_view(&self, _at: usize, _len: usize) -> Result<()> {
+        Err(Error::Unsupported { what: "stitched views under Miri".into() })
+    }
+
+    /// Marks the segment stitched before anything is mapped (an arena's views never show the
+    /// fd in order): its fd is never handed out.
+    pub(crate) fn start_stitched(&self) -> Result<()> {
+        self.enter_fd_state(FD_STITCHED)
     }
 
     /// Whether pages of this (expandable) segment were stitched: its mapping no longer shows
@@ -227,11 +216,6 @@ impl Segment {
                     .into(),
             }),
         }
-    }
-
-    /// A swap failed half-way and could not be undone: two ranges show the same memory.
-    pub(crate) fn stitch_broken(&self) -> bool {
-        self.stitch_broken.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Returns the pages of `[offset, offset + len)` of an expandable segment to the kernel
@@ -414,6 +398,13 @@ impl Segment {
     /// a stitched segment ([`Segment::is_stitched`]).
     pub fn try_clone_fd(&self) -> Result<OwnedFd> {
         self.refuse_if_stitched()?;
+        self.fd.try_clone().map_err(Error::io("dup segment fd"))
+    }
+
+    /// A new fd for the same buffer whatever its state: for a page-stitched arena, whose units
+    /// keep their fd offsets (its views are not fd offsets, so [`Segment::try_clone_fd`]
+    /// refuses); the caller names the range.
+    pub(crate) fn dup_fd(&self) -> Result<OwnedFd> {
         self.fd.try_clone().map_err(Error::io("dup segment fd"))
     }
 

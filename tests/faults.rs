@@ -331,8 +331,11 @@ fn rlimit_nofile_tiny() {
     scenario("rlimit_nofile_tiny", &[], || {
         let mut r = Report::new("RLIMIT_NOFILE tiny");
         warm_runtime();
-        // Made before the limit: a block to copy into, an allocator with nothing cached.
-        let (s, kept) = c_alloc(0, MB);
+        // Made before the limit: a block to copy into (small enough for the small pool, so
+        // that device 0 has no stitched arena yet: an 8 MiB block then needs a new memfd), an
+        // allocator with nothing cached.
+        const KEPT: usize = 64 << 10;
+        let (s, kept) = c_alloc(0, KEPT);
         assert_eq!(s, DMABUF_RT_OK);
         let alloc = CachingAllocator::builder(ShmemSource::new()).capacity(1 << 30).build().expect("allocator");
         let saved = getrlimit(Resource::Nofile);
@@ -351,7 +354,7 @@ fn rlimit_nofile_tiny() {
         let (s, _) = c_host_alloc(MB);
         r.c_err("dmabuf_rt_host_alloc(1 MiB)", s, &[DMABUF_RT_RESOURCE_LIMIT], NOFILE_WORDS);
         // No new fd needed: a copy into a block that exists.
-        match c_round_trip(kept, MB, 0) {
+        match c_round_trip(kept, KEPT, 0) {
             Ok(()) => r.row("dmabuf_rt_memcpy h2d + d2h (existing block)", "DMABUF_RT_OK, bytes match"),
             Err(e) => {
                 r.row("dmabuf_rt_memcpy h2d + d2h (existing block)", &e);

@@ -64,16 +64,33 @@ impl Allocation {
         CpuView::new(self.seg(), self.offset, self.size, access)
     }
 
-    /// Where the block starts in its fd ([`AsFd::as_fd`]): with [`Allocation::len`], the range
-    /// to name when the block is shared.
+    /// Where the block starts in its fd ([`Allocation::try_clone_fd`]): with
+    /// [`Allocation::len`], the range to name when the block is shared. A block of a
+    /// page-stitched arena (`Config::page_stitching`) is shared as a range of the arena's memfd
+    /// when its view shows one run of units (the usual case), else it has no such range:
+    /// `try_clone_fd` refuses it and this is where it starts in its segment's mapping.
     pub fn offset(&self) -> usize {
+        if self.seg().is_stitched() {
+            if let Ok(off) = self.lock_pool().fd_offset(self.id) {
+                return off;
+            }
+        }
         self.offset
     }
 
-    /// A new fd for the buffer the block lies in (`dup`): the whole segment, of which the block
-    /// is `[offset(), offset() + len())`.
+    /// A new fd for the buffer the block lies in (`dup`): the whole segment (or arena memfd),
+    /// of which the block is `[offset(), offset() + len())`. Refused, saying why, for a block
+    /// of a page-stitched arena whose units are not one run of its memfd.
     pub fn try_clone_fd(&self) -> Result<OwnedFd> {
+        if self.seg().is_stitched() {
+            self.lock_pool().fd_offset(self.id)?;
+            return self.seg().dup_fd();
+        }
         self.seg().try_clone_fd()
+    }
+
+    fn lock_pool(&self) -> std::sync::MutexGuard<'_, super::pool::Pool> {
+        self.inner.pool.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Whether the block's fd is a dma-buf (otherwise a memfd).

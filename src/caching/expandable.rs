@@ -1,16 +1,13 @@
 //! Expandable segments: one reservation of address space per (queue, pool), grown in
-//! [`CHUNK`]s mapped from a memfd, and page-stitched: any unit of the memfd (a stitching unit,
-//! `Config::stitch_unit`, 2 MiB by default) can be mapped at any unit of the reservation, so memory that lies under a free block can be moved under a
-//! block being handed out (two remaps) instead of new memory being taken while free memory is
-//! stranded behind live neighbours. Free pages go back to the kernel per page (a punch) only
-//! under pressure. Address space is mapped before memory is needed: a chunk grown into the
-//! reservation shows a sparse part of the memfd, counted as punched until a block over it is
-//! handed out.
+//! [`CHUNK`]s mapped from a memfd. Free pages go back to the kernel per page (a punch) only
+//! under pressure or past the trim policy's bound. Address space is mapped before memory is
+//! needed: a chunk grown into the reservation shows a sparse part of the memfd, counted as
+//! punched until a block over it is handed out. (Large blocks go to page-stitched arenas
+//! instead where page stitching is on: `arena.rs`.)
 //!
-//! This file holds a segment's state ([`ExpState`]: the reservation, which memfd unit each
-//! mapped unit shows, the map of punched pages and their arithmetic), the reservation sizing,
-//! and the trim policy's arithmetic ([`Budget`]); the pool decides when to grow, stitch, punch
-//! and trim, and calls in here.
+//! This file holds a segment's state ([`ExpState`]: the reservation, the map of punched pages
+//! and their arithmetic), the reservation sizing, and the trim policy's arithmetic
+//! ([`Budget`]); the pool decides when to grow, punch and trim, and calls in here.
 
 use super::block::BlockId;
 use crate::error::{Error, Result};
@@ -30,13 +27,6 @@ pub(crate) struct ExpState {
     holes: Vec<u64>,
     /// How many mapped pages are punched (0: no block needs re-backing).
     punched: usize,
-    /// The memfd unit each mapped unit of the reservation shows (units of `unit` bytes; a
-    /// permutation of `0..mapped / unit`, the identity until pages are stitched). The holes
-    /// above are by address: they move with their unit when it moves.
-    units: Vec<u32>,
-    /// The unit of page stitching (a power of two from the page size to [`CHUNK`]): what
-    /// moves at once, and the granularity of the map above.
-    unit: usize,
     /// The block that ends at the mapped end.
     pub(crate) tail: Option<BlockId>,
 }
@@ -136,12 +126,11 @@ impl ExpState {
     }
 
     /// The state of a reservation just made (nothing mapped yet).
-    fn new(seg: &Segment, unit: usize) -> Self {
+    fn new(seg: &Segment) -> Self {
         // CHUNK is a multiple of every page size Linux uses.
         let page = crate::source::page_size().clamp(1, CHUNK);
         let reserved_len = seg.mapping().map_or(0, crate::mapping::Mapping::reserved_len);
-        let unit = unit.clamp(page, CHUNK);
-        Self { reserved_len, page, holes: Vec::new(), punched: 0, units: Vec::new(), unit, tail: None }
+        Self { reserved_len, page, holes: Vec::new(), punched: 0, tail: None }
     }
 
     /// Bytes of reservation.
@@ -161,80 +150,8 @@ impl ExpState {
     pub(crate) fn grow(&mut self, seg: &Segment, mapped: usize, grow: usize) -> Result<()> {
         seg.grow_to(mapped, mapped + grow)?;
         self.holes.resize(((mapped + grow) / self.page).div_ceil(64), 0);
-        let unit = self.unit();
-        self.units.extend((mapped / unit..(mapped + grow) / unit).map(|c| c as u32));
         self.mark(mapped / self.page, (mapped + grow) / self.page, true);
         Ok(())
-    }
-
-    /// The unit of page stitching: what a remap moves at least.
-    pub(crate) fn unit(&self) -> usize {
-        self.unit
-    }
-
-    /// Pages per stitching unit.
-    fn unit_pages(&self) -> usize {
-        self.unit() / self.page
-    }
-
-    /// Punched pages of mapped unit `c`.
-    pub(crate) fn unit_holes(&self, c: usize) -> usize {
-        let n = self.unit_pages();
-        self.holes_in(c * n, (c + 1) * n)
-    }
-
-    /// Page stitching: the `n` mapped units from `a` and the `n` from `b` trade the memory
-    /// they show (two remaps of the memfd; no memory is taken or given back), and their
-    /// punched pages move with it. Each run must show a contiguous range of the memfd
-    /// ([`ExpState::file_contiguous`]), and neither may hold a block in use or in the quick
-    /// cache (the pool's rule).
-    pub(crate) fn swap(&mut self, seg: &Segment, a: usize, b: usize, n: usize) -> Result<()> {
-        debug_assert!(self.file_contiguous(a, n) && self.file_contiguous(b, n) && a.abs_diff(b) >= n);
-        let (fa, fb) = (self.units[a] as usize, self.units[b] as usize);
-        let u = self.unit();
-        seg.swap_ranges((a * u, fa * u), (b * u, fb * u), n * u)?;
-        let per = self.unit_pages();
-        for i in 0..n {
-            self.units.swap(a + i, b + i);
-        }
-        for i in 0..n * per {
-            let (pa, pb) = (a * per + i, b * per + i);
-            let (ha, hb) = (self.is_hole(pa), self.is_hole(pb));
-            if ha != hb {
-                self.holes[pa / 64] ^= 1 << (pa % 64);
-                self.holes[pb / 64] ^= 1 << (pb % 64);
-            }
-        }
-        Ok(())
-    }
-
-    /// Whether the `n` mapped units from `c` show one contiguous range of the memfd.
-    pub(crate) fn file_contiguous(&self, c: usize, n: usize) -> bool {
-        (1..n).all(|i| self.units[c + i] == self.units[c] + i as u32)
-    }
-
-    fn is_hole(&self, p: usize) -> bool {
-        self.holes[p / 64] & (1 << (p % 64)) != 0
-    }
-
-    /// The memfd ranges behind pages `[from, to)` of the reservation, in address order: one
-    /// `(address offset, memfd offset, len)` per run of units that stays contiguous in both.
-    fn file_runs(&self, from: usize, to: usize) -> Vec<(usize, usize, usize)> {
-        let (mut runs, page) = (Vec::<(usize, usize, usize)>::new(), self.page);
-        let n = self.unit_pages();
-        let mut p = from;
-        while p < to {
-            let c = p / n;
-            let end = ((c + 1) * n).min(to);
-            let (at, file) = (p * page, self.units[c] as usize * self.unit() + (p - c * n) * page);
-            let len = (end - p) * page;
-            match runs.last_mut() {
-                Some(last) if last.0 + last.2 == at && last.1 + last.2 == file => last.2 += len,
-                _ => runs.push((at, file, len)),
-            }
-            p = end;
-        }
-        runs
     }
 
     /// Bytes of the punched pages that bytes `[off, off + len)` touch: what handing them out
@@ -263,10 +180,7 @@ impl ExpState {
     pub(crate) fn punch(&mut self, seg: &Segment, off: usize, size: usize, want: u64) -> Option<(usize, usize)> {
         let (from, to) = self.inner_pages(off, size);
         let start = self.punch_start(from, to, want)?;
-        // One punch per run of the memfd (a stitched range may show several).
-        for (_, file, len) in self.file_runs(start, to) {
-            seg.punch(file, len).ok()?;
-        }
+        seg.punch(start * self.page, (to - start) * self.page).ok()?;
         Some((start * self.page, self.mark(start, to, true) * self.page))
     }
 
@@ -309,16 +223,6 @@ impl ExpState {
         if holes != self.punched {
             return Err(format!("{} punched pages counted, {holes} marked", self.punched));
         }
-        let mut seen = vec![false; self.units.len()];
-        if self.units.len() != mapped / self.unit()
-            || !self.units.iter().all(|&c| !std::mem::replace(&mut seen[c as usize], true))
-        {
-            return Err(format!(
-                "the unit map ({} entries) is not a permutation of the {} mapped units",
-                self.units.len(),
-                mapped / self.unit()
-            ));
-        }
         let marked: usize = self.holes.iter().map(|w| w.count_ones() as usize).sum();
         if marked != holes {
             return Err(format!("{} pages past the mapped end are marked punched", marked - holes));
@@ -352,13 +256,13 @@ pub(crate) enum Reservation {
 /// Reserves address space for an expandable segment whose first request is `rounded` bytes,
 /// [`reservation_len`] of it, or less if the source refuses (`ulimit -v`, valgrind): halved
 /// until it fits, never below the request.
-pub(crate) fn reserve(source: &dyn MemorySource, allowed: u64, rounded: usize, unit: usize) -> Reservation {
+pub(crate) fn reserve(source: &dyn MemorySource, allowed: u64, rounded: usize) -> Reservation {
     let floor = rounded.next_multiple_of(CHUNK);
     let mut len = reservation_len(allowed, floor);
     loop {
         match source.reserve_expandable(len) {
             Ok(seg) => {
-                let exp = ExpState::new(&seg, unit);
+                let exp = ExpState::new(&seg);
                 return Reservation::Made(seg, exp);
             }
             Err(Error::Unsupported { .. }) => return Reservation::Unsupported,
@@ -457,15 +361,7 @@ mod tests {
     use crate::source::SparseSource;
 
     fn state(pages: usize) -> ExpState {
-        ExpState {
-            reserved_len: pages * 4096,
-            page: 4096,
-            holes: vec![0; pages.div_ceil(64)],
-            punched: 0,
-            units: (0..(pages * 4096 / CHUNK) as u32).collect(),
-            unit: CHUNK,
-            tail: None,
-        }
+        ExpState { reserved_len: pages * 4096, page: 4096, holes: vec![0; pages.div_ceil(64)], punched: 0, tail: None }
     }
 
     /// Issue 9, defect 11: under `RLIMIT_AS` an expandable segment takes at most a quarter of
@@ -557,7 +453,7 @@ mod tests {
 
     #[test]
     fn grow_punch_and_check_on_a_reservation() {
-        let Reservation::Made(seg, mut e) = reserve(&SparseSource, 1 << 30, 4096, CHUNK) else {
+        let Reservation::Made(seg, mut e) = reserve(&SparseSource, 1 << 30, 4096) else {
             panic!("the sparse source reserves address space")
         };
         assert!(e.reserved_len() >= 4 * CHUNK);
@@ -590,55 +486,5 @@ mod tests {
         let off = Budget { trim_ratio: 0.0, allowed: 1050, ..b };
         assert_eq!(off.trim_excess(100, 0), 50);
         assert_eq!(off.over_allowed(10), 0);
-    }
-
-    /// Page stitching: two units (here whole 2 MiB chunks) trade the memory they show, with their punched pages, and
-    /// the bytes move with them (a block handed out over the target sees the donor's bytes).
-    #[test]
-    #[cfg_attr(miri, ignore = "swaps and reads whole 2 MiB chunks: hours under Miri")]
-    fn a_swap_moves_memory_and_holes_between_units() {
-        let Reservation::Made(seg, mut e) = reserve(&SparseSource, 1 << 30, 4096, CHUNK) else {
-            panic!("the sparse source reserves address space")
-        };
-        e.grow(&seg, 0, 3 * CHUNK).unwrap();
-        e.tail = Some(0);
-        // Chunks 0 and 2 backed, 1 punched (as grown).
-        e.back(0, CHUNK);
-        e.back(2 * CHUNK, CHUNK);
-        let n = e.unit_pages();
-        assert_eq!((e.unit_holes(0), e.unit_holes(1), e.unit_holes(2)), (0, n, 0));
-        let m = seg.mapping().unwrap();
-        m.write(2 * CHUNK + 10, b"donor").unwrap();
-        e.swap(&seg, 1, 2, 1).unwrap();
-        assert_eq!((e.unit_holes(1), e.unit_holes(2)), (0, n), "the holes moved with the memory");
-        assert_eq!(e.units[..3], [0, 2, 1]);
-        let mut got = [0u8; 5];
-        m.read(CHUNK + 10, &mut got).unwrap();
-        assert_eq!(&got, b"donor");
-        m.read(2 * CHUNK + 10, &mut got).unwrap();
-        assert_eq!(got, [0; 5], "the donor now shows the sparse chunk");
-        assert!(seg.is_stitched());
-        assert!(seg.try_clone_fd().is_err() && seg.memfd().is_none(), "offsets are no longer fd offsets");
-        e.check(3 * CHUNK, &[(0, 0, 3 * CHUNK, false)]).unwrap();
-        // A punch of the moved chunk reaches the memfd chunk it shows now.
-        let (from, freed) = e.punch(&seg, CHUNK, CHUNK, u64::MAX).unwrap();
-        assert_eq!((from, freed), (CHUNK, CHUNK));
-        m.read(CHUNK + 10, &mut got).unwrap();
-        assert_eq!(got, [0; 5]);
-        assert_eq!(e.file_runs(0, 3 * n), [(0, 0, CHUNK), (CHUNK, 2 * CHUNK, CHUNK), (2 * CHUNK, CHUNK, CHUNK)]);
-    }
-
-    /// An fd handed out names pages by offset: the segment is never stitched after that.
-    #[test]
-    fn a_segment_whose_fd_went_out_is_not_stitched() {
-        let Reservation::Made(seg, mut e) = reserve(&SparseSource, 1 << 30, 4096, CHUNK) else {
-            panic!("the sparse source reserves address space")
-        };
-        e.grow(&seg, 0, 2 * CHUNK).unwrap();
-        e.tail = Some(0);
-        let _fd = seg.try_clone_fd().unwrap();
-        assert!(e.swap(&seg, 0, 1, 1).is_err());
-        assert_eq!(e.units[..2], [0, 1], "nothing moved");
-        assert!(!seg.is_stitched());
     }
 }

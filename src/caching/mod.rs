@@ -67,6 +67,7 @@
 
 mod addrs;
 mod allocation;
+mod arena;
 mod block;
 pub mod config;
 mod expandable;

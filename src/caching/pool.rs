@@ -9,6 +9,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use super::arena::Arena;
 use super::block::{
     Block, BlockId, FreeMsg, LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, PoolKind, QueueKey, ROUND_LARGE, SMALL_BUFFER,
     SMALL_SIZE, SegRef,
@@ -31,6 +32,7 @@ mod growth;
 mod invariants;
 mod raw_calls;
 mod release;
+mod stitched;
 #[cfg(test)]
 mod tests;
 
@@ -46,6 +48,8 @@ struct SegEntry {
     queue: QueueKey,
     /// Set for expandable segments.
     exp: Option<ExpState>,
+    /// Set for page-stitched arenas.
+    arena: Option<Arena>,
 }
 
 /// A free block's key in its pool: best fit is the first key at or after
@@ -88,6 +92,10 @@ struct AllocParams {
     exact: bool,
     /// The ladder stopped for the caller to wait for the deferred frees.
     wait: bool,
+    /// Served by the queue's page-stitched arena ([`Pool::uses_arena`]).
+    arena: bool,
+    /// The arena refused for lack of allowed memory (not because it cannot hold the request).
+    arena_over_allowed: bool,
     /// Why the steps failed, for the out-of-memory message.
     cause: String,
 }
@@ -106,6 +114,8 @@ impl AllocParams {
             block: None,
             exact: false,
             wait: false,
+            arena: false,
+            arena_over_allowed: false,
             cause: String::new(),
         }
     }
@@ -152,6 +162,10 @@ pub(crate) struct Pool {
     expandable: HashMap<(QueueKey, PoolKind), u32>,
     /// The source cannot make expandable segments: classic segments are used instead.
     expandable_unsupported: bool,
+    /// The page-stitched arena of each queue.
+    arenas: HashMap<QueueKey, u32>,
+    /// No arena can be made (the source or the address space refused): pools serve all.
+    arena_unsupported: bool,
     /// The latest failure of the source during the current request that was not a lack of
     /// memory (fd limit, permission, I/O): reported as itself, not as out-of-memory.
     source_error: Option<Error>,
@@ -188,6 +202,8 @@ impl Pool {
             quick_scratch: Vec::new(),
             expandable: HashMap::new(),
             expandable_unsupported: false,
+            arenas: HashMap::new(),
+            arena_unsupported: false,
             source_error: None,
             gone: Default::default(),
         }
@@ -418,6 +434,9 @@ impl Pool {
         }
         let alloc_size = self.allocation_size(rounded).ok_or_else(too_large)?;
         let mut p = AllocParams::new(size, rounded, alloc_size, queue, pending, waited);
+        if self.uses_arena(rounded) {
+            (p.arena, p.pool) = (true, PoolKind::Large);
+        }
         // A cached block whose punched pages cannot be taken again goes through the ladder,
         // which may release enough elsewhere (or wait for frees) to take it after all; a
         // block the ladder finds is checked the same way (each block once).
@@ -480,6 +499,9 @@ impl Pool {
     /// Best fit among the cached blocks, merging the quick cache first if that is what it
     /// takes.
     fn get_cached_block(&mut self, p: &mut AllocParams) -> bool {
+        if p.arena {
+            return self.arena_cached(p);
+        }
         p.block = self.find_cached(p.rounded, p.queue, p.pool);
         p.block.is_some()
     }
@@ -488,7 +510,8 @@ impl Pool {
     /// in the allowed memory ([`Pool::reback_fits`]). If not, forgets it and says why.
     fn fits_again(&mut self, p: &mut AllocParams) -> bool {
         let Some(id) = p.block else { return false };
-        if self.reback_fits(id, p.rounded) {
+        // An arena's view was checked against the allowed memory when it was chosen.
+        if self.is_arena(id) || self.reback_fits(id, p.rounded) {
             return true;
         }
         p.block = None;
@@ -500,6 +523,9 @@ impl Pool {
 
     /// Best fit in the pool as it is.
     fn get_free_block(&mut self, p: &mut AllocParams) -> bool {
+        if p.arena {
+            return self.arena_cached(p);
+        }
         p.block = self.best_fit(p.rounded, p.queue, p.pool);
         p.block.is_some()
     }
@@ -524,6 +550,18 @@ impl Pool {
 
     /// Rungs 2, 4 and 8: new memory for the request (see [`Pool::new_memory`]).
     fn alloc_block(&mut self, p: &mut AllocParams) -> bool {
+        if p.arena {
+            if self.arena_new(p) {
+                return true;
+            }
+            if p.arena_over_allowed {
+                // Other segments would need the same memory: the ladder goes on.
+                return false;
+            }
+            // No arena, or it cannot hold this request (its memfd or address space is full,
+            // a mapping failed): the pools serve it.
+            (p.arena, p.pool) = (false, PoolKind::for_size(p.rounded));
+        }
         p.block = self.new_memory(p.alloc_size, p.rounded, p.pool, p.queue, &mut p.cause);
         p.block.is_some()
     }
@@ -594,6 +632,10 @@ impl Pool {
     /// Takes pooled block `id` out of its pool for a `rounded`-byte request: split if the rest
     /// is worth keeping, and its punched pages counted as reserved again.
     fn take_from_pool(&mut self, id: BlockId, rounded: usize) {
+        if self.is_arena(id) {
+            self.arena_take(id, rounded);
+            return;
+        }
         self.pool_remove(id);
         if self.should_split(id, rounded) {
             let b = self.blocks[id as usize].clone();
@@ -709,7 +751,15 @@ impl Pool {
         };
         let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
         let seg_size = seg.len();
-        let seg_idx = self.add_segment(SegEntry { seg: Arc::new(seg), base, size: seg_size, pool, queue, exp: None });
+        let seg_idx = self.add_segment(SegEntry {
+            seg: Arc::new(seg),
+            base,
+            size: seg_size,
+            pool,
+            queue,
+            exp: None,
+            arena: None,
+        });
         let id = self.new_block(seg_idx, (0, seg_size), queue, pool, None, None);
         self.pool_insert(id);
         Some(id)
@@ -748,8 +798,10 @@ impl Pool {
         let free: HashSet<BlockId> =
             self.pools.iter().flat_map(|p| p.iter()).map(|k| k.3).chain(self.quick.ids()).collect();
         let dead: HashSet<BlockId> = self.free_ids.iter().copied().collect();
-        let segments =
-            self.segments.iter().map(|s| s.as_ref().map(|s| (s.base, s.size, s.pool, s.queue.get(), s.exp.is_some())));
+        // Arenas are added below, view by view.
+        let segments = self.segments.iter().map(|s| {
+            s.as_ref().filter(|s| s.arena.is_none()).map(|s| (s.base, s.size, s.pool, s.queue.get(), s.exp.is_some()))
+        });
         let blocks =
             self.blocks.iter().enumerate().filter(|&(id, _)| !dead.contains(&(id as BlockId))).map(|(id, b)| {
                 let state = if free.contains(&(id as BlockId)) {
@@ -777,6 +829,12 @@ impl Pool {
                 None => vec![seg],
             })
             .collect();
+        for e in self.segments.iter().flatten() {
+            if let Some(a) = &e.arena {
+                snap.segments.extend(self.arena_snapshot(e.base, e.queue, a, &free));
+            }
+        }
+        snap.segments.sort_by_key(|s| s.address);
         snap
     }
 }

@@ -276,6 +276,10 @@ impl Pool {
 
     /// Puts a free block into its pool, merged with its free (pooled) neighbours.
     pub(super) fn pool_free(&mut self, id: BlockId) {
+        if self.is_arena(id) {
+            self.arena_release(id);
+            return;
+        }
         if let Some(p) = self.blocks[id as usize].prev.filter(|&p| self.blocks[p as usize].is_pooled_free()) {
             self.merge(id, p);
         }

@@ -311,16 +311,6 @@ impl FreeSet {
         }
         out
     }
-
-    /// The keys of `queue`, largest first, lazily.
-    pub(crate) fn rev_of(&self, queue: QueueKey) -> impl Iterator<Item = Key> + '_ {
-        let mut at = Some((queue, usize::MAX, usize::MAX, BlockId::MAX));
-        std::iter::from_fn(move || {
-            let k = self.prev_before(at).filter(|k| k.0 == queue)?;
-            at = Some(k);
-            Some(k)
-        })
-    }
 }
 
 #[cfg(test)]
@@ -382,8 +372,6 @@ mod tests {
             assert_eq!(set.contains(&probe), model.contains(&probe));
             if step % 211 == 0 {
                 let qq = q(next() % 3);
-                let want: Vec<Key> = model.iter().rev().filter(|k| k.0 == qq).copied().collect();
-                assert!(set.rev_of(qq).eq(want.into_iter()));
                 let from = sizes(next());
                 let want: Vec<Key> = model.range((qq, from, 0, 0)..).filter(|k| k.0 == qq).copied().collect();
                 assert_eq!(set.range_of(qq, from), want);

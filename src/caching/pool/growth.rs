@@ -33,10 +33,11 @@ impl Pool {
     ) -> Option<BlockId> {
         let idx = match self.expandable.get(&(queue, pool)) {
             Some(&i) => i,
-            None => match expandable::reserve(&*self.source, self.allowed, rounded, self.config.stitch_unit) {
+            None => match expandable::reserve(&*self.source, self.allowed, rounded) {
                 Reservation::Made(seg, exp) => {
                     let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
-                    let entry = SegEntry { seg: Arc::new(seg), base, size: 0, pool, queue, exp: Some(exp) };
+                    let entry =
+                        SegEntry { seg: Arc::new(seg), base, size: 0, pool, queue, exp: Some(exp), arena: None };
                     let i = self.add_segment(entry);
                     self.expandable.insert((queue, pool), i);
                     i
@@ -110,9 +111,8 @@ impl Pool {
 
     /// Whether pooled block `id` can be handed out for a `rounded`-byte request: the punched
     /// pages that part of it touches count as reserved again once handed out (touching them
-    /// brings them back, with no call to the source). First, page stitching moves memory that
-    /// free blocks hold under them ([`Pool::stitch`]: reserved bytes unchanged); for what is
-    /// left, the trim policy makes room, and then it must fit in the allowed memory. On the slow path of
+    /// brings them back, with no call to the source): the trim policy makes room for them,
+    /// and then they must fit in the allowed memory. On the slow path of
     /// [`Pool::allocate`] only, and cheap unless the block's segment has punched pages.
     pub(super) fn reback_fits(&mut self, id: BlockId, rounded: usize) -> bool {
         let mut need = self.punched_bytes(id, rounded) as u64;
@@ -120,20 +120,6 @@ impl Pool {
             // Nothing to back, or within the trim policy's bound: touching the pages backs
             // them, with no call.
             return true;
-        }
-        if self.config.page_stitching {
-            if self.stitch(id, rounded) > 0 {
-                need = self.punched_bytes(id, rounded) as u64;
-            }
-            if need > 0 && self.quick.len() > 0 && self.budget().trim_excess(need, rounded as u64) > 0 {
-                // The quick cache's blocks may hold what stitching needs: merge them, try again.
-                self.merge_quick_around(id);
-                self.stitch(id, rounded);
-                need = self.punched_bytes(id, rounded) as u64;
-            }
-            if self.budget().trim_excess(need, rounded as u64) == 0 {
-                return true;
-            }
         }
         if self.quick.len() > 0 {
             // Memory in the quick cache cannot be punched either.
@@ -180,77 +166,6 @@ impl Pool {
             // As PyTorch logs memory mapped into an expandable segment.
             self.log(HistoryKind::SegmentMap, addr, added, queue);
         }
-    }
-
-    /// Page stitching, before the punched pages under the part of pooled block `id` that a
-    /// `rounded`-byte request takes are backed again past the trim policy's bound: each
-    /// stitching unit there (`Config::stitch_unit`, 2 MiB by default) that lies wholly inside
-    /// the block and has punched pages trades places with a fully backed unit that lies wholly
-    /// inside a free pooled block of the same segment (largest blocks first, so the memory
-    /// comes from where it is least likely to be reused soon; never from the part of `id` the
-    /// request takes). Two remaps per run of units moved at once; no memory taken from the
-    /// source or given back, so the reserved bytes do not change. Nothing moves while the
-    /// segment's queue has work in flight (that work may still use free blocks' bytes).
-    /// Returns the units moved; `num_remaps` counts the remaps.
-    pub(super) fn stitch(&mut self, id: BlockId, rounded: usize) -> usize {
-        let b = &self.blocks[id as usize];
-        let (seg, off, size, queue, pool) = (b.seg, b.offset, b.size, b.queue, b.pool);
-        let Some(entry) = self.segments[seg as usize].as_ref() else { return 0 };
-        let Some(exp) = entry.exp.as_ref() else { return 0 };
-        if !self.config.page_stitching || entry.seg.stitch_broken() || self.queue_busy(queue) {
-            return 0;
-        }
-        // The units the request touches that lie wholly in the free block.
-        let unit = exp.unit();
-        let (first, end) = (off.div_ceil(unit), (off + rounded).div_ceil(unit).min((off + size) / unit));
-        let targets: Vec<usize> = (first..end).filter(|&c| exp.unit_holes(c) > 0).collect();
-        if targets.is_empty() {
-            return 0;
-        }
-        let mut donors = Vec::with_capacity(targets.len());
-        let keys = self.pools[pool.slot()].rev_of(queue);
-        'blocks: for k in keys {
-            let d = &self.blocks[k.3 as usize];
-            if d.seg != seg {
-                continue;
-            }
-            // Of `id` itself, only the part beyond the request.
-            let lo = if k.3 == id { off + rounded } else { d.offset };
-            let units = lo.div_ceil(unit)..(d.offset + d.size) / unit;
-            for c in units {
-                if exp.unit_holes(c) == 0 {
-                    donors.push(c);
-                    if donors.len() == targets.len() {
-                        break 'blocks;
-                    }
-                }
-            }
-        }
-        let entry = self.segments[seg as usize].as_mut().expect("checked above");
-        let exp = entry.exp.as_mut().expect("checked above");
-        let mut moved = 0;
-        let pairs: Vec<(usize, usize)> = targets.iter().copied().zip(donors.iter().copied()).collect();
-        let mut i = 0;
-        while i < pairs.len() {
-            // A run of targets and donors that are consecutive on both sides moves at once.
-            let (t, d) = pairs[i];
-            let mut n = 1;
-            while i + n < pairs.len()
-                && pairs[i + n] == (t + n, d + n)
-                && t.abs_diff(d) > n
-                && exp.file_contiguous(t, n + 1)
-                && exp.file_contiguous(d, n + 1)
-            {
-                n += 1;
-            }
-            if exp.swap(&entry.seg, t, d, n).is_err() {
-                break;
-            }
-            self.stats.device.num_remaps += 2;
-            moved += n;
-            i += n;
-        }
-        moved
     }
 
     /// Gives every backed page that a free expandable block wholly covers back to the kernel;

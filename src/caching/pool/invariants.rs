@@ -43,6 +43,31 @@ impl Pool {
                 continue;
             };
             let mut ids = std::mem::take(&mut per_seg[si]);
+            if let Some(a) = &e.arena {
+                // An arena's blocks are views: checked by the arena, not tiled.
+                let mut blocks = Vec::with_capacity(ids.len());
+                for &id in &ids {
+                    let b = &self.blocks[id as usize];
+                    if b.prev.is_some() || b.next.is_some() || b.pool != e.pool || b.queue != e.queue {
+                        return Err(format!("arena block {id} is linked, or of another pool or queue"));
+                    }
+                    if self.raw.addrs.get(e.base + b.offset) != Some(id) {
+                        return Err(format!("arena block {id} is not in the address table"));
+                    }
+                    blocks.push((id, b.offset, b.size, b.allocated || b.in_quick));
+                }
+                by_addr += ids.len();
+                a.check(&blocks).map_err(|why| format!("arena {si}: {why}"))?;
+                if self.arenas.get(&e.queue) != Some(&(si as u32)) {
+                    return Err(format!("arena {si} is not its queue's"));
+                }
+                let bytes = a.backed_bytes() as i64;
+                reserved[0] += bytes;
+                reserved[e.pool.index()] += bytes;
+                segments[0] += 1;
+                segments[e.pool.index()] += 1;
+                continue;
+            }
             ids.sort_by_key(|&id| self.blocks[id as usize].offset);
             let mut at = 0;
             for (k, &id) in ids.iter().enumerate() {
@@ -182,6 +207,13 @@ impl Pool {
             } else {
                 if b.raw || b.raw_used {
                     return Err(format!("free block {id} is still marked raw"));
+                }
+                if self.is_arena(id) {
+                    // A cached view: in no pool (the arena lists it).
+                    if in_pool {
+                        return Err(format!("arena block {id} is in a pool"));
+                    }
+                    continue;
                 }
                 if in_pool == b.in_quick {
                     return Err(format!("free block {id}: in its pool {in_pool}, in the quick cache {}", b.in_quick));

@@ -55,6 +55,9 @@ impl Pool {
     /// expandable segment that never grew). Returns whether it went.
     pub(super) fn release_segment_if_free(&mut self, si: u32) -> bool {
         let Some(e) = self.segments[si as usize].as_ref() else { return true };
+        if e.arena.is_some() {
+            return self.release_arena_if_free(si);
+        }
         let (base, size, expandable) = (e.base, e.size, e.exp.is_some());
         let first = self.raw.addrs.get(base).filter(|&id| self.blocks[id as usize].seg == si);
         if !expandable {
@@ -106,7 +109,7 @@ impl Pool {
     /// elsewhere then leaks a segment instead of freeing memory in use).
     pub(super) fn release_block(&mut self, id: BlockId) -> bool {
         let b = &self.blocks[id as usize];
-        if b.allocated || b.in_quick || b.is_split() || self.is_expandable(id) {
+        if b.allocated || b.in_quick || b.is_split() || self.is_expandable(id) || self.is_arena(id) {
             return false;
         }
         self.pool_remove(id);
@@ -173,6 +176,7 @@ impl Pool {
         for si in idle {
             let _ = self.release_segment_if_free(si);
         }
+        self.arena_release_cached(queue);
         for pool in PoolKind::BOTH {
             let ids: Vec<BlockId> =
                 self.pools[pool.slot()].iter().filter(|k| queue.is_none_or(|s| k.0 == s)).map(|k| k.3).collect();
@@ -195,6 +199,9 @@ impl Pool {
             return;
         }
         self.flush_quick();
+        // Arenas hold no old blocks, only free units: those go back first (their views stay
+        // only if their queues still have work in flight).
+        self.arena_release_cached(None);
         // As seed 003: free blocks at least as old as the average age, oldest first, and
         // repeat with the average of what is left until under the target or nothing is left.
         loop {

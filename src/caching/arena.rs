@@ -1,0 +1,543 @@
+//! Page-stitched arenas: GMLake's idea (ASPLOS'24) on a memfd, which on Linux needs no
+//! driver. Physical memory is a set of fixed-size *units* of one sparse memfd per queue
+//! (`Config::stitch_unit`, 64 KiB by default); a block is a *view*: a range of the arena's
+//! reserved address space onto which whichever free units there were got mapped
+//! (`mmap(MAP_FIXED)`, one call per run of consecutive units). So a block never needs
+//! contiguous physical memory, and free memory is never stranded behind a live neighbour: the
+//! memory in use is the units of the live blocks, whatever their addresses.
+//!
+//! A view outlives its block. When the block is freed its units go back to the free set but
+//! the view stays mapped and cached (by unit count); a later request of that many units takes
+//! the most recently freed cached view whose units are all free again, with no call at all.
+//! A unit may so show in several views at once (aliases); only one of them is ever handed out
+//! at a time, because a view is handed out only while all its units are free, and taking it
+//! makes them busy. In the steady state of a periodic workload every request finds such a view
+//! and nothing is mapped, taken from the kernel or given back.
+//!
+//! Cached views cost address space and kernel mappings (VMAs; Linux allows 65,530 a process by
+//! default), not memory: the oldest are let go when they hold more than [`MAX_CACHED_RUNS`]
+//! runs or the address space runs out. A view let go becomes unbacked anonymous memory (not
+//! `PROT_NONE`: work a careless caller left queued on a block it freed must not kill the
+//! process), and its address range is used for later views.
+//!
+//! This file holds the arena's state and arithmetic ([`Arena`]); the pool decides when to use
+//! it (`pool/stitched.rs`).
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::block::BlockId;
+use super::quick::FxBuild;
+use crate::error::{Error, Result};
+use crate::segment::Segment;
+
+/// How many runs (kernel mappings) the cached views of one arena may hold before the oldest
+/// are let go.
+pub(crate) const MAX_CACHED_RUNS: usize = 8192;
+
+/// Blocks of at least this many units go to the arena; smaller ones are packed into the
+/// pools' segments (a block wastes less than a unit, so at most a quarter of its size here).
+pub(crate) const MIN_UNITS: usize = 4;
+
+/// One view: where it is in the reservation and which units it shows, in runs
+/// `(first unit, count)` in address order.
+#[derive(Debug, Clone)]
+pub(crate) struct View {
+    /// Byte offset of the view in the reservation.
+    pub(crate) va: usize,
+    /// Units it shows.
+    pub(crate) n: usize,
+    runs: Vec<(u32, u32)>,
+    /// Handed out or quick-cached (its units are busy).
+    live: bool,
+    /// When it was last let go (the arena's clock), for evicting the oldest.
+    freed_at: u64,
+}
+
+impl View {
+    /// Handed out or quick-cached.
+    pub(crate) fn is_live(&self) -> bool {
+        self.live
+    }
+
+    /// The units it shows, as runs `(first unit, count)` in address order.
+    pub(crate) fn runs(&self) -> &[(u32, u32)] {
+        &self.runs
+    }
+}
+
+/// What making a view cost: the calls and the memory it added.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Made {
+    /// `mmap` calls (one per run).
+    pub(crate) maps: usize,
+    /// Units that were given back earlier and are taken again (reserved bytes grow).
+    pub(crate) rebacked: usize,
+    /// Units never used before (reserved bytes grow).
+    pub(crate) grown: usize,
+}
+
+/// The state of one arena (see the module docs).
+pub(crate) struct Arena {
+    unit: usize,
+    /// Bytes of the reservation (address space for views) and of the memfd (units).
+    reserved_len: usize,
+    /// Units that exist: `[0, len)` (used at least once).
+    len: usize,
+    /// One bit per unit, set while a live view shows it.
+    busy: Vec<u64>,
+    /// One bit per unit, set while it is given back (punched); only free units are.
+    holes: Vec<u64>,
+    n_busy: usize,
+    n_holes: usize,
+    views: HashMap<BlockId, View, FxBuild>,
+    /// Views not handed out, by unit count, the most recently freed last.
+    cached: HashMap<usize, Vec<BlockId>, FxBuild>,
+    /// Runs the cached views hold.
+    cached_runs: usize,
+    /// Free address ranges below `va_top`: offset -> length.
+    va_free: BTreeMap<usize, usize>,
+    /// Address space handed to views so far (the high-water mark).
+    va_top: usize,
+    clock: u64,
+}
+
+/// Calls `f(word, mask)` for the words of a bitmap that cover bits `[from, to)`.
+fn words(from: usize, to: usize, mut f: impl FnMut(usize, u64)) {
+    let mut p = from;
+    while p < to {
+        let bit = p % 64;
+        let n = (to - p).min(64 - bit);
+        let mask = if n == 64 { !0 } else { ((1u64 << n) - 1) << bit };
+        f(p / 64, mask);
+        p += n;
+    }
+}
+
+fn count(map: &[u64], from: usize, to: usize) -> usize {
+    let mut n = 0;
+    words(from, to, |w, m| n += (map.get(w).copied().unwrap_or(0) & m).count_ones() as usize);
+    n
+}
+
+fn set(map: &mut [u64], from: usize, to: usize, on: bool) {
+    words(from, to, |w, m| if on { map[w] |= m } else { map[w] &= !m });
+}
+
+fn bit(map: &[u64], i: usize) -> bool {
+    map[i / 64] & (1 << (i % 64)) != 0
+}
+
+impl Arena {
+    /// The state of an arena over `seg` (a reservation over a sparse memfd of the same
+    /// length, nothing mapped), with units of `unit` bytes.
+    pub(crate) fn new(seg: &Segment, unit: usize) -> Result<Self> {
+        seg.start_stitched()?;
+        let reserved_len = seg.mapping().map_or(0, crate::mapping::Mapping::reserved_len);
+        Ok(Self {
+            unit,
+            reserved_len,
+            len: 0,
+            busy: Vec::new(),
+            holes: Vec::new(),
+            n_busy: 0,
+            n_holes: 0,
+            views: HashMap::default(),
+            cached: HashMap::default(),
+            cached_runs: 0,
+            va_free: BTreeMap::new(),
+            va_top: 0,
+            clock: 0,
+        })
+    }
+
+    /// Bytes per unit.
+    pub(crate) fn unit(&self) -> usize {
+        self.unit
+    }
+
+    /// The units a block of `size` bytes takes.
+    pub(crate) fn units_for(&self, size: usize) -> usize {
+        size.div_ceil(self.unit)
+    }
+
+    /// Bytes of memory the arena holds: the units used so far, less those given back.
+    pub(crate) fn backed_bytes(&self) -> usize {
+        (self.len - self.n_holes) * self.unit
+    }
+
+    /// Bytes of the backed units no live view shows (free memory).
+    pub(crate) fn free_backed_bytes(&self) -> usize {
+        (self.len - self.n_holes - self.n_busy) * self.unit
+    }
+
+    /// Bytes of the reservation.
+    pub(crate) fn reserved_len(&self) -> usize {
+        self.reserved_len
+    }
+
+    /// Whether any view is handed out or quick-cached.
+    pub(crate) fn has_live(&self) -> bool {
+        self.views.values().any(|v| v.live)
+    }
+
+    /// The view of block `id`.
+    pub(crate) fn view(&self, id: BlockId) -> Option<&View> {
+        self.views.get(&id)
+    }
+
+    /// Views (live and cached), for the snapshot.
+    pub(crate) fn views(&self) -> impl Iterator<Item = (BlockId, &View)> {
+        self.views.iter().map(|(&id, v)| (id, v))
+    }
+
+    fn all_free(&self, v: &View) -> bool {
+        debug_assert!(!v.live);
+        v.runs.iter().all(|&(u, k)| count(&self.busy, u as usize, (u + k) as usize) == 0)
+    }
+
+    fn holes_under(&self, v: &View) -> usize {
+        v.runs.iter().map(|&(u, k)| count(&self.holes, u as usize, (u + k) as usize)).sum()
+    }
+
+    /// A cached view of `n` units whose units are all free, the most recently freed first,
+    /// whose units given back (taken again when it is handed out) are at most `max_holes`;
+    /// with how many those are.
+    pub(crate) fn find_cached(&self, n: usize, max_holes: usize) -> Option<(BlockId, usize)> {
+        let list = self.cached.get(&n)?;
+        list.iter().rev().find_map(|&id| {
+            let v = &self.views[&id];
+            if !self.all_free(v) {
+                return None;
+            }
+            let h = self.holes_under(v);
+            (h <= max_holes).then_some((id, h))
+        })
+    }
+
+    /// Hands out cached view `id`: its units become busy, those given back are backed again
+    /// (touching them brings them back, with no call). Returns how many were.
+    pub(crate) fn take(&mut self, id: BlockId) -> usize {
+        let v = self.views.get_mut(&id).expect("a cached view");
+        debug_assert!(!v.live);
+        v.live = true;
+        let (n, runs) = (v.n, v.runs.clone());
+        let list = self.cached.get_mut(&n).expect("its size's list");
+        let at = list.iter().rposition(|&c| c == id).expect("listed");
+        list.remove(at);
+        self.cached_runs -= runs.len();
+        let mut rebacked = 0;
+        for (u, k) in runs {
+            let (from, to) = (u as usize, (u + k) as usize);
+            debug_assert_eq!(count(&self.busy, from, to), 0, "a view is taken only while its units are free");
+            rebacked += count(&self.holes, from, to);
+            set(&mut self.holes, from, to, false);
+            set(&mut self.busy, from, to, true);
+        }
+        self.n_holes -= rebacked;
+        self.n_busy += n;
+        rebacked
+    }
+
+    /// Block `id`'s view is let go by its block (freed): its units are free, the view cached.
+    pub(crate) fn release(&mut self, id: BlockId) {
+        self.clock += 1;
+        let clock = self.clock;
+        let v = self.views.get_mut(&id).expect("a view");
+        debug_assert!(v.live);
+        v.live = false;
+        v.freed_at = clock;
+        let (n, runs) = (v.n, v.runs.len());
+        for &(u, k) in &v.runs {
+            set(&mut self.busy, u as usize, (u + k) as usize, false);
+        }
+        self.n_busy -= n;
+        self.cached.entry(n).or_default().push(id);
+        self.cached_runs += runs;
+    }
+
+    /// Maximal runs `(first, count)` of the units `[0, len)` for which `want` holds, in order.
+    fn runs_where(&self, want: impl Fn(usize) -> bool) -> Vec<(usize, usize)> {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for i in (0..self.len).filter(|&i| want(i)) {
+            match runs.last_mut() {
+                Some(r) if r.0 + r.1 == i => r.1 += 1,
+                _ => runs.push((i, 1)),
+            }
+        }
+        runs
+    }
+
+    /// The units a new view of `n` units would show, in runs, and what they cost (units given
+    /// back and taken again, new units): the smallest run of free backed units that holds `n`
+    /// (one `mmap`; best fit keeps the long runs for long views), else the longest runs first
+    /// (the fewest mappings), then units given back, longest runs first, then new units past
+    /// the end.
+    fn pick(&self, n: usize) -> (Vec<(u32, u32)>, usize, usize) {
+        let free = |i: usize| !bit(&self.busy, i);
+        let backed = self.runs_where(|i| free(i) && !bit(&self.holes, i));
+        if let Some(&(start, _)) = backed.iter().filter(|r| r.1 >= n).min_by_key(|r| (r.1, r.0)) {
+            return (vec![(start as u32, n as u32)], 0, 0);
+        }
+        let mut chosen: Vec<(usize, usize)> = Vec::new();
+        let mut left = n;
+        let mut take_longest = |mut runs: Vec<(usize, usize)>, left: &mut usize| {
+            runs.sort_unstable_by_key(|r| (std::cmp::Reverse(r.1), r.0));
+            let mut took = 0;
+            for (start, len) in runs {
+                if *left == 0 {
+                    break;
+                }
+                let k = len.min(*left);
+                chosen.push((start, k));
+                *left -= k;
+                took += k;
+            }
+            took
+        };
+        take_longest(backed, &mut left);
+        let rebacked = take_longest(self.runs_where(|i| free(i) && bit(&self.holes, i)), &mut left);
+        let grown = left;
+        if grown > 0 {
+            chosen.push((self.len, grown));
+        }
+        chosen.sort_unstable();
+        let mut runs: Vec<(u32, u32)> = Vec::new();
+        for (start, k) in chosen {
+            match runs.last_mut() {
+                Some(r) if (r.0 + r.1) as usize == start => r.1 += k as u32,
+                _ => runs.push((start as u32, k as u32)),
+            }
+        }
+        (runs, rebacked, grown)
+    }
+
+    /// What a new view of `n` units would add to the reserved bytes (units given back and
+    /// taken again, and new ones), before making it.
+    pub(crate) fn cost(&self, n: usize) -> usize {
+        let (_, rebacked, grown) = self.pick(n);
+        (rebacked + grown) * self.unit
+    }
+
+    /// Address space for a view of `len` bytes: the first free range that holds it, else past
+    /// the high-water mark.
+    fn va_alloc(&mut self, len: usize) -> Option<usize> {
+        let found = self.va_free.iter().find(|&(_, &l)| l >= len).map(|(&at, &l)| (at, l));
+        if let Some((at, l)) = found {
+            self.va_free.remove(&at);
+            if l > len {
+                self.va_free.insert(at + len, l - len);
+            }
+            return Some(at);
+        }
+        let at = self.va_top;
+        if at + len > self.reserved_len {
+            return None;
+        }
+        self.va_top += len;
+        Some(at)
+    }
+
+    fn va_release(&mut self, mut at: usize, mut len: usize) {
+        if let Some((&p, &pl)) = self.va_free.range(..at).next_back() {
+            if p + pl == at {
+                self.va_free.remove(&p);
+                at = p;
+                len += pl;
+            }
+        }
+        if let Some(&nl) = self.va_free.get(&(at + len)) {
+            self.va_free.remove(&(at + len));
+            len += nl;
+        }
+        if at + len == self.va_top {
+            self.va_top = at;
+        } else {
+            self.va_free.insert(at, len);
+        }
+    }
+
+    /// Makes a new view of `n` units, handed out (its units busy; [`Arena::adopt`] files it):
+    /// units
+    /// chosen by [`Arena::pick`], address space from the free ranges (the oldest cached views
+    /// are let go if it runs out), one `mmap` per run. On failure nothing changed but the
+    /// views let go.
+    pub(crate) fn make(&mut self, seg: &Segment, n: usize) -> Result<Option<(View, Made)>> {
+        let (runs, rebacked, grown) = self.pick(n);
+        if (self.len + grown) * self.unit > self.reserved_len {
+            return Err(Error::Unsupported { what: "the arena's memfd is full".into() });
+        }
+        let bytes = n * self.unit;
+        let Some(va) = self.va_alloc(bytes) else { return Ok(None) };
+        let mut at = va;
+        for &(u, k) in &runs {
+            let len = k as usize * self.unit;
+            if let Err(e) = seg.map_view(at, u as usize * self.unit, len) {
+                // Nothing is handed out over the part mapped so far: give it back.
+                if at > va {
+                    let _ = seg.unmap_view(va, at - va);
+                }
+                self.va_release(va, bytes);
+                return Err(e);
+            }
+            at += len;
+        }
+        let new_len = self.len + grown;
+        let words = new_len.div_ceil(64);
+        self.busy.resize(words, 0);
+        self.holes.resize(words, 0);
+        self.len = new_len;
+        for &(u, k) in &runs {
+            let (from, to) = (u as usize, (u + k) as usize);
+            self.n_holes -= count(&self.holes, from, to);
+            set(&mut self.holes, from, to, false);
+            set(&mut self.busy, from, to, true);
+        }
+        self.n_busy += n;
+        let maps = runs.len();
+        Ok(Some((View { va, n, runs, live: true, freed_at: 0 }, Made { maps, rebacked, grown })))
+    }
+
+    /// Files a view just made ([`Arena::make`]) as block `id`'s.
+    pub(crate) fn adopt(&mut self, id: BlockId, view: View) {
+        debug_assert!(view.live);
+        self.views.insert(id, view);
+    }
+
+    /// Lets go of cached view `id`: its range shows no unit any more (one call) and its address
+    /// space is free for later views.
+    /// Returns its address range, for the pool's tables.
+    pub(crate) fn evict(&mut self, seg: &Segment, id: BlockId) -> (usize, usize) {
+        let v = self.views.remove(&id).expect("a view");
+        debug_assert!(!v.live, "only cached views are let go");
+        let list = self.cached.get_mut(&v.n).expect("its size's list");
+        list.retain(|&c| c != id);
+        if list.is_empty() {
+            self.cached.remove(&v.n);
+        }
+        self.cached_runs -= v.runs.len();
+        let bytes = v.n * self.unit;
+        if seg.unmap_view(v.va, bytes).is_err() {
+            // The range keeps showing units it no longer owns, unreachable (no block lies
+            // there); its address space is not reused.
+            log::warn!("dmabuf-rt: letting go of a stitched view failed; its address space is not reused");
+            return (v.va, bytes);
+        }
+        self.va_release(v.va, bytes);
+        (v.va, bytes)
+    }
+
+    /// The cached views to let go, oldest first, so that at most `keep_runs` runs stay cached
+    /// (at least `at_least` views if there are that many).
+    pub(crate) fn oldest_cached(&self, keep_runs: usize, at_least: usize) -> Vec<BlockId> {
+        if self.cached_runs <= keep_runs && at_least == 0 {
+            return Vec::new();
+        }
+        let mut all: Vec<(u64, BlockId, usize)> =
+            self.views.iter().filter(|(_, v)| !v.live).map(|(&id, v)| (v.freed_at, id, v.runs.len())).collect();
+        all.sort_unstable();
+        let mut runs = self.cached_runs;
+        let mut out = Vec::new();
+        for (_, id, r) in all {
+            if runs <= keep_runs && out.len() >= at_least {
+                break;
+            }
+            runs -= r;
+            out.push(id);
+        }
+        out
+    }
+
+    /// Whether the cached views hold more runs than [`MAX_CACHED_RUNS`].
+    pub(crate) fn over_run_budget(&self) -> bool {
+        self.cached_runs > MAX_CACHED_RUNS
+    }
+
+    /// Every cached view (not handed out), for letting them all go.
+    pub(crate) fn cached_ids(&self) -> Vec<BlockId> {
+        self.views.iter().filter(|(_, v)| !v.live).map(|(&id, _)| id).collect()
+    }
+
+    /// Gives every free backed unit back to the kernel (one `fallocate(PUNCH_HOLE)` per run);
+    /// returns the bytes released and the calls made.
+    pub(crate) fn punch_free(&mut self, seg: &Segment) -> (usize, usize) {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for i in 0..self.len {
+            if !bit(&self.busy, i) && !bit(&self.holes, i) {
+                match runs.last_mut() {
+                    Some(r) if r.0 + r.1 == i => r.1 += 1,
+                    _ => runs.push((i, 1)),
+                }
+            }
+        }
+        let (mut bytes, mut calls) = (0, 0);
+        for (u, k) in runs {
+            if seg.punch(u * self.unit, k * self.unit).is_err() {
+                continue;
+            }
+            calls += 1;
+            set(&mut self.holes, u, u + k, true);
+            self.n_holes += k;
+            bytes += k * self.unit;
+        }
+        (bytes, calls)
+    }
+
+    /// Checks the state against the arena's blocks, `(id, offset, size, live)`: every block has
+    /// its view at its offset, big enough; live views show disjoint busy units and only they
+    /// do; no busy unit is given back; the cached lists hold exactly the other views; the
+    /// counts match the bitmaps.
+    pub(crate) fn check(&self, blocks: &[(BlockId, usize, usize, bool)]) -> std::result::Result<(), String> {
+        if blocks.len() != self.views.len() {
+            return Err(format!("{} blocks for {} views", blocks.len(), self.views.len()));
+        }
+        let mut shown = vec![false; self.len];
+        let mut runs = 0;
+        for &(id, off, size, live) in blocks {
+            let Some(v) = self.views.get(&id) else { return Err(format!("block {id} has no view")) };
+            if v.va != off || v.n != self.units_for(size) || v.live != live {
+                return Err(format!("block {id} ({off}, {size}, live {live}) does not match its view {v:?}"));
+            }
+            if v.runs.iter().map(|r| r.1 as usize).sum::<usize>() != v.n {
+                return Err(format!("view of block {id} shows other than {} units", v.n));
+            }
+            if live {
+                for &(u, k) in &v.runs {
+                    let (from, to) = (u as usize, (u + k) as usize);
+                    let Some(units) = shown.get_mut(from..to) else {
+                        return Err(format!("view of block {id} shows units past the end"));
+                    };
+                    if let Some(i) = units.iter_mut().position(|s| std::mem::replace(s, true)) {
+                        return Err(format!("unit {} is shown by two live views", from + i));
+                    }
+                }
+            } else {
+                runs += v.runs.len();
+                if !self.cached.get(&v.n).is_some_and(|l| l.contains(&id)) {
+                    return Err(format!("cached view of block {id} is not listed"));
+                }
+            }
+            if v.va + v.n * self.unit > self.va_top
+                || self.va_free.range(..v.va + v.n * self.unit).any(|(&a, &l)| a + l > v.va)
+            {
+                return Err(format!("view of block {id} overlaps free address space"));
+            }
+        }
+        for (i, &shown) in shown.iter().enumerate() {
+            if bit(&self.busy, i) != shown {
+                return Err(format!("unit {i}: busy {} but shown by a live view {shown}", bit(&self.busy, i)));
+            }
+            if shown && bit(&self.holes, i) {
+                return Err(format!("unit {i} is in use and given back"));
+            }
+        }
+        if count(&self.busy, 0, self.len) != self.n_busy || count(&self.holes, 0, self.len) != self.n_holes {
+            return Err("the busy or given-back counts do not match the bitmaps".into());
+        }
+        if runs != self.cached_runs
+            || self.cached.values().map(Vec::len).sum::<usize>() != self.views.values().filter(|v| !v.live).count()
+        {
+            return Err("the cached lists do not match the cached views".into());
+        }
+        Ok(())
+    }
+}

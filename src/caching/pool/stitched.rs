@@ -1,0 +1,342 @@
+//! The pool's side of page-stitched arenas (`arena.rs`): which requests go there, finding a
+//! cached view or making one within the allowed memory, and giving views and units back.
+//! Blocks in an arena are never split or merged: a block is one view, and the memory they
+//! share is the arena's units.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use super::super::arena::{Arena, MIN_UNITS};
+use super::super::block::{BlockId, PoolKind, QueueKey};
+use super::super::expandable::{self, Reservation};
+use super::super::snapshot::{BlockSnapshot, BlockState, HistoryKind, SegmentSnapshot};
+use super::super::stats;
+use super::{AllocParams, Pool, SegEntry};
+
+impl Pool {
+    /// Whether a request of `rounded` bytes is served by its queue's arena: page stitching on,
+    /// a source that makes expandable segments, and at least [`MIN_UNITS`] units.
+    #[inline]
+    pub(super) fn uses_arena(&self, rounded: usize) -> bool {
+        self.config.page_stitching
+            && self.uses_expandable()
+            && !self.arena_unsupported
+            && rounded >= MIN_UNITS * self.config.stitch_unit
+    }
+
+    /// Whether block `id` lies in an arena.
+    #[inline]
+    pub(super) fn is_arena(&self, id: BlockId) -> bool {
+        self.segments[self.blocks[id as usize].seg as usize].as_ref().is_some_and(|e| e.arena.is_some())
+    }
+
+    fn arena_mut(&mut self, si: u32) -> (&Arc<crate::segment::Segment>, &mut Arena) {
+        let e = self.segments[si as usize].as_mut().expect("live arena segment");
+        (&e.seg, e.arena.as_mut().expect("an arena"))
+    }
+
+    /// The arena of `queue`, made on first use (`None` where it cannot be: the source makes no
+    /// expandable segments, or no address space; classic pools serve the request then).
+    fn arena_of(&mut self, queue: QueueKey, cause: &mut String) -> Option<u32> {
+        if let Some(&si) = self.arenas.get(&queue) {
+            return Some(si);
+        }
+        if cfg!(miri) {
+            // Miri's stand-in mappings cannot alias one file range at two addresses.
+            self.arena_unsupported = true;
+            return None;
+        }
+        let unit = self.config.stitch_unit;
+        let made = match expandable::reserve(&*self.source, self.allowed, unit) {
+            Reservation::Made(seg, _) => Arena::new(&seg, unit).map(|a| (seg, a)),
+            Reservation::Unsupported => {
+                self.arena_unsupported = true;
+                return None;
+            }
+            Reservation::Failed(e) => Err(e),
+        };
+        match made {
+            Ok((seg, arena)) => {
+                let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
+                let entry = SegEntry {
+                    seg: Arc::new(seg),
+                    base,
+                    size: 0,
+                    pool: PoolKind::Large,
+                    queue,
+                    exp: None,
+                    arena: Some(arena),
+                };
+                let si = self.add_segment(entry);
+                self.arenas.insert(queue, si);
+                Some(si)
+            }
+            Err(e) => {
+                *cause = format!("; {} cannot reserve address space for a stitched arena: {e}", self.source.name());
+                self.note_source_error(e);
+                self.arena_unsupported = true;
+                None
+            }
+        }
+    }
+
+    /// A cached view for the request whose units are all free (and whose units given back fit
+    /// in the allowed memory when taken again), after merging the quick cache's frees if that
+    /// is what it takes.
+    pub(super) fn arena_cached(&mut self, p: &mut AllocParams) -> bool {
+        let Some(&si) = self.arenas.get(&p.queue) else { return false };
+        let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
+        let room = self.allowed.saturating_sub(reserved) as usize;
+        let find = |pool: &Self| {
+            let a = pool.segments[si as usize].as_ref().and_then(|e| e.arena.as_ref())?;
+            let n = a.units_for(p.rounded);
+            a.find_cached(n, room / a.unit()).map(|(id, _)| id)
+        };
+        p.block = find(self);
+        if p.block.is_none() && self.quick.len() > 0 {
+            self.flush_quick();
+            p.block = find(self);
+        }
+        p.block.is_some()
+    }
+
+    /// A new view for the request: units free or new, within the allowed memory (counting the
+    /// units given back that it takes again and those it adds). On failure,
+    /// `p.arena_over_allowed` tells a lack of allowed memory from an arena that cannot hold the
+    /// request (no arena, its memfd or address space full, a failed mapping).
+    pub(super) fn arena_new(&mut self, p: &mut AllocParams) -> bool {
+        p.arena_over_allowed = false;
+        let Some(si) = self.arena_of(p.queue, &mut p.cause) else { return false };
+        self.flush_quick();
+        let n = {
+            let (_, a) = self.arena_mut(si);
+            a.units_for(p.rounded)
+        };
+        let cost = {
+            let (_, a) = self.arena_mut(si);
+            a.cost(n) as u64
+        };
+        let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
+        if reserved + cost > self.allowed {
+            p.cause = format!(
+                "; the stitched arena needs {cost} more bytes, and the allowed memory ({} bytes) would be exceeded",
+                self.allowed
+            );
+            p.arena_over_allowed = true;
+            return false;
+        }
+        let seg = Arc::clone(&self.segments[si as usize].as_ref().expect("live arena").seg);
+        let made = loop {
+            match self.arena_mut(si).1.make(&seg, n) {
+                Ok(None) => {
+                    // No address space left: the oldest cached view goes, and again.
+                    let Some(&v) = self.arena_mut(si).1.oldest_cached(0, 1).first() else {
+                        p.cause = "; the stitched arena's address space is full of views in use".into();
+                        return false;
+                    };
+                    self.arena_evict(si, &seg, v);
+                }
+                other => break other,
+            }
+        };
+        let (view, made) = match made {
+            Ok(m) => m.expect("handled above"),
+            Err(e) => {
+                p.cause = format!("; mapping a stitched view failed: {e}");
+                self.note_source_error(e);
+                return false;
+            }
+        };
+        let va = view.va;
+        let id = self.new_block(si, (va, p.rounded), p.queue, PoolKind::Large, None, None);
+        self.arena_mut(si).1.adopt(id, view);
+        let base = self.segments[si as usize].as_ref().map_or(0, |e| e.base);
+        self.blocks[id as usize].allocated = true;
+        self.stats.device.num_remaps += made.maps as i64;
+        if made.grown > 0 {
+            // New memory: a call to the source in effect (the memfd's pages are taken when
+            // touched), counted as PyTorch counts a segment mapped.
+            self.stats.device.num_device_alloc += 1;
+        }
+        let added = (made.grown + made.rebacked) * self.config.stitch_unit;
+        if added > 0 {
+            stats::inc_array(&mut self.stats.device.reserved_bytes, PoolKind::Large, added as i64);
+            self.log(HistoryKind::SegmentMap, base + va, added, p.queue);
+        }
+        // Handed out as it is: `take_from_pool` sees it allocated and leaves it alone.
+        p.block = Some(id);
+        true
+    }
+
+    /// Takes cached view `id` for a `rounded`-byte request: its units become busy, those given
+    /// back count as reserved again.
+    pub(super) fn arena_take(&mut self, id: BlockId, rounded: usize) {
+        let b = &mut self.blocks[id as usize];
+        if b.allocated {
+            // A view just made ([`Pool::arena_new`]).
+            b.allocated = false;
+            return;
+        }
+        b.size = rounded;
+        let si = b.seg;
+        let (_, a) = self.arena_mut(si);
+        let rebacked = a.take(id) * a.unit();
+        if rebacked > 0 {
+            stats::inc_array(&mut self.stats.device.reserved_bytes, PoolKind::Large, rebacked as i64);
+            let addr = self.addr(id);
+            let queue = self.blocks[id as usize].queue;
+            self.log(HistoryKind::SegmentMap, addr, rebacked, queue);
+        }
+    }
+
+    /// Block `id` of an arena is free: its units go back to the free set and its view is
+    /// cached; the oldest views are let go if the cached ones hold too many mappings.
+    pub(super) fn arena_release(&mut self, id: BlockId) {
+        let si = self.blocks[id as usize].seg;
+        let (seg, a) = self.arena_mut(si);
+        a.release(id);
+        if a.over_run_budget() {
+            let seg = Arc::clone(seg);
+            let ids = a.oldest_cached(super::super::arena::MAX_CACHED_RUNS * 3 / 4, 0);
+            for v in ids {
+                self.arena_evict(si, &seg, v);
+            }
+        }
+    }
+
+    /// Lets go of cached view `v` of arena `si` (its block id goes too).
+    fn arena_evict(&mut self, si: u32, seg: &crate::segment::Segment, v: BlockId) {
+        let base = self.segments[si as usize].as_ref().map_or(0, |e| e.base);
+        let (_, a) = self.arena_mut(si);
+        let (va, _) = a.evict(seg, v);
+        self.stats.device.num_remaps += 1;
+        self.raw.addrs.remove(base + va);
+        self.free_ids.push(v);
+    }
+
+    /// Gives back what the arena of `queue` (or every arena) holds unused: its cached views,
+    /// and, while its queue has no work in flight, the pages of its free units; an arena with
+    /// no block in use goes back whole. Returns the bytes released.
+    pub(super) fn arena_release_cached(&mut self, queue: Option<QueueKey>) -> usize {
+        let arenas: Vec<(QueueKey, u32)> =
+            self.arenas.iter().filter(|(q, _)| queue.is_none_or(|s| **q == s)).map(|(&q, &s)| (q, s)).collect();
+        let mut freed = 0;
+        for (q, si) in arenas {
+            let seg = Arc::clone(&self.segments[si as usize].as_ref().expect("live arena").seg);
+            let ids = self.arena_mut(si).1.cached_ids();
+            for v in ids {
+                self.arena_evict(si, &seg, v);
+            }
+            if self.release_arena_if_free(si) {
+                continue;
+            }
+            if self.queue_busy(q) {
+                continue;
+            }
+            let (bytes, calls) = self.arena_mut(si).1.punch_free(&seg);
+            if bytes > 0 {
+                self.stats.device.num_device_free += calls as i64;
+                stats::dec_array(&mut self.stats.device.reserved_bytes, PoolKind::Large, bytes as i64);
+                let base = self.segments[si as usize].as_ref().map_or(0, |e| e.base);
+                self.log(HistoryKind::SegmentUnmap, base, bytes, q);
+                freed += bytes;
+            }
+        }
+        freed
+    }
+
+    /// Returns arena `si` to the source if no block of it is handed out or quick-cached (its
+    /// cached views go with it). Returns whether it went.
+    pub(super) fn release_arena_if_free(&mut self, si: u32) -> bool {
+        let Some(e) = self.segments[si as usize].as_ref() else { return true };
+        let a = e.arena.as_ref().expect("an arena");
+        if a.has_live() {
+            return false;
+        }
+        let seg = Arc::clone(&e.seg);
+        for v in a.cached_ids() {
+            self.arena_evict(si, &seg, v);
+        }
+        let e = self.segments[si as usize].take().expect("checked live above");
+        let backed = e.arena.as_ref().expect("an arena").backed_bytes();
+        self.stats.device.num_device_free += 1;
+        stats::dec_array(&mut self.stats.device.segment, e.pool, 1);
+        stats::dec_array(&mut self.stats.device.reserved_bytes, e.pool, backed as i64);
+        self.arenas.remove(&e.queue);
+        if backed > 0 {
+            self.log(HistoryKind::SegmentUnmap, e.base, backed, e.queue);
+        }
+        self.free_segs.push(si);
+        drop(e); // unmaps the reservation and closes the memfd once no queue operation holds it
+        true
+    }
+
+    /// An arena as snapshot segments: one per view handed out or quick-cached (its block, and
+    /// the rest of its last unit free), and its other backed units as one free segment at the
+    /// end of its reservation (so that the segments' sizes add up to the reserved bytes).
+    pub(super) fn arena_snapshot(
+        &self,
+        base: usize,
+        queue: QueueKey,
+        a: &Arena,
+        free: &HashSet<BlockId>,
+    ) -> Vec<SegmentSnapshot> {
+        let seg = |address: usize, size: usize, blocks: Vec<BlockSnapshot>| SegmentSnapshot {
+            address,
+            size,
+            pool: PoolKind::Large.name(),
+            stream: queue.get(),
+            is_expandable: true,
+            blocks,
+        };
+        let mut out = Vec::new();
+        for (id, v) in a.views().filter(|(_, v)| v.is_live()) {
+            let b = &self.blocks[id as usize];
+            let state = if free.contains(&id) {
+                BlockState::Free
+            } else if b.requested == 0 {
+                BlockState::PendingFree
+            } else {
+                BlockState::Allocated
+            };
+            let len = v.n * a.unit();
+            let mut blocks = vec![BlockSnapshot { offset: 0, size: b.size, requested: b.requested, state }];
+            if len > b.size {
+                blocks.push(BlockSnapshot {
+                    offset: b.size,
+                    size: len - b.size,
+                    requested: 0,
+                    state: BlockState::Free,
+                });
+            }
+            out.push(seg(base + v.va, len, blocks));
+        }
+        let rest = a.free_backed_bytes();
+        if rest > 0 {
+            let free_block = BlockSnapshot { offset: 0, size: rest, requested: 0, state: BlockState::Free };
+            out.push(seg(base + a.reserved_len() - rest, rest, vec![free_block]));
+        }
+        out
+    }
+
+    /// Where block `id` starts in its segment's fd: its offset, or for a block of an arena the
+    /// memfd offset of its view's one run of units (an error if it shows several).
+    pub(crate) fn fd_offset(&self, id: BlockId) -> crate::error::Result<usize> {
+        let b = &self.blocks[id as usize];
+        let Some(a) = self.segments[b.seg as usize].as_ref().and_then(|e| e.arena.as_ref()) else {
+            return Ok(b.offset);
+        };
+        let v = a.view(id).expect("an arena block has a view");
+        match v.runs() {
+            [(first, _)] => Ok(*first as usize * a.unit()),
+            runs => Err(crate::error::Error::Unsupported {
+                what: format!(
+                    "the block lies in a page-stitched arena and shows {} separate runs of its memfd, so no one fd \
+                     range names it; share blocks as fds with page stitching off (DMABUF_RT_ALLOC_CONF=\
+                     page_stitching:False)",
+                    runs.len()
+                ),
+            }),
+        }
+    }
+}
