@@ -65,6 +65,9 @@ impl View {
     }
 }
 
+/// The units a new view will show (runs) and how many of them are given back or new.
+pub(crate) type Plan = (Vec<(u32, u32)>, usize, usize);
+
 /// What making a view cost: the calls and the memory it added.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Made {
@@ -255,13 +258,22 @@ impl Arena {
         self.cached_runs += runs;
     }
 
-    /// Maximal runs `(first, count)` of the units `[0, len)` for which `want` holds, in order.
-    fn runs_where(&self, want: impl Fn(usize) -> bool) -> Vec<(usize, usize)> {
+    /// Maximal runs `(first, count)` of the units `[0, len)` whose bit is set in
+    /// `word(i)` (the `i`th word of a mask over the bitmaps), in order; a word at a time.
+    fn runs_where(&self, word: impl Fn(usize) -> u64) -> Vec<(usize, usize)> {
         let mut runs: Vec<(usize, usize)> = Vec::new();
-        for i in (0..self.len).filter(|&i| want(i)) {
-            match runs.last_mut() {
-                Some(r) if r.0 + r.1 == i => r.1 += 1,
-                _ => runs.push((i, 1)),
+        for w in 0..self.len.div_ceil(64) {
+            let valid = if (w + 1) * 64 <= self.len { !0 } else { (1u64 << (self.len % 64)) - 1 };
+            let mut bits = word(w) & valid;
+            while bits != 0 {
+                let start = bits.trailing_zeros() as usize;
+                let len = (!(bits >> start)).trailing_zeros() as usize;
+                let at = w * 64 + start;
+                match runs.last_mut() {
+                    Some(r) if r.0 + r.1 == at => r.1 += len,
+                    _ => runs.push((at, len)),
+                }
+                bits = if start + len >= 64 { 0 } else { bits & !(((1u64 << len) - 1) << start) };
             }
         }
         runs
@@ -273,8 +285,7 @@ impl Arena {
     /// (the fewest mappings), then units given back, longest runs first, then new units past
     /// the end.
     fn pick(&self, n: usize) -> (Vec<(u32, u32)>, usize, usize) {
-        let free = |i: usize| !bit(&self.busy, i);
-        let backed = self.runs_where(|i| free(i) && !bit(&self.holes, i));
+        let backed = self.runs_where(|w| !self.busy[w] & !self.holes[w]);
         if let Some(&(start, _)) = backed.iter().filter(|r| r.1 >= n).min_by_key(|r| (r.1, r.0)) {
             return (vec![(start as u32, n as u32)], 0, 0);
         }
@@ -295,7 +306,7 @@ impl Arena {
             took
         };
         take_longest(backed, &mut left);
-        let rebacked = take_longest(self.runs_where(|i| free(i) && bit(&self.holes, i)), &mut left);
+        let rebacked = take_longest(self.runs_where(|w| !self.busy[w] & self.holes[w]), &mut left);
         let grown = left;
         if grown > 0 {
             chosen.push((self.len, grown));
@@ -311,11 +322,11 @@ impl Arena {
         (runs, rebacked, grown)
     }
 
-    /// What a new view of `n` units would add to the reserved bytes (units given back and
-    /// taken again, and new ones), before making it.
-    pub(crate) fn cost(&self, n: usize) -> usize {
-        let (_, rebacked, grown) = self.pick(n);
-        (rebacked + grown) * self.unit
+    /// The units a new view of `n` units would show, for [`Arena::make`], and what it would
+    /// add to the reserved bytes (units given back and taken again, and new ones).
+    pub(crate) fn plan(&self, n: usize) -> (Plan, usize) {
+        let (runs, rebacked, grown) = self.pick(n);
+        ((runs, rebacked, grown), (rebacked + grown) * self.unit)
     }
 
     /// Address space for a view of `len` bytes: the first free range that holds it, else past
@@ -361,8 +372,9 @@ impl Arena {
     /// chosen by [`Arena::pick`], address space from the free ranges (the oldest cached views
     /// are let go if it runs out), one `mmap` per run. On failure nothing changed but the
     /// views let go.
-    pub(crate) fn make(&mut self, seg: &Segment, n: usize) -> Result<Option<(View, Made)>> {
-        let (runs, rebacked, grown) = self.pick(n);
+    pub(crate) fn make(&mut self, seg: &Segment, plan: Plan) -> Result<Option<(View, Made)>> {
+        let (runs, rebacked, grown) = plan;
+        let n = runs.iter().map(|r| r.1 as usize).sum::<usize>();
         if (self.len + grown) * self.unit > self.reserved_len {
             return Err(Error::Unsupported { what: "the arena's memfd is full".into() });
         }

@@ -112,10 +112,8 @@ impl Pool {
             let (_, a) = self.arena_mut(si);
             a.units_for(p.rounded)
         };
-        let cost = {
-            let (_, a) = self.arena_mut(si);
-            a.cost(n) as u64
-        };
+        let (plan, cost) = self.arena_mut(si).1.plan(n);
+        let cost = cost as u64;
         let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
         if reserved + cost > self.allowed {
             p.cause = format!(
@@ -127,7 +125,7 @@ impl Pool {
         }
         let seg = Arc::clone(&self.segments[si as usize].as_ref().expect("live arena").seg);
         let made = loop {
-            match self.arena_mut(si).1.make(&seg, n) {
+            match self.arena_mut(si).1.make(&seg, plan.clone()) {
                 Ok(None) => {
                     // No address space left: the oldest cached view goes, and again.
                     let Some(&v) = self.arena_mut(si).1.oldest_cached(0, 1).first() else {
