@@ -10,12 +10,16 @@
 //! for (exactly `DMABUF_RT_INVALID_POINTER`), bad devices and kinds. Callbacks either record
 //! that they ran or also call the API (their own stream's synchronize must be refused with
 //! `DMABUF_RT_WOULD_DEADLOCK`; their device's must work, unless another callback synchronized a
-//! device at the same time and each could be waiting for the other's stream), and an event
-//! recorded on no stream must be complete at once. Bytes are written with memcpy (host to
-//! device, device to device, on streams or not) and memset, and read back with device-to-host
-//! copies. Pointers nobody
-//! owns any more are used only under the registry lock (`LIVE`), which allocations and frees
-//! also take, so no other thread can be handed the same address meanwhile.
+//! device at the same time and each could be waiting for the other's stream, or a stream it
+//! waits for was given a wait on an event recorded behind it), and an event recorded on no
+//! stream must be complete at once. Such a stream wait closes a real cycle too: if it is the
+//! one refused, its stream fails (its later work is skipped; synchronizing it, or its device,
+//! reports `DMABUF_RT_FAILED` from then on), which the model allows only where a wait could
+//! close a cycle or waits for an event recorded after one (`Suspect`, `FailSource`). Bytes are
+//! written with memcpy (host to device, device to device, on streams or not) and memset, and
+//! read back with device-to-host copies. Pointers nobody owns any more are used only under the
+//! registry lock (`LIVE`), which allocations and frees also take, so no other thread can be
+//! handed the same address meanwhile.
 //!
 //! After the threads: every device synchronized and its cache emptied, and the pinned-host
 //! cache emptied (`dmabuf_rt_host_empty_cache`), the stats must be back at the run's start
@@ -23,9 +27,9 @@
 //! count.
 #![no_main]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{c_char, c_int, c_void};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Once};
 
 use dmabuf_rt::ffi::capi::dmabuf_rt_status as S;
@@ -127,34 +131,188 @@ struct CallbackRecord {
     /// The devices (a bit each) that other callbacks synchronized while its device_synchronize
     /// ran (see `callback_device_sync`).
     dev_sync_met: AtomicU64,
+    /// When its device_synchronize ran (`clock` before and after), for `may_fail`.
+    dev_sync_since: AtomicU64,
+    dev_sync_until: AtomicU64,
+    /// The devices (a bit each) of streams given a wait on an event recorded behind this
+    /// callback while it could still be running (see `Thread::before_wait`).
+    waited_by: AtomicU64,
 }
 
 /// The callbacks in a `dmabuf_rt_device_synchronize` now, of every thread: a token, the device
 /// it synchronizes, and the devices (a bit each) other callbacks synchronized meanwhile.
 static DEVICE_SYNCS: Mutex<Vec<(u64, usize, u64)>> = Mutex::new(Vec::new());
 
-/// Whether a stream has been given a copy touching another device's memory in this run: then
-/// synchronizing that device waits for the stream too (the copy is tracked as foreign work), so
-/// callbacks synchronizing different devices can wait for each other.
-static CROSS_DEVICE: AtomicBool = AtomicBool::new(false);
+/// Which devices' blocked work can wait for which other device's streams, in this run: bit
+/// `a * DEVICES + b` once something on device `a` may wait for a stream of device `b`: a copy
+/// on a stream of `b` touching `a`'s memory (synchronizing `a` waits for it: foreign work), a
+/// stream of `a` waiting for an event that may be held up behind a callback (recorded on a
+/// stream of `b`), a callback on a stream of `a` synchronizing `b`. A cycle of waits that
+/// crosses from one device to another crosses back, so it needs links both ways. Set before
+/// the call that makes the link, so a check that sees a cycle sees its links.
+static LINKS: AtomicU64 = AtomicU64::new(0);
+
+fn link(a: usize, b: usize) {
+    if a != b {
+        LINKS.fetch_or(1 << (a * DEVICES + b), Ordering::SeqCst);
+    }
+}
+
+/// Whether work blocked on device `a` can wait, through links, for a stream of device `b`.
+fn reach(a: usize, b: usize) -> bool {
+    let links = LINKS.load(Ordering::SeqCst);
+    let mut seen = 1u64 << a;
+    loop {
+        let mut next = seen;
+        for x in (0..DEVICES).filter(|x| seen >> x & 1 == 1) {
+            for y in (0..DEVICES).filter(|y| links >> (x * DEVICES + y) & 1 == 1) {
+                next |= 1 << y;
+            }
+        }
+        if next == seen {
+            return seen >> b & 1 == 1;
+        }
+        seen = next;
+    }
+}
+
+/// When a stream wait can be refused as closing a real cycle, or fail because the event it
+/// waits for failed: the wait fails its stream (as a failed operation does), and from then on
+/// synchronizing the stream, and its device, reports `DMABUF_RT_FAILED`.
+#[derive(Clone, Default, Debug)]
+struct Cond {
+    /// It fails whatever else happens (its event was recorded on a stream known to have failed).
+    always: bool,
+    /// (devices, waiter): the wait's event may be held up behind callbacks synchronizing
+    /// `devices` (a bit each) and the waiting stream is on device `waiter`. The wait closes a
+    /// cycle (callback, its device's streams, ..., the waiter, the event) only if one of those
+    /// devices can reach the waiter's; links made later count (they may come before the
+    /// refusal), so this is evaluated when a failure is seen, not when the wait is made.
+    refuse: Vec<(u64, usize)>,
+}
+
+impl Cond {
+    fn always() -> Self {
+        Cond { always: true, refuse: Vec::new() }
+    }
+
+    fn is_empty(&self) -> bool {
+        !self.always && self.refuse.is_empty()
+    }
+
+    fn extend(&mut self, other: &Cond) {
+        self.always |= other.always;
+        self.refuse.extend_from_slice(&other.refuse);
+    }
+
+    fn holds(&self) -> bool {
+        self.always
+            || self.refuse.iter().any(|&(mask, b)| (0..DEVICES).any(|a| mask >> a & 1 == 1 && (a == b || reach(a, b))))
+    }
+}
+
+/// Where a `DMABUF_RT_FAILED` may come from, for every thread: a stream that may have failed
+/// (from before its wait is made until it is known healthy or destroyed), or work it queued
+/// into another device's memory after that wait (foreign work that may fail: until it is known
+/// healthy, else to the end of the run, as a device keeps failed foreign work until a
+/// synchronize reports it).
+struct FailSource {
+    id: u64,
+    dev: usize,
+    foreign: bool,
+    cond: Cond,
+    born: u64,
+    died: Option<u64>,
+}
+
+static FAILS: Mutex<Vec<FailSource>> = Mutex::new(Vec::new());
+static CLOCK: AtomicU64 = AtomicU64::new(1);
+
+fn fails() -> MutexGuard<'static, Vec<FailSource>> {
+    FAILS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A point in the run's order of calls and failure sources.
+fn clock() -> u64 {
+    CLOCK.fetch_add(1, Ordering::SeqCst)
+}
+
+fn fail_source(dev: usize, foreign: bool, cond: Cond) -> u64 {
+    let id = clock();
+    fails().push(FailSource { id, dev, foreign, cond, born: id, died: None });
+    id
+}
+
+fn fail_source_cond(id: u64, cond: &Cond) {
+    if let Some(f) = fails().iter_mut().find(|f| f.id == id) {
+        f.cond = cond.clone();
+    }
+}
+
+fn fail_source_gone(id: u64) {
+    let t = clock();
+    if let Some(f) = fails().iter_mut().find(|f| f.id == id && f.died.is_none()) {
+        f.died = Some(t);
+    }
+}
+
+/// Whether a call on device `dev` made between `since` and `until` (`clock`) may report
+/// `DMABUF_RT_FAILED`: a failure source of the device was there meanwhile, and its wait can
+/// fail.
+fn may_fail(dev: usize, since: u64, until: u64) -> bool {
+    fails().iter().any(|f| f.dev == dev && f.born < until && f.died.is_none_or(|d| d > since) && f.cond.holds())
+}
+
+/// Whether device `dev` may still hold failed foreign work (the end of the run).
+fn foreign_may_fail(dev: usize) -> bool {
+    fails().iter().any(|f| f.dev == dev && f.foreign && f.cond.holds())
+}
 
 fn device_syncs() -> MutexGuard<'static, Vec<(u64, usize, u64)>> {
     DEVICE_SYNCS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// `dmabuf_rt_device_synchronize(dev)` from a callback, and the devices that other callbacks
-/// synchronized while it ran (a bit each).
+/// What a callback's `dmabuf_rt_device_synchronize` returned, the device it synchronized, the
+/// devices (a bit each) that other callbacks synchronized while it ran, and when it ran.
+#[derive(Clone, Copy)]
+struct DeviceSync {
+    status: u64,
+    dev: usize,
+    met: u64,
+    since: u64,
+    until: u64,
+}
+
+impl DeviceSync {
+    /// Whether its status is one the library may give. OK always; WOULD_DEADLOCK if it met
+    /// another callback synchronizing a device it can wait for and that can wait for it
+    /// (`meet`), or if a stream of a device it can wait for was given a wait on an event
+    /// behind this callback (`waited_by`); FAILED if a stream it waited for may have failed.
+    fn allowed(&self, waited_by: u64) -> bool {
+        let d = self.dev;
+        let crossed = (0..DEVICES).any(|m| self.met >> m & 1 == 1 && (m == d || (reach(d, m) && reach(m, d))));
+        let waited = (0..DEVICES).any(|b| waited_by >> b & 1 == 1 && (b == d || reach(d, b)));
+        match self.status {
+            s if s == S::DMABUF_RT_OK as u64 => true,
+            s if s == S::DMABUF_RT_WOULD_DEADLOCK as u64 => crossed || waited,
+            s if s == S::DMABUF_RT_FAILED as u64 => may_fail(d, self.since, self.until),
+            _ => false,
+        }
+    }
+}
+
+/// `dmabuf_rt_device_synchronize(dev)` from a callback on a stream of `stream_dev`.
 ///
 /// Two callbacks on two streams of a device that synchronize the device at the same time wait
 /// for each other: each waits for the other stream to pass a point queued behind the other
 /// callback, which is itself blocked. The cycle is real: one of the waits must be refused
 /// (`DMABUF_RT_WOULD_DEADLOCK`), and timing decides which. The callbacks need not come from
 /// one thread, nor be the crossed pair (`cross_callbacks`): a reentrant callback still running
-/// when another callback of its device synchronizes it meets the same cycle. With copies
-/// between devices on streams (`CROSS_DEVICE`), callbacks synchronizing two different devices
-/// can close it too. Every callback on such a cycle is inside its call when one is refused, so
-/// a refusal met by no concurrent call is a false cycle.
-fn callback_device_sync(dev: c_int) -> (S, u64) {
+/// when another callback of its device synchronizes it meets the same cycle. With links
+/// between devices (`LINKS`), callbacks synchronizing two different devices can close it too.
+/// Every callback on such a cycle is inside its call when one is refused, so a refusal met by
+/// no concurrent call, and behind which no stream was given a wait, is a false cycle.
+fn callback_device_sync(dev: c_int, stream_dev: usize) -> DeviceSync {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let mut real = dev;
     if dev == DMABUF_RT_CURRENT_DEVICE {
@@ -164,6 +322,7 @@ fn callback_device_sync(dev: c_int) -> (S, u64) {
         assert_eq!(s, S::DMABUF_RT_OK);
     }
     let real = real as usize;
+    link(stream_dev, real);
     let token = NEXT.fetch_add(1, Ordering::Relaxed);
     {
         let mut syncs = device_syncs();
@@ -174,10 +333,12 @@ fn callback_device_sync(dev: c_int) -> (S, u64) {
         }
         syncs.push((token, real, met));
     }
-    let s = dmabuf_rt_device_synchronize(dev);
+    let since = clock();
+    let status = dmabuf_rt_device_synchronize(dev);
+    let until = clock();
     let mut syncs = device_syncs();
     let i = syncs.iter().position(|&(t, ..)| t == token).expect("registered above");
-    (s, syncs.swap_remove(i).2)
+    DeviceSync { status: status as u64, dev: real, met: syncs.swap_remove(i).2, since, until }
 }
 
 unsafe extern "C" fn on_callback(stream: u64, status: S, user: *mut c_void) {
@@ -195,18 +356,22 @@ unsafe extern "C" fn on_callback_reentrant(stream: u64, status: S, user: *mut c_
     // SAFETY: as in `on_callback`.
     let rec = unsafe { &*(user as *const CallbackRecord) };
     rec.own_sync.store(dmabuf_rt_stream_synchronize(stream) as u64, Ordering::Relaxed);
-    let (s, met) = callback_device_sync(rec.dev);
-    rec.dev_sync.store(s as u64, Ordering::Relaxed);
-    rec.dev_sync_met.store(met, Ordering::Relaxed);
+    let seen = callback_device_sync(rec.dev, rec.dev as usize);
+    rec.dev_sync.store(seen.status, Ordering::Relaxed);
+    rec.dev_sync_met.store(seen.met, Ordering::Relaxed);
+    rec.dev_sync_since.store(seen.since, Ordering::Relaxed);
+    rec.dev_sync_until.store(seen.until, Ordering::Relaxed);
     // SAFETY: the record is still kept, as above.
     unsafe { on_callback(stream, status, user) };
 }
 
-/// Two callbacks that wait for each other (up to 10 s), then synchronize their device.
+/// Two callbacks on streams of `stream_dev` that wait for each other (up to 10 s), then
+/// synchronize `dev`.
 struct Meeting {
     dev: c_int,
+    stream_dev: usize,
     arrived: AtomicU64,
-    status: [AtomicU64; 2],
+    seen: Mutex<[Option<DeviceSync>; 2]>,
 }
 
 fn meet(i: usize, user: *mut c_void) {
@@ -217,7 +382,8 @@ fn meet(i: usize, user: *mut c_void) {
     while m.arrived.load(Ordering::Acquire) < 2 && start.elapsed() < std::time::Duration::from_secs(10) {
         std::thread::yield_now();
     }
-    m.status[i].store(callback_device_sync(m.dev).0 as u64, Ordering::Release);
+    let seen = callback_device_sync(m.dev, m.stream_dev);
+    m.seen.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(seen);
 }
 
 unsafe extern "C" fn on_meet_0(_stream: u64, _status: S, user: *mut c_void) {
@@ -235,15 +401,74 @@ struct Block {
     addr: usize,
     size: usize,
     bytes: Vec<u8>,
+    /// Per byte (empty: all 0): 0 if `bytes` holds it; else it was last written by work that
+    /// may not have run, queued on a stream that may have failed (`Suspect::token`): the byte
+    /// is known again once that stream is known healthy, or `UNKNOWN` for good.
+    tags: Vec<u32>,
     /// The stream that may still have work on it.
     stream: Option<usize>,
+}
+
+/// A tag for bytes nobody can know (until written again).
+const UNKNOWN: u32 = u32::MAX;
+
+impl Block {
+    /// The tags of `off..off + len`, or None if all are 0.
+    fn tags(&self, off: usize, len: usize) -> Option<Vec<u32>> {
+        let t = self.tags.get(off..off + len)?;
+        t.iter().any(|&x| x != 0).then(|| t.to_vec())
+    }
+
+    fn set_tags(&mut self, off: usize, len: usize, tags: Option<&[u32]>) {
+        match tags {
+            None if self.tags.is_empty() => {}
+            None => self.tags[off..off + len].fill(0),
+            Some(t) => {
+                if self.tags.is_empty() {
+                    self.tags = vec![0; self.size];
+                }
+                self.tags[off..off + len].copy_from_slice(t);
+            }
+        }
+    }
+
+    fn fill_tags(&mut self, off: usize, len: usize, tag: u32) {
+        if tag == 0 { self.set_tags(off, len, None) } else { self.set_tags(off, len, Some(&vec![tag; len])) }
+    }
+}
+
+/// The first index where `got` and `want` differ among the bytes the model knows: tag 0, or
+/// the token of a stream since known healthy.
+fn known_diff(got: &[u8], want: &[u8], tags: Option<&[u32]>, healthy: &BTreeSet<u32>) -> Option<usize> {
+    let Some(tags) = tags else { return first_diff(got, want) };
+    if got.len() != want.len() {
+        return first_diff(got, want);
+    }
+    (0..got.len()).find(|&k| got[k] != want[k] && (tags[k] == 0 || healthy.contains(&tags[k])))
 }
 
 /// A queued device-to-host copy: its host buffer and the bytes it must hold once it ran.
 struct Read {
     buf: Box<[u8]>,
     want: Vec<u8>,
+    /// The tags of the bytes read, when it was queued.
+    tags: Option<Vec<u32>>,
+    /// Queued after a wait that may have failed its stream.
+    suspect: bool,
     what: String,
+}
+
+/// A stream that may have failed: a wait queued on it may be refused as closing a cycle, or
+/// wait for an event that may fail.
+struct Suspect {
+    cond: Cond,
+    /// Tags the bytes its work wrote since.
+    token: u32,
+    /// Its failure source (see `FailSource`), and those of foreign work it was given since.
+    source: u64,
+    foreign: Vec<u64>,
+    /// Known to have failed (a synchronize said so): its work since the wait was skipped.
+    failed: bool,
 }
 
 struct Stream {
@@ -251,8 +476,27 @@ struct Stream {
     dev: usize,
     live: bool,
     reads: Vec<Read>,
-    /// Callbacks added, and whether each is the reentrant one.
-    callbacks: Vec<(Arc<CallbackRecord>, bool)>,
+    /// Callbacks added, whether each is the reentrant one, and whether it was added after a
+    /// wait that may have failed the stream (Some(true): the stream was known to have failed).
+    callbacks: Vec<(Arc<CallbackRecord>, bool, Option<bool>)>,
+    /// Reentrant callbacks of other streams that its queued waits may be held up behind.
+    behind: Vec<Arc<CallbackRecord>>,
+    suspect: Option<Suspect>,
+}
+
+/// An event's latest record on a stream.
+struct EventRecord {
+    stream: usize,
+    /// The reentrant callbacks it is queued behind (on its stream, or behind a wait there).
+    behind: Vec<Arc<CallbackRecord>>,
+    /// Whether it may fail: it was recorded after a wait that may have failed its stream.
+    fail: Option<Cond>,
+}
+
+struct Event {
+    h: u64,
+    live: bool,
+    record: Option<EventRecord>,
 }
 
 struct Thread {
@@ -261,14 +505,20 @@ struct Thread {
     current: usize,
     blocks: Vec<Block>,
     streams: Vec<Stream>,
-    /// Events, and whether each is live.
-    events: Vec<(u64, bool)>,
+    events: Vec<Event>,
     hosts: Vec<usize>,
     freed_hosts: Vec<usize>,
     freed: Vec<(usize, usize)>,
     allocs: u64,
     frees: u64,
     seed: u64,
+    /// The last `Suspect::token` handed out, and those of streams since known healthy.
+    tokens: u32,
+    healthy: BTreeSet<u32>,
+}
+
+fn pending(cbs: &[Arc<CallbackRecord>]) -> impl Iterator<Item = &Arc<CallbackRecord>> {
+    cbs.iter().filter(|c| c.calls.load(Ordering::Acquire) == 0)
 }
 
 impl Thread {
@@ -287,42 +537,112 @@ impl Thread {
     /// Waits for a stream (through the API), then checks what it read and its callbacks.
     fn sync_stream(&mut self, i: usize) {
         let s = dmabuf_rt_stream_synchronize(self.streams[i].h);
-        self.expect("stream-sync", s, S::DMABUF_RT_OK, "stream_synchronize");
-        self.stream_done(i, false);
+        let failed = self.stream_status("stream-sync", i, s, "stream_synchronize");
+        self.stream_done(i, false, failed);
+    }
+
+    /// Checks what a synchronize (or destroy, or query) of stream `i` returned: OK, unless a
+    /// wait queued on it may have failed it (then FAILED too), or it is known to have failed
+    /// (then FAILED, as a failed stream stays failed). Returns whether it reported a failure.
+    fn stream_status(&self, what: &str, i: usize, got: S, call: &str) -> bool {
+        let (id, step) = (self.id, self.step);
+        match &self.streams[i].suspect {
+            Some(x) if x.failed => self.expect(what, got, S::DMABUF_RT_FAILED, &format!("{call} of a failed stream")),
+            Some(x) => check!(
+                what,
+                got == S::DMABUF_RT_OK || (got == S::DMABUF_RT_FAILED && x.cond.holds()),
+                "thread {id} step {step}: {call}: {got:?}, expected OK or, if a wait queued on it can have been \
+                 refused or have failed ({:?}), FAILED",
+                x.cond
+            ),
+            None => self.expect(what, got, S::DMABUF_RT_OK, call),
+        }
+        got == S::DMABUF_RT_FAILED
+    }
+
+    /// Checks what a call that synchronizes `devs` first (and does nothing more if that fails)
+    /// returned, between `since` and `until` (`clock`): OK, or FAILED if a stream of one of
+    /// them may have failed meanwhile (`may_fail`); FAILED if one of this thread's live
+    /// streams there is known to have failed. Returns whether the call did its work.
+    fn synced(&self, what: &str, got: S, devs: &[usize], (since, until): (u64, u64), call: &str) -> bool {
+        let failed = |d: usize| {
+            self.streams.iter().any(|st| st.live && st.dev == d && st.suspect.as_ref().is_some_and(|x| x.failed))
+        };
+        if devs.iter().any(|&d| failed(d)) {
+            self.expect(what, got, S::DMABUF_RT_FAILED, &format!("{call} on the device of a failed stream"));
+        } else if !(got == S::DMABUF_RT_FAILED && devs.iter().any(|&d| may_fail(d, since, until))) {
+            self.expect(what, got, S::DMABUF_RT_OK, call);
+        }
+        got == S::DMABUF_RT_OK
     }
 
     /// Stream `i` has run everything submitted to it (`destroyed`: it ran them because it was
-    /// destroyed, so its handle may have been dead when its callbacks ran).
-    fn stream_done(&mut self, i: usize, destroyed: bool) {
+    /// destroyed, so its handle may have been dead when its callbacks ran; `failed`: it
+    /// reported a failure, else it is healthy).
+    fn stream_done(&mut self, i: usize, destroyed: bool, failed: bool) {
         for b in &mut self.blocks {
             if b.stream == Some(i) {
                 b.stream = None;
             }
         }
+        if failed {
+            if let Some(x) = &mut self.streams[i].suspect {
+                x.failed = true;
+            }
+        } else if let Some(x) = self.streams[i].suspect.take() {
+            // Healthy after all: its work ran, and so will the foreign work it was given.
+            self.healthy.insert(x.token);
+            for b in &mut self.blocks {
+                b.tags.iter_mut().filter(|t| **t == x.token).for_each(|t| *t = 0);
+            }
+            fail_source_gone(x.source);
+            x.foreign.iter().for_each(|&f| fail_source_gone(f));
+        }
+        // Its events have completed: nothing waits behind them any more, and they failed
+        // only if it did.
+        for ev in &mut self.events {
+            if let Some(r) = ev.record.as_mut().filter(|r| r.stream == i) {
+                r.behind.clear();
+                if !failed {
+                    r.fail = None;
+                }
+            }
+        }
         let (id, step) = (self.id, self.step);
         let st = &mut self.streams[i];
+        st.behind.clear();
         for r in st.reads.drain(..) {
+            if failed && r.suspect {
+                continue; // skipped
+            }
+            let diff = known_diff(&r.buf, &r.want, r.tags.as_deref(), &self.healthy);
             check!(
                 "queued-read",
-                *r.buf == *r.want,
-                "thread {id} step {step}: {} read wrong bytes (first difference at {:?})",
-                r.what,
-                first_diff(&r.buf, &r.want)
+                diff.is_none(),
+                "thread {id} step {step}: {} read wrong bytes (first difference at {diff:?})",
+                r.what
             );
         }
-        for (c, reentrant) in st.callbacks.drain(..) {
+        for (c, reentrant, suspect) in st.callbacks.drain(..) {
             let calls = c.calls.load(Ordering::Acquire);
             check!(
                 "callback",
                 calls == 1,
                 "thread {id} step {step}: a callback ran {calls} times before its stream was done"
             );
+            // A callback queued after the wait that failed its stream is told so.
+            let status = c.status.load(Ordering::Relaxed);
+            let want = match suspect {
+                Some(true) => status == S::DMABUF_RT_FAILED as u64,
+                Some(false) if failed => status == S::DMABUF_RT_OK as u64 || status == S::DMABUF_RT_FAILED as u64,
+                _ => status == S::DMABUF_RT_OK as u64,
+            };
             check!(
                 "callback",
-                c.stream.load(Ordering::Relaxed) == st.h && c.status.load(Ordering::Relaxed) == S::DMABUF_RT_OK as u64,
-                "thread {id} step {step}: callback got stream {:#x} status {}, expected {:#x} OK",
+                c.stream.load(Ordering::Relaxed) == st.h && want,
+                "thread {id} step {step}: callback got stream {:#x} status {status}, expected {:#x} and OK (FAILED \
+                 after a wait that failed the stream: {suspect:?}, failed {failed})",
                 c.stream.load(Ordering::Relaxed),
-                c.status.load(Ordering::Relaxed),
                 st.h
             );
             if reentrant {
@@ -337,19 +657,36 @@ impl Thread {
                      WOULD_DEADLOCK ({})",
                     S::DMABUF_RT_WOULD_DEADLOCK as u64
                 );
-                // Its device: works, unless another callback synchronized the same device (or
-                // the other one, once streams hold copies into each other's memory) meanwhile:
-                // each may be waiting for the other's stream, and one is refused.
-                let dev = c.dev_sync.load(Ordering::Relaxed);
-                let met = c.dev_sync_met.load(Ordering::Relaxed);
-                let crossed = met & (1 << c.dev) != 0 || (met != 0 && CROSS_DEVICE.load(Ordering::Relaxed));
+                // Its device: works, unless it is on a real cycle (see `DeviceSync::allowed`):
+                // refused, or told that a stream whose wait was refused instead has failed.
+                let seen = DeviceSync {
+                    status: c.dev_sync.load(Ordering::Relaxed),
+                    dev: c.dev as usize,
+                    met: c.dev_sync_met.load(Ordering::Relaxed),
+                    since: c.dev_sync_since.load(Ordering::Relaxed),
+                    until: c.dev_sync_until.load(Ordering::Relaxed),
+                };
+                let waited_by = c.waited_by.load(Ordering::SeqCst);
                 check!(
                     "callback-device-sync",
-                    dev == S::DMABUF_RT_OK as u64 || (crossed && dev == S::DMABUF_RT_WOULD_DEADLOCK as u64),
-                    "thread {id} step {step}: a callback's device_synchronize returned {dev}, expected OK (devices \
-                     other callbacks synchronized meanwhile: {met:#b})"
+                    seen.allowed(waited_by),
+                    "thread {id} step {step}: a callback's device_synchronize returned {}, expected OK (devices \
+                     other callbacks synchronized meanwhile: {:#b}; of streams waiting behind it: {waited_by:#b})",
+                    seen.status,
+                    seen.met
                 );
             }
+        }
+    }
+
+    /// Stream `i` was destroyed (`got`: what the destroy returned; it synchronizes first).
+    fn destroyed(&mut self, i: usize, got: S, call: &str) {
+        let failed = self.stream_status("stream-destroy", i, got, call);
+        self.stream_done(i, true, failed);
+        self.streams[i].live = false;
+        // Gone (the destroy joined its thread): synchronizes of its device no longer see it.
+        if let Some(x) = &self.streams[i].suspect {
+            fail_source_gone(x.source);
         }
     }
 
@@ -363,12 +700,78 @@ impl Thread {
         }
     }
 
-    /// Notes that work on `stream` touches block `i`: a stream of another device makes the
-    /// block's device wait for that stream (see `CROSS_DEVICE`).
-    fn touch(&self, i: usize, stream: Option<usize>) {
-        if stream.is_some_and(|st| self.streams[st].dev != self.blocks[i].dev) {
-            CROSS_DEVICE.store(true, Ordering::Relaxed);
+    /// Notes that work on `stream` touches block `i`, before it is queued: a stream of another
+    /// device makes the block's device wait for that stream (foreign work, `LINKS`), which
+    /// fails if the stream has.
+    fn touch(&mut self, i: usize, stream: Option<usize>) {
+        let Some(st) = stream else { return };
+        let (dev, sdev) = (self.blocks[i].dev, self.streams[st].dev);
+        if dev == sdev {
+            return;
         }
+        link(dev, sdev);
+        if let Some(x) = &mut self.streams[st].suspect {
+            let cond = if x.failed { Cond::always() } else { x.cond.clone() };
+            x.foreign.push(fail_source(dev, true, cond));
+        }
+    }
+
+    /// How work queued now on `stream` (None: synchronous) writes bytes: the tag they get
+    /// (0: it runs; a token: it runs unless its stream fails), or None if it is skipped (its
+    /// stream is known to have failed).
+    fn write_tag(&self, stream: Option<usize>) -> Option<u32> {
+        match stream.and_then(|st| self.streams[st].suspect.as_ref()) {
+            None => Some(0),
+            Some(x) if x.failed => None,
+            Some(x) => Some(x.token),
+        }
+    }
+
+    /// Before stream `i` is given a wait on event `e`: if the event's record may be held up
+    /// behind reentrant callbacks still running, or may fail, the wait may be refused or fail,
+    /// failing the stream (it becomes a suspect), and those callbacks may be refused instead.
+    fn before_wait(&mut self, e: usize, i: usize) {
+        let Some(r) = &self.events[e].record else { return };
+        if r.stream == i {
+            // Recorded on the waiting stream: it completes before the wait runs.
+            return;
+        }
+        let (da, db) = (self.streams[r.stream].dev, self.streams[i].dev);
+        let behind: Vec<Arc<CallbackRecord>> = pending(&r.behind).cloned().collect();
+        let mut cond = r.fail.clone().unwrap_or_default();
+        if !behind.is_empty() {
+            link(db, da);
+            let mask = behind.iter().fold(0u64, |m, c| m | 1 << c.dev);
+            for c in &behind {
+                c.waited_by.fetch_or(1 << db, Ordering::SeqCst);
+            }
+            cond.refuse.push((mask, db));
+        }
+        if cond.is_empty() {
+            return;
+        }
+        let st = &mut self.streams[i];
+        st.behind.extend(behind);
+        match &mut st.suspect {
+            Some(x) => {
+                x.cond.extend(&cond);
+                fail_source_cond(x.source, &x.cond);
+            }
+            None => {
+                self.tokens += 1;
+                let source = fail_source(db, false, cond.clone());
+                st.suspect = Some(Suspect { cond, token: self.tokens, source, foreign: Vec::new(), failed: false });
+            }
+        }
+    }
+
+    /// What an event recorded now on stream `i` waits behind, and whether it may fail.
+    fn event_record(&self, i: usize) -> EventRecord {
+        let st = &self.streams[i];
+        let own = st.callbacks.iter().filter(|c| c.1).map(|c| &c.0);
+        let behind = own.chain(&st.behind).filter(|c| c.calls.load(Ordering::Acquire) == 0).cloned().collect();
+        let fail = st.suspect.as_ref().map(|x| if x.failed { Cond::always() } else { x.cond.clone() });
+        EventRecord { stream: i, behind, fail }
     }
 
     fn pick_stream(&mut self, input: &mut Input<'_>) -> Option<usize> {
@@ -426,26 +829,33 @@ impl Thread {
         self.allocs += 1;
         self.freed.retain(|&(fd, fp)| (fd, fp) != (dev, p));
         let v = input.u8();
+        let since = clock();
         let s = memset(d, p, v, size);
-        self.expect("memset", s, S::DMABUF_RT_OK, &format!("memset of a new block {p:#x}+{size}"));
-        self.blocks.push(Block { dev, addr: p, size, bytes: vec![v; size], stream: None });
+        let call = format!("memset of a new block {p:#x}+{size}");
+        let set = self.synced("memset", s, &[dev], (since, clock()), &call);
+        // Not set: its bytes are whatever the memory held.
+        let tags = if set { Vec::new() } else { vec![UNKNOWN; size] };
+        self.blocks.push(Block { dev, addr: p, size, bytes: vec![v; size], tags, stream: None });
     }
 
     fn verify(&mut self, i: usize) {
         let b = &self.blocks[i];
+        let since = clock();
         let (s, got) = d2h_sync(b.dev as c_int, b.addr, b.size);
-        self.expect("verify", s, S::DMABUF_RT_OK, "memcpy device to host (whole block)");
+        if !self.synced("verify", s, &[b.dev], (since, clock()), "memcpy device to host (whole block)") {
+            return;
+        }
         let b = &self.blocks[i];
+        let diff = known_diff(&got, &b.bytes, b.tags(0, b.size).as_deref(), &self.healthy);
         check!(
             "bytes",
-            got == b.bytes,
-            "thread {} step {}: block {:#x}+{} on device {} lost its bytes (first difference at {:?})",
+            diff.is_none(),
+            "thread {} step {}: block {:#x}+{} on device {} lost its bytes (first difference at {diff:?})",
             self.id,
             self.step,
             b.addr,
             b.size,
-            b.dev,
-            first_diff(&got, &b.bytes)
+            b.dev
         );
     }
 
@@ -549,9 +959,13 @@ impl Thread {
         let (off, len) = self.range(input, i);
         let v = input.u8();
         let b = &self.blocks[i];
+        let since = clock();
         let s = memset(b.dev as c_int, b.addr + off, v, len);
-        self.expect("memset", s, S::DMABUF_RT_OK, &format!("memset({:#x}+{off}, {len})", b.addr));
-        self.blocks[i].bytes[off..off + len].fill(v);
+        let call = format!("memset({:#x}+{off}, {len})", b.addr);
+        if self.synced("memset", s, &[b.dev], (since, clock()), &call) {
+            self.blocks[i].bytes[off..off + len].fill(v);
+            self.blocks[i].fill_tags(off, len, 0);
+        }
     }
 
     fn write(&mut self, input: &mut Input<'_>) {
@@ -567,10 +981,22 @@ impl Thread {
         let data = pattern_vec(self.seed, off, len);
         let b = &self.blocks[i];
         let h = stream.map_or(0, |s| self.streams[s].h);
+        let since = clock();
         let s = h2d(b.dev as c_int, b.addr + off, &data, h);
-        self.expect("h2d", s, S::DMABUF_RT_OK, &format!("memcpy host to {:#x}+{off} ({len}) on stream {h:#x}", b.addr));
+        let call = format!("memcpy host to {:#x}+{off} ({len}) on stream {h:#x}", b.addr);
+        let tag = match stream {
+            // Synchronous: it first synchronizes the device.
+            None => self.synced("h2d", s, &[b.dev], (since, clock()), &call).then_some(0),
+            Some(_) => {
+                self.expect("h2d", s, S::DMABUF_RT_OK, &call);
+                self.write_tag(stream)
+            }
+        };
         let b = &mut self.blocks[i];
-        b.bytes[off..off + len].copy_from_slice(&data);
+        if let Some(tag) = tag {
+            b.bytes[off..off + len].copy_from_slice(&data);
+            b.fill_tags(off, len, tag);
+        }
         if stream.is_some() {
             b.stream = stream;
         }
@@ -585,19 +1011,21 @@ impl Thread {
         match self.pick_stream(input) {
             None => {
                 let b = &self.blocks[i];
+                let since = clock();
                 let (s, got) = d2h_sync(b.dev as c_int, b.addr + off, len);
-                self.expect("d2h", s, S::DMABUF_RT_OK, "memcpy device to host");
+                if !self.synced("d2h", s, &[b.dev], (since, clock()), "memcpy device to host") {
+                    return;
+                }
                 let b = &self.blocks[i];
-                let want = &b.bytes[off..off + len];
+                let diff = known_diff(&got, &b.bytes[off..off + len], b.tags(off, len).as_deref(), &self.healthy);
                 check!(
                     "read",
-                    got == want,
-                    "thread {} step {}: reading {:#x}+{off} ({len}) on device {}: wrong bytes (first difference at {:?})",
+                    diff.is_none(),
+                    "thread {} step {}: reading {:#x}+{off} ({len}) on device {}: wrong bytes (first difference at {diff:?})",
                     self.id,
                     self.step,
                     b.addr,
-                    b.dev,
-                    first_diff(&got, want)
+                    b.dev
                 );
             }
             Some(st) => {
@@ -620,8 +1048,10 @@ impl Thread {
                 self.expect("d2h-async", s, S::DMABUF_RT_OK, "memcpy device to host on a stream");
                 let what = format!("a read of {:#x}+{off} ({len}) on stream {:#x}", b.addr, self.streams[st].h);
                 let want = b.bytes[off..off + len].to_vec();
+                let tags = b.tags(off, len);
+                let suspect = self.streams[st].suspect.is_some();
                 self.blocks[i].stream = Some(st);
-                self.streams[st].reads.push(Read { buf, want, what });
+                self.streams[st].reads.push(Read { buf, want, tags, suspect, what });
             }
         }
     }
@@ -649,12 +1079,33 @@ impl Thread {
             DMABUF_RT_MEMCPY_DEVICE_TO_DEVICE
         };
         let h = stream.map_or(0, |x| self.streams[x].h);
+        let devs = [d.dev, s.dev];
+        let since = clock();
         // SAFETY: both sides are device memory.
         let st = unsafe { memcpy(d.dev as c_int, d.addr + doff, s.dev as c_int, s.addr + soff, len, kind, h) };
         let call = format!("memcpy {:#x}+{doff} <- {:#x}+{soff} ({len}, kind {kind}) on stream {h:#x}", d.addr, s.addr);
-        self.expect("d2d", st, S::DMABUF_RT_OK, &call);
-        let data = self.blocks[j].bytes[soff..soff + len].to_vec();
-        self.blocks[i].bytes[doff..doff + len].copy_from_slice(&data);
+        let tag = match stream {
+            // Synchronous: it first synchronizes both devices.
+            None => self.synced("d2d", st, &devs, (since, clock()), &call).then_some(0),
+            Some(_) => {
+                self.expect("d2d", st, S::DMABUF_RT_OK, &call);
+                self.write_tag(stream)
+            }
+        };
+        if let Some(tag) = tag {
+            let data = self.blocks[j].bytes[soff..soff + len].to_vec();
+            self.blocks[i].bytes[doff..doff + len].copy_from_slice(&data);
+            // The bytes are known if the source's were and the copy runs; on a stream that may
+            // fail, bytes that were not known are unknown for good.
+            let tags = self.blocks[j].tags(soff, len);
+            let tags = match (tags, tag) {
+                (None, 0) => None,
+                (None, t) => Some(vec![t; len]),
+                (Some(src), 0) => Some(src),
+                (Some(src), t) => Some(src.iter().map(|&x| if x == 0 { t } else { UNKNOWN }).collect()),
+            };
+            self.blocks[i].set_tags(doff, len, tags.as_deref());
+        }
         if stream.is_some() {
             self.blocks[i].stream = stream;
             self.blocks[j].stream = stream;
@@ -766,16 +1217,22 @@ impl Thread {
                 let (s, h) = stream_create(d);
                 self.expect("stream-create", s, S::DMABUF_RT_OK, "stream_create");
                 if s == S::DMABUF_RT_OK {
-                    self.streams.push(Stream { h, dev, live: true, reads: Vec::new(), callbacks: Vec::new() });
+                    self.streams.push(Stream {
+                        h,
+                        dev,
+                        live: true,
+                        reads: Vec::new(),
+                        callbacks: Vec::new(),
+                        behind: Vec::new(),
+                        suspect: None,
+                    });
                 }
             }
             2 => {
                 let Some(i) = pick(self, input) else { return };
                 let s = dmabuf_rt_stream_destroy(self.streams[i].h);
                 if self.streams[i].live {
-                    self.expect("stream-destroy", s, S::DMABUF_RT_OK, "stream_destroy");
-                    self.stream_done(i, true);
-                    self.streams[i].live = false;
+                    self.destroyed(i, s, "stream_destroy");
                 } else {
                     self.expect("stream-destroy-dead", s, S::DMABUF_RT_INVALID_HANDLE, "second stream_destroy");
                 }
@@ -799,8 +1256,14 @@ impl Thread {
                 let mut done = false;
                 // SAFETY: valid out-pointer.
                 let s = unsafe { dmabuf_rt_stream_query(self.streams[i].h, &mut done) };
-                let want = if self.streams[i].live { S::DMABUF_RT_OK } else { S::DMABUF_RT_INVALID_HANDLE };
-                self.expect("stream-query", s, want, "stream_query");
+                if !self.streams[i].live {
+                    self.expect("stream-query", s, S::DMABUF_RT_INVALID_HANDLE, "stream_query of a dead stream");
+                } else if self.stream_status("stream-query", i, s, "stream_query") {
+                    // It reports the stream's own failure: known now.
+                    if let Some(x) = &mut self.streams[i].suspect {
+                        x.failed = true;
+                    }
+                }
             }
             5 => {
                 let Some(i) = pick(self, input) else { return };
@@ -825,7 +1288,8 @@ impl Thread {
                 };
                 self.expect("callback-add", s, want, "stream_add_callback");
                 if s == S::DMABUF_RT_OK {
-                    self.streams[i].callbacks.push((rec, reentrant));
+                    let suspect = self.streams[i].suspect.as_ref().map(|x| x.failed);
+                    self.streams[i].callbacks.push((rec, reentrant, suspect));
                 }
             }
             6 if !skipped("callback-cross-sync") => self.cross_callbacks(input),
@@ -835,15 +1299,19 @@ impl Thread {
                     0 => {
                         let (s, h) = event_create();
                         self.expect("event-create", s, S::DMABUF_RT_OK, "event_create");
-                        self.events.push((h, true));
+                        self.events.push(Event { h, live: true, record: None });
                     }
                     _ if self.events.is_empty() => {}
                     1 => {
-                        let (h, live) = self.events[input.below(self.events.len())];
+                        let e = input.below(self.events.len());
+                        let Event { h, live, .. } = self.events[e];
                         let st = self.pick_stream(input);
                         let s = dmabuf_rt_event_record(h, st.map_or(0, |i| self.streams[i].h));
                         let want = if live { S::DMABUF_RT_OK } else { S::DMABUF_RT_INVALID_HANDLE };
                         self.expect("event-record", s, want, "event_record");
+                        if s == S::DMABUF_RT_OK {
+                            self.events[e].record = st.map(|i| self.event_record(i));
+                        }
                         if st.is_none() && s == S::DMABUF_RT_OK {
                             // Recorded on no stream: complete at once, whatever else runs.
                             let mut done = false;
@@ -860,17 +1328,28 @@ impl Thread {
                         }
                     }
                     2 => {
-                        let (h, live) = self.events[input.below(self.events.len())];
+                        let e = input.below(self.events.len());
+                        let Event { h, live, .. } = self.events[e];
                         let Some(i) = pick(self, input) else { return };
+                        if live && self.streams[i].live {
+                            self.before_wait(e, i);
+                        }
                         let s = dmabuf_rt_stream_wait_event(self.streams[i].h, h);
                         let want =
                             if live && self.streams[i].live { S::DMABUF_RT_OK } else { S::DMABUF_RT_INVALID_HANDLE };
                         self.expect("stream-wait-event", s, want, "stream_wait_event");
                     }
                     3 => {
-                        let (h, live) = self.events[input.below(self.events.len())];
+                        let e = input.below(self.events.len());
+                        let Event { h, live, .. } = self.events[e];
                         let s = dmabuf_rt_event_synchronize(h);
-                        let want = if live { S::DMABUF_RT_OK } else { S::DMABUF_RT_INVALID_HANDLE };
+                        let mut want = if live { S::DMABUF_RT_OK } else { S::DMABUF_RT_INVALID_HANDLE };
+                        // Recorded after a wait that may have failed its stream: it fails if
+                        // the stream did (always, if the stream is known to have failed).
+                        let fail = self.events[e].record.as_ref().and_then(|r| r.fail.as_ref());
+                        if live && fail.is_some_and(|c| c.always || (s == S::DMABUF_RT_FAILED && c.holds())) {
+                            want = S::DMABUF_RT_FAILED;
+                        }
                         self.expect("event-sync", s, want, "event_synchronize");
                         let mut done = false;
                         // SAFETY: valid out-pointer.
@@ -878,18 +1357,18 @@ impl Thread {
                         self.expect("event-query", s, want, "event_query");
                         check!(
                             "event-query",
-                            !live || done,
+                            want != S::DMABUF_RT_OK || done,
                             "thread {}: event not done after its synchronize",
                             self.id
                         );
                     }
                     _ => {
                         let i = input.below(self.events.len());
-                        let (h, live) = self.events[i];
+                        let Event { h, live, .. } = self.events[i];
                         let s = dmabuf_rt_event_destroy(h);
                         let want = if live { S::DMABUF_RT_OK } else { S::DMABUF_RT_INVALID_HANDLE };
                         self.expect("event-destroy", s, want, "event_destroy");
-                        self.events[i].1 = false;
+                        self.events[i].live = false;
                     }
                 }
             }
@@ -900,13 +1379,13 @@ impl Thread {
     /// going on) and each synchronize the device: each waits for the other stream, which is
     /// running the other callback. Each may work or be refused as a deadlock; neither may hang.
     fn cross_callbacks(&mut self, input: &mut Input<'_>) {
-        let (d, _) = self.device(input);
+        let (d, dev) = self.device(input);
         let (s1, h1) = stream_create(d);
         let (s2, h2) = stream_create(d);
         self.expect("stream-create", s1, S::DMABUF_RT_OK, "stream_create");
         self.expect("stream-create", s2, S::DMABUF_RT_OK, "stream_create");
         let meet =
-            Arc::new(Meeting { dev: d, arrived: AtomicU64::new(0), status: [AtomicU64::new(99), AtomicU64::new(99)] });
+            Arc::new(Meeting { dev: d, stream_dev: dev, arrived: AtomicU64::new(0), seen: Mutex::new([None; 2]) });
         for (i, h) in [h1, h2].into_iter().enumerate() {
             let user = Arc::into_raw(Arc::clone(&meet)) as *mut c_void;
             // SAFETY: the callback takes back the `Arc` leaked for it (it runs exactly once).
@@ -917,15 +1396,19 @@ impl Thread {
             let s = dmabuf_rt_stream_synchronize(h);
             self.expect("stream-sync", s, S::DMABUF_RT_OK, "stream_synchronize after crossed callbacks");
         }
-        for (i, st) in meet.status.iter().enumerate() {
-            let st = st.load(Ordering::Acquire);
+        let seen = *meet.seen.lock().unwrap_or_else(|p| p.into_inner());
+        for (i, seen) in seen.iter().enumerate() {
+            // Each may be refused (they wait for each other); FAILED if a stream it waited for
+            // may have failed.
+            let ok = seen.is_some_and(|x| x.status == S::DMABUF_RT_WOULD_DEADLOCK as u64 || x.allowed(0));
             check!(
                 "callback-cross-sync",
-                st == S::DMABUF_RT_OK as u64 || st == S::DMABUF_RT_WOULD_DEADLOCK as u64,
+                ok,
                 "thread {} step {}: callback {i}'s device_synchronize while the other stream's callback ran \
-                 returned {st}, expected OK or WOULD_DEADLOCK",
+                 returned {:?}, expected OK or WOULD_DEADLOCK (or FAILED, if a stream it waited for may have failed)",
                 self.id,
-                self.step
+                self.step,
+                seen.map(|x| x.status)
             );
         }
         for h in [h1, h2] {
@@ -959,12 +1442,15 @@ impl Thread {
                 check!("memory", total == CAPACITY as u64 && free <= total, "thread {}: {total} {free}", self.id);
             }
             2 => {
+                let since = clock();
                 let s = dmabuf_rt_device_synchronize(d);
-                self.expect("device-sync", s, S::DMABUF_RT_OK, "device_synchronize");
-                // Every stream of the device has run what this thread gave it before.
-                for i in 0..self.streams.len() {
-                    if self.streams[i].live && self.streams[i].dev == dev {
-                        self.stream_done(i, false);
+                // Every stream of the device has run what this thread gave it before, and
+                // none failed.
+                if self.synced("device-sync", s, &[dev], (since, clock()), "device_synchronize") {
+                    for i in 0..self.streams.len() {
+                        if self.streams[i].live && self.streams[i].dev == dev {
+                            self.stream_done(i, false, false);
+                        }
                     }
                 }
             }
@@ -1052,12 +1538,10 @@ impl Thread {
         for i in 0..self.streams.len() {
             if self.streams[i].live {
                 let s = dmabuf_rt_stream_destroy(self.streams[i].h);
-                self.expect("stream-destroy", s, S::DMABUF_RT_OK, "stream_destroy at the end");
-                self.stream_done(i, true);
-                self.streams[i].live = false;
+                self.destroyed(i, s, "stream_destroy at the end");
             }
         }
-        for (h, live) in std::mem::take(&mut self.events) {
+        for Event { h, live, .. } in std::mem::take(&mut self.events) {
             if live {
                 self.expect("event-destroy", dmabuf_rt_event_destroy(h), S::DMABUF_RT_OK, "event_destroy at the end");
             }
@@ -1097,8 +1581,9 @@ fn setup() {
 
 fuzz_target!(|data: &[u8]| {
     setup();
-    // Per run: the last run's streams are all gone.
-    CROSS_DEVICE.store(false, Ordering::Relaxed);
+    // Per run: the last run's streams are all gone, and its failed work reported.
+    LINKS.store(0, Ordering::SeqCst);
+    fails().clear();
     let before: Vec<dmabuf_rt_stats> = (0..DEVICES as c_int).map(|d| stats(d).1).collect();
     let fds_before = fd_count();
     let list_before = fd_list();
@@ -1123,6 +1608,8 @@ fuzz_target!(|data: &[u8]| {
                         allocs: 0,
                         frees: 0,
                         seed: id as u64 * 1_000_000,
+                        tokens: 0,
+                        healthy: BTreeSet::new(),
                     };
                     t.run(program);
                     (t.allocs, t.frees)
@@ -1136,6 +1623,11 @@ fuzz_target!(|data: &[u8]| {
     check!("model-balance", allocs == frees, "the threads made {allocs} allocations and {frees} frees");
     let (mut all_allocs, mut all_frees) = (0, 0);
     for d in 0..DEVICES as c_int {
+        // Failed foreign work stays on its device until a synchronize reports it, once.
+        let s = dmabuf_rt_device_synchronize(d);
+        if !(s == S::DMABUF_RT_FAILED && foreign_may_fail(d as usize)) {
+            assert_eq!(s, S::DMABUF_RT_OK);
+        }
         assert_eq!(dmabuf_rt_device_synchronize(d), S::DMABUF_RT_OK);
         assert_eq!(dmabuf_rt_empty_cache(d), S::DMABUF_RT_OK);
         let (s, st) = stats(d);
