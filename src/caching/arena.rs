@@ -8,7 +8,11 @@
 //!
 //! A view outlives its block. When the block is freed its units go back to the free set but
 //! the view stays mapped and cached (by unit count); a later request of that many units takes
-//! the most recently freed cached view whose units are all free again, with no call at all.
+//! the oldest cached view whose units are all free again, with no call at all. Oldest first
+//! (by when the view was made), not most recently freed: then which view a request gets
+//! depends only on which units are free at that moment, so a step that repeats the last one
+//! repeats its choices, and a view made in one step is found again at the same point of the
+//! next (most-recently-freed first kept making new views in every step of a training loop).
 //! A unit may so show in several views at once (aliases); only one of them is ever handed out
 //! at a time, because a view is handed out only while all its units are free, and taking it
 //! makes them busy. In the steady state of a periodic workload every request finds such a view
@@ -51,6 +55,8 @@ pub(crate) struct View {
     live: bool,
     /// When it was last let go (the arena's clock), for evicting the oldest.
     freed_at: u64,
+    /// When it was made (the arena's clock): cached views are taken oldest first.
+    born: u64,
 }
 
 impl View {
@@ -93,8 +99,8 @@ pub(crate) struct Arena {
     n_busy: usize,
     n_holes: usize,
     views: HashMap<BlockId, View, FxBuild>,
-    /// Views not handed out, by unit count, the most recently freed last.
-    cached: HashMap<usize, Vec<BlockId>, FxBuild>,
+    /// Views not handed out, by unit count, as `(born, id)` in order (oldest first).
+    cached: HashMap<usize, Vec<(u64, BlockId)>, FxBuild>,
     /// Runs the cached views hold.
     cached_runs: usize,
     /// Free address ranges below `va_top`: offset -> length.
@@ -202,17 +208,17 @@ impl Arena {
         v.runs.iter().map(|&(u, k)| count(&self.holes, u as usize, (u + k) as usize)).sum()
     }
 
-    /// A cached view of `n` units whose units are all free, the most recently freed first,
+    /// A cached view of `n` units whose units are all free, the oldest first,
     /// whose units given back (taken again when it is handed out) are at most `max_holes`;
     /// with how many those are.
     pub(crate) fn find_cached(&self, n: usize, max_holes: usize) -> Option<(BlockId, usize)> {
         let list = self.cached.get(&n)?;
-        list.iter().rev().find_map(|&id| {
+        list.iter().find_map(|&(_, id)| {
             let v = &self.views[&id];
             if !self.all_free(v) {
                 return None;
             }
-            let h = self.holes_under(v);
+            let h = if self.n_holes == 0 { 0 } else { self.holes_under(v) };
             (h <= max_holes).then_some((id, h))
         })
     }
@@ -223,17 +229,20 @@ impl Arena {
         let v = self.views.get_mut(&id).expect("a cached view");
         debug_assert!(!v.live);
         v.live = true;
-        let (n, runs) = (v.n, v.runs.clone());
+        let (n, key) = (v.n, (v.born, id));
         let list = self.cached.get_mut(&n).expect("its size's list");
-        let at = list.iter().rposition(|&c| c == id).expect("listed");
+        let at = list.binary_search(&key).expect("listed");
         list.remove(at);
-        self.cached_runs -= runs.len();
+        let v = &self.views[&id];
+        self.cached_runs -= v.runs.len();
         let mut rebacked = 0;
-        for (u, k) in runs {
+        for &(u, k) in &v.runs {
             let (from, to) = (u as usize, (u + k) as usize);
             debug_assert_eq!(count(&self.busy, from, to), 0, "a view is taken only while its units are free");
-            rebacked += count(&self.holes, from, to);
-            set(&mut self.holes, from, to, false);
+            if self.n_holes > 0 {
+                rebacked += count(&self.holes, from, to);
+                set(&mut self.holes, from, to, false);
+            }
             set(&mut self.busy, from, to, true);
         }
         self.n_holes -= rebacked;
@@ -249,12 +258,14 @@ impl Arena {
         debug_assert!(v.live);
         v.live = false;
         v.freed_at = clock;
-        let (n, runs) = (v.n, v.runs.len());
+        let (n, runs, key) = (v.n, v.runs.len(), (v.born, id));
         for &(u, k) in &v.runs {
             set(&mut self.busy, u as usize, (u + k) as usize, false);
         }
         self.n_busy -= n;
-        self.cached.entry(n).or_default().push(id);
+        let list = self.cached.entry(n).or_default();
+        let at = list.binary_search(&key).expect_err("not listed while live");
+        list.insert(at, key);
         self.cached_runs += runs;
     }
 
@@ -367,11 +378,10 @@ impl Arena {
         }
     }
 
-    /// Makes a new view of `n` units, handed out (its units busy; [`Arena::adopt`] files it):
-    /// units
-    /// chosen by [`Arena::pick`], address space from the free ranges (the oldest cached views
-    /// are let go if it runs out), one `mmap` per run. On failure nothing changed but the
-    /// views let go.
+    /// Makes a new view of the units `plan` names ([`Arena::plan`], made since nothing else
+    /// changed), handed out (its units busy; [`Arena::adopt`] files it): address space from
+    /// the free ranges, one `mmap` per run. `None` if the address space is full (the pool lets
+    /// the oldest cached views go and tries again); on failure nothing changed.
     pub(crate) fn make(&mut self, seg: &Segment, plan: Plan) -> Result<Option<(View, Made)>> {
         let (runs, rebacked, grown) = plan;
         let n = runs.iter().map(|r| r.1 as usize).sum::<usize>();
@@ -406,7 +416,9 @@ impl Arena {
         }
         self.n_busy += n;
         let maps = runs.len();
-        Ok(Some((View { va, n, runs, live: true, freed_at: 0 }, Made { maps, rebacked, grown })))
+        self.clock += 1;
+        let born = self.clock;
+        Ok(Some((View { va, n, runs, live: true, freed_at: 0, born }, Made { maps, rebacked, grown })))
     }
 
     /// Files a view just made ([`Arena::make`]) as block `id`'s.
@@ -422,7 +434,7 @@ impl Arena {
         let v = self.views.remove(&id).expect("a view");
         debug_assert!(!v.live, "only cached views are let go");
         let list = self.cached.get_mut(&v.n).expect("its size's list");
-        list.retain(|&c| c != id);
+        list.retain(|&(_, c)| c != id);
         if list.is_empty() {
             self.cached.remove(&v.n);
         }
@@ -524,7 +536,7 @@ impl Arena {
                 }
             } else {
                 runs += v.runs.len();
-                if !self.cached.get(&v.n).is_some_and(|l| l.contains(&id)) {
+                if self.cached.get(&v.n).is_none_or(|l| l.binary_search(&(v.born, id)).is_err()) {
                     return Err(format!("cached view of block {id} is not listed"));
                 }
             }

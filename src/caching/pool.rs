@@ -163,7 +163,7 @@ pub(crate) struct Pool {
     /// The source cannot make expandable segments: classic segments are used instead.
     expandable_unsupported: bool,
     /// The page-stitched arena of each queue.
-    arenas: HashMap<QueueKey, u32>,
+    arenas: HashMap<QueueKey, u32, FxBuild>,
     /// No arena can be made (the source or the address space refused): pools serve all.
     arena_unsupported: bool,
     /// The latest failure of the source during the current request that was not a lack of
@@ -202,7 +202,7 @@ impl Pool {
             quick_scratch: Vec::new(),
             expandable: HashMap::new(),
             expandable_unsupported: false,
-            arenas: HashMap::new(),
+            arenas: HashMap::default(),
             arena_unsupported: false,
             source_error: None,
             gone: Default::default(),
@@ -434,9 +434,9 @@ impl Pool {
         }
         let alloc_size = self.allocation_size(rounded).ok_or_else(too_large)?;
         let mut p = AllocParams::new(size, rounded, alloc_size, queue, pending, waited);
-        if self.uses_arena(rounded) {
-            (p.arena, p.pool) = (true, PoolKind::Large);
-        }
+        // Arena blocks keep PyTorch's pool for their stats (small up to 1 MiB); the arena's
+        // memory counts as the large pool's.
+        p.arena = self.uses_arena(rounded);
         // A cached block whose punched pages cannot be taken again goes through the ladder,
         // which may release enough elsewhere (or wait for frees) to take it after all; a
         // block the ladder finds is checked the same way (each block once).
@@ -560,7 +560,7 @@ impl Pool {
             }
             // No arena, or it cannot hold this request (its memfd or address space is full,
             // a mapping failed): the pools serve it.
-            (p.arena, p.pool) = (false, PoolKind::for_size(p.rounded));
+            p.arena = false;
         }
         p.block = self.new_memory(p.alloc_size, p.rounded, p.pool, p.queue, &mut p.cause);
         p.block.is_some()

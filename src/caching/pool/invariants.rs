@@ -4,7 +4,7 @@
 
 use std::collections::HashSet;
 
-use super::super::block::BlockId;
+use super::super::block::{BlockId, PoolKind};
 use super::super::stats;
 use super::Pool;
 
@@ -48,8 +48,12 @@ impl Pool {
                 let mut blocks = Vec::with_capacity(ids.len());
                 for &id in &ids {
                     let b = &self.blocks[id as usize];
-                    if b.prev.is_some() || b.next.is_some() || b.pool != e.pool || b.queue != e.queue {
-                        return Err(format!("arena block {id} is linked, or of another pool or queue"));
+                    if b.prev.is_some()
+                        || b.next.is_some()
+                        || b.pool != PoolKind::for_size(b.size)
+                        || b.queue != e.queue
+                    {
+                        return Err(format!("arena block {id} is linked, of another queue, or in the wrong pool"));
                     }
                     if self.raw.addrs.get(e.base + b.offset) != Some(id) {
                         return Err(format!("arena block {id} is not in the address table"));

@@ -146,7 +146,7 @@ impl Pool {
             }
         };
         let va = view.va;
-        let id = self.new_block(si, (va, p.rounded), p.queue, PoolKind::Large, None, None);
+        let id = self.new_block(si, (va, p.rounded), p.queue, p.pool, None, None);
         self.arena_mut(si).1.adopt(id, view);
         let base = self.segments[si as usize].as_ref().map_or(0, |e| e.base);
         self.blocks[id as usize].allocated = true;
@@ -176,6 +176,7 @@ impl Pool {
             return;
         }
         b.size = rounded;
+        b.pool = PoolKind::for_size(rounded);
         let si = b.seg;
         let (_, a) = self.arena_mut(si);
         let rebacked = a.take(id) * a.unit();
