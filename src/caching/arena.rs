@@ -57,6 +57,10 @@ pub(crate) struct View {
     freed_at: u64,
     /// When it was made (the arena's clock): cached views are taken oldest first.
     born: u64,
+    /// The unit that was busy when the view was last found blocked: while it still is, the
+    /// view is passed over with one bit test (most cached views stay blocked by the same live
+    /// block for a while).
+    watch: u32,
 }
 
 impl View {
@@ -199,9 +203,21 @@ impl Arena {
         self.views.iter().map(|(&id, v)| (id, v))
     }
 
-    fn all_free(&self, v: &View) -> bool {
-        debug_assert!(!v.live);
-        v.runs.iter().all(|&(u, k)| count(&self.busy, u as usize, (u + k) as usize) == 0)
+    /// The first busy unit the view shows, if any.
+    fn first_busy(&self, v: &View) -> Option<u32> {
+        for &(u, k) in &v.runs {
+            let mut found = None;
+            words(u as usize, (u + k) as usize, |w, m| {
+                let b = self.busy[w] & m;
+                if found.is_none() && b != 0 {
+                    found = Some((w * 64) as u32 + b.trailing_zeros());
+                }
+            });
+            if found.is_some() {
+                return found;
+            }
+        }
+        None
     }
 
     fn holes_under(&self, v: &View) -> usize {
@@ -211,16 +227,23 @@ impl Arena {
     /// A cached view of `n` units whose units are all free, the oldest first,
     /// whose units given back (taken again when it is handed out) are at most `max_holes`;
     /// with how many those are.
-    pub(crate) fn find_cached(&self, n: usize, max_holes: usize) -> Option<(BlockId, usize)> {
+    pub(crate) fn find_cached(&mut self, n: usize, max_holes: usize) -> Option<(BlockId, usize)> {
         let list = self.cached.get(&n)?;
-        list.iter().find_map(|&(_, id)| {
+        for &(_, id) in list {
             let v = &self.views[&id];
-            if !self.all_free(v) {
-                return None;
+            if bit(&self.busy, v.watch as usize) {
+                continue;
+            }
+            if let Some(unit) = self.first_busy(v) {
+                self.views.get_mut(&id).expect("listed").watch = unit;
+                continue;
             }
             let h = if self.n_holes == 0 { 0 } else { self.holes_under(v) };
-            (h <= max_holes).then_some((id, h))
-        })
+            if h <= max_holes {
+                return Some((id, h));
+            }
+        }
+        None
     }
 
     /// Hands out cached view `id`: its units become busy, those given back are backed again
@@ -418,7 +441,8 @@ impl Arena {
         let maps = runs.len();
         self.clock += 1;
         let born = self.clock;
-        Ok(Some((View { va, n, runs, live: true, freed_at: 0, born }, Made { maps, rebacked, grown })))
+        let watch = runs[0].0;
+        Ok(Some((View { va, n, runs, live: true, freed_at: 0, born, watch }, Made { maps, rebacked, grown })))
     }
 
     /// Files a view just made ([`Arena::make`]) as block `id`'s.

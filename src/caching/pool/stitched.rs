@@ -87,10 +87,12 @@ impl Pool {
         let Some(&si) = self.arenas.get(&p.queue) else { return false };
         let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
         let room = self.allowed.saturating_sub(reserved) as usize;
-        let find = |pool: &Self| {
-            let a = pool.segments[si as usize].as_ref().and_then(|e| e.arena.as_ref())?;
-            let n = a.units_for(p.rounded);
-            a.find_cached(n, room / a.unit()).map(|(id, _)| id)
+        let rounded = p.rounded;
+        let find = |pool: &mut Self| {
+            let a = pool.segments[si as usize].as_mut().and_then(|e| e.arena.as_mut())?;
+            let n = a.units_for(rounded);
+            let max_holes = room / a.unit();
+            a.find_cached(n, max_holes).map(|(id, _)| id)
         };
         p.block = find(self);
         if p.block.is_none() && self.quick.len() > 0 {
