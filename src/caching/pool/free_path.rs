@@ -94,12 +94,17 @@ impl Pool {
     }
 
     /// Frees a block no other queue used. The usual case takes the short way: straight into
-    /// the quick cache with the fewest stat updates.
+    /// the quick cache with the fewest stat updates. A block of a page-stitched arena skips the
+    /// quick cache: its view goes back to the arena at once, whose oldest-first choice is what
+    /// makes a periodic workload settle (the quick cache's last-freed-first order handed the
+    /// views of one size out in a rotated order every step, so the units they showed clashed
+    /// anew and new views were made in every step: 130 a step on cnn_train).
     #[inline(always)]
     pub(super) fn free_now(&mut self, id: BlockId) {
         let quick_ok = !self.history.record_all && !self.config.no_caching && self.quick.len() < QUICK_MAX;
+        let arena = self.is_arena(id);
         let b = &mut self.blocks[id as usize];
-        if !quick_ok || b.size >= self.config.max_split_size {
+        if !quick_ok || b.size >= self.config.max_split_size || arena {
             self.account_free_request(id);
             self.free_block(id);
             return;
@@ -211,7 +216,7 @@ impl Pool {
     }
 
     /// Returns a block: into the quick cache (unmerged, for exact reuse) when caching, else
-    /// into its pool, merged with free neighbours.
+    /// into its pool, merged with free neighbours (an arena's block: back to its arena).
     pub(super) fn free_block(&mut self, id: BlockId) {
         // Make room first, while this block still counts as allocated (so the flush's merges
         // leave it alone).
@@ -231,7 +236,7 @@ impl Pool {
         b.allocated = false;
         b.requested = 0;
         b.cached_at = misses;
-        if !self.config.no_caching && size < self.config.max_split_size {
+        if !self.config.no_caching && size < self.config.max_split_size && !self.is_arena(id) {
             self.quick_insert(id);
             return;
         }
