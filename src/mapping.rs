@@ -134,6 +134,7 @@ impl Mapping {
     /// (`MAP_NORESERVE`: no memory until written), not `PROT_NONE`, so that work a careless
     /// caller still has queued on a block it freed writes into nothing that matters instead of
     /// killing the process. The accessible prefix does not shrink.
+    #[cfg(not(miri))]
     pub(crate) fn unmap_at(&self, at: usize, len: usize) -> io::Result<()> {
         let in_range = at.checked_add(len).is_some_and(|end| end <= self.reserved);
         if !in_range || len == 0 {

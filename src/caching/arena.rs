@@ -29,7 +29,8 @@
 //! This file holds the arena's state and arithmetic ([`Arena`]); the pool decides when to use
 //! it (`pool/stitched.rs`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ops::ControlFlow;
 
 use super::block::BlockId;
 use super::quick::FxBuild;
@@ -111,6 +112,8 @@ pub(crate) struct Arena {
     cached_runs: usize,
     /// Free address ranges below `va_top`: offset -> length.
     va_free: BTreeMap<usize, usize>,
+    /// The same ranges by `(length, offset)`, for best fit.
+    va_by_len: BTreeSet<(usize, usize)>,
     /// Address space handed to views so far (the high-water mark).
     va_top: usize,
     clock: u64,
@@ -160,6 +163,7 @@ impl Arena {
             cached: HashMap::default(),
             cached_runs: 0,
             va_free: BTreeMap::new(),
+            va_by_len: BTreeSet::new(),
             va_top: 0,
             clock: 0,
         })
@@ -294,56 +298,76 @@ impl Arena {
         self.cached_runs += runs;
     }
 
-    /// Maximal runs `(first, count)` of the units `[0, len)` whose bit is set in
-    /// `word(i)` (the `i`th word of a mask over the bitmaps), in order; a word at a time.
-    fn runs_where(&self, word: impl Fn(usize) -> u64) -> Vec<(usize, usize)> {
-        let mut runs: Vec<(usize, usize)> = Vec::new();
+    /// Calls `f(first, count)` for the maximal runs of units in `[0, len)` whose bit is set in
+    /// `word(w)`, lowest first, until it says stop; a word at a time.
+    fn scan_runs(&self, word: impl Fn(usize) -> u64, mut f: impl FnMut(usize, usize) -> ControlFlow<()>) {
+        let mut open: Option<(usize, usize)> = None;
         for w in 0..self.len.div_ceil(64) {
             let valid = if (w + 1) * 64 <= self.len { !0 } else { (1u64 << (self.len % 64)) - 1 };
             let mut bits = word(w) & valid;
+            if bits == 0 {
+                if let Some(r) = open.take() {
+                    if f(r.0, r.1).is_break() {
+                        return;
+                    }
+                }
+                continue;
+            }
             while bits != 0 {
                 let start = bits.trailing_zeros() as usize;
                 let len = (!(bits >> start)).trailing_zeros() as usize;
                 let at = w * 64 + start;
-                match runs.last_mut() {
-                    Some(r) if r.0 + r.1 == at => r.1 += len,
-                    _ => runs.push((at, len)),
+                match open {
+                    Some(ref mut r) if r.0 + r.1 == at => r.1 += len,
+                    _ => {
+                        if let Some(r) = open.take() {
+                            if f(r.0, r.1).is_break() {
+                                return;
+                            }
+                        }
+                        open = Some((at, len));
+                    }
                 }
                 bits = if start + len >= 64 { 0 } else { bits & !(((1u64 << len) - 1) << start) };
             }
         }
-        runs
+        if let Some(r) = open {
+            let _ = f(r.0, r.1);
+        }
     }
 
     /// The units a new view of `n` units would show, in runs, and what they cost (units given
-    /// back and taken again, new units): the smallest run of free backed units that holds `n`
-    /// (one `mmap`; best fit keeps the long runs for long views), else the longest runs first
-    /// (the fewest mappings), then units given back, longest runs first, then new units past
-    /// the end.
+    /// back and taken again, new units): the first run of free backed units that holds `n`
+    /// (one `mmap`), else free backed runs lowest first, then units given back lowest first,
+    /// then new units past the end.
     fn pick(&self, n: usize) -> (Vec<(u32, u32)>, usize, usize) {
-        let backed = self.runs_where(|w| !self.busy[w] & !self.holes[w]);
-        if let Some(&(start, _)) = backed.iter().filter(|r| r.1 >= n).min_by_key(|r| (r.1, r.0)) {
+        let backed = |w: usize| !self.busy[w] & !self.holes[w];
+        let mut one = None;
+        self.scan_runs(backed, |start, len| {
+            if len >= n {
+                one = Some(start);
+                return ControlFlow::Break(());
+            }
+            ControlFlow::Continue(())
+        });
+        if let Some(start) = one {
             return (vec![(start as u32, n as u32)], 0, 0);
         }
         let mut chosen: Vec<(usize, usize)> = Vec::new();
-        let mut left = n;
-        let mut take_longest = |mut runs: Vec<(usize, usize)>, left: &mut usize| {
-            runs.sort_unstable_by_key(|r| (std::cmp::Reverse(r.1), r.0));
-            let mut took = 0;
-            for (start, len) in runs {
-                if *left == 0 {
-                    break;
-                }
-                let k = len.min(*left);
-                chosen.push((start, k));
-                *left -= k;
-                took += k;
-            }
-            took
+        let left = std::cell::Cell::new(n);
+        let mut take = |start: usize, len: usize| {
+            let k = len.min(left.get());
+            chosen.push((start, k));
+            left.set(left.get() - k);
+            if left.get() == 0 { ControlFlow::Break(()) } else { ControlFlow::Continue(()) }
         };
-        take_longest(backed, &mut left);
-        let rebacked = take_longest(self.runs_where(|w| !self.busy[w] & self.holes[w]), &mut left);
-        let grown = left;
+        self.scan_runs(backed, &mut take);
+        let before = n - left.get();
+        if left.get() > 0 {
+            self.scan_runs(|w| !self.busy[w] & self.holes[w], &mut take);
+        }
+        let rebacked = n - left.get() - before;
+        let grown = left.get();
         if grown > 0 {
             chosen.push((self.len, grown));
         }
@@ -368,11 +392,10 @@ impl Arena {
     /// Address space for a view of `len` bytes: the first free range that holds it, else past
     /// the high-water mark.
     fn va_alloc(&mut self, len: usize) -> Option<usize> {
-        let found = self.va_free.iter().find(|&(_, &l)| l >= len).map(|(&at, &l)| (at, l));
-        if let Some((at, l)) = found {
-            self.va_free.remove(&at);
+        if let Some(&(l, at)) = self.va_by_len.range((len, 0)..).next() {
+            self.va_take(at, l);
             if l > len {
-                self.va_free.insert(at + len, l - len);
+                self.va_put(at + len, l - len);
             }
             return Some(at);
         }
@@ -384,22 +407,32 @@ impl Arena {
         Some(at)
     }
 
+    fn va_take(&mut self, at: usize, len: usize) {
+        self.va_free.remove(&at);
+        self.va_by_len.remove(&(len, at));
+    }
+
+    fn va_put(&mut self, at: usize, len: usize) {
+        self.va_free.insert(at, len);
+        self.va_by_len.insert((len, at));
+    }
+
     fn va_release(&mut self, mut at: usize, mut len: usize) {
         if let Some((&p, &pl)) = self.va_free.range(..at).next_back() {
             if p + pl == at {
-                self.va_free.remove(&p);
+                self.va_take(p, pl);
                 at = p;
                 len += pl;
             }
         }
         if let Some(&nl) = self.va_free.get(&(at + len)) {
-            self.va_free.remove(&(at + len));
+            self.va_take(at + len, nl);
             len += nl;
         }
         if at + len == self.va_top {
             self.va_top = at;
         } else {
-            self.va_free.insert(at, len);
+            self.va_put(at, len);
         }
     }
 
@@ -582,6 +615,11 @@ impl Arena {
         }
         if count(&self.busy, 0, self.len) != self.n_busy || count(&self.holes, 0, self.len) != self.n_holes {
             return Err("the busy or given-back counts do not match the bitmaps".into());
+        }
+        if self.va_by_len.len() != self.va_free.len()
+            || self.va_free.iter().any(|(&a, &l)| !self.va_by_len.contains(&(l, a)))
+        {
+            return Err("the free address ranges' two indexes differ".into());
         }
         if runs != self.cached_runs
             || self.cached.values().map(Vec::len).sum::<usize>() != self.views.values().filter(|v| !v.live).count()

@@ -145,6 +145,8 @@ pub(crate) struct Block {
     pub(crate) raw: bool,
     /// A raw block that other queues used: its handles are in the raw table.
     pub(crate) raw_used: bool,
+    /// A view of a page-stitched arena (never split, never quick-cached).
+    pub(crate) arena: bool,
 }
 
 impl Block {

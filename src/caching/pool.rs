@@ -343,6 +343,7 @@ impl Pool {
             in_quick: false,
             raw: false,
             raw_used: false,
+            arena: false,
         };
         let id = match self.free_ids.pop() {
             Some(id) => {

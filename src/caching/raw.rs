@@ -164,6 +164,7 @@ mod tests {
             in_quick: false,
             raw,
             raw_used: false,
+            arena: false,
         }
     }
 

@@ -182,7 +182,7 @@ impl Pool {
         let Some(b) = self.blocks.get_mut(id as usize) else { return false };
         // A raw block is live: `raw` is set when it is handed out and cleared when it is freed
         // (before its request is applied, so a free waiting for other queues is not raw).
-        if !(quick_ok && b.raw && !b.raw_used && b.size < max_split) {
+        if !(quick_ok && b.raw && !b.raw_used && b.size < max_split && !b.arena) {
             return false;
         }
         debug_assert!(b.allocated && b.requested > 0, "a raw block is live");

@@ -52,8 +52,12 @@ impl Pool {
                         || b.next.is_some()
                         || b.pool != PoolKind::for_size(b.size)
                         || b.queue != e.queue
+                        || !b.arena
+                        || b.in_quick
                     {
-                        return Err(format!("arena block {id} is linked, of another queue, or in the wrong pool"));
+                        return Err(format!(
+                            "arena block {id} is linked, of another queue, in the wrong pool, not marked or quick-cached"
+                        ));
                     }
                     if self.raw.addrs.get(e.base + b.offset) != Some(id) {
                         return Err(format!("arena block {id} is not in the address table"));
@@ -95,6 +99,9 @@ impl Pool {
                 }
                 if self.raw.addrs.get(e.base + b.offset) != Some(id) {
                     return Err(format!("block {id} is not in the address table"));
+                }
+                if b.arena {
+                    return Err(format!("block {id} of a segment is marked an arena's view"));
                 }
                 by_addr += 1;
             }

@@ -27,7 +27,7 @@ impl Pool {
     /// Whether block `id` lies in an arena.
     #[inline]
     pub(super) fn is_arena(&self, id: BlockId) -> bool {
-        self.segments[self.blocks[id as usize].seg as usize].as_ref().is_some_and(|e| e.arena.is_some())
+        self.blocks[id as usize].arena
     }
 
     fn arena_mut(&mut self, si: u32) -> (&Arc<crate::segment::Segment>, &mut Arena) {
@@ -149,6 +149,7 @@ impl Pool {
         };
         let va = view.va;
         let id = self.new_block(si, (va, p.rounded), p.queue, p.pool, None, None);
+        self.blocks[id as usize].arena = true;
         self.arena_mut(si).1.adopt(id, view);
         let base = self.segments[si as usize].as_ref().map_or(0, |e| e.base);
         self.blocks[id as usize].allocated = true;
