@@ -176,7 +176,7 @@ impl Pool {
         for si in idle {
             let _ = self.release_segment_if_free(si);
         }
-        self.arena_release_cached(queue);
+        self.arena_release_cached(queue, true);
         for pool in PoolKind::BOTH {
             let ids: Vec<BlockId> =
                 self.pools[pool.slot()].iter().filter(|k| queue.is_none_or(|s| k.0 == s)).map(|k| k.3).collect();
@@ -199,9 +199,9 @@ impl Pool {
             return;
         }
         self.flush_quick();
-        // Arenas hold no old blocks, only free units: those go back first (their views stay
-        // only if their queues still have work in flight).
-        self.arena_release_cached(None);
+        // Arenas hold no old blocks, only free units: their pages go back first (the cached
+        // views stay).
+        self.arena_release_cached(None, false);
         // As seed 003: free blocks at least as old as the average age, oldest first, and
         // repeat with the average of what is left until under the target or nothing is left.
         loop {

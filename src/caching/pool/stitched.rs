@@ -216,21 +216,25 @@ impl Pool {
         self.free_ids.push(v);
     }
 
-    /// Gives back what the arena of `queue` (or every arena) holds unused: its cached views,
-    /// and, while its queue has no work in flight, the pages of its free units; an arena with
-    /// no block in use goes back whole. Returns the bytes released.
-    pub(super) fn arena_release_cached(&mut self, queue: Option<QueueKey>) -> usize {
+    /// Gives back what the arena of `queue` (or every arena) holds unused: while its queue has
+    /// no work in flight, the pages of its free units; with `views_too` (`empty_cache`, the OOM
+    /// ladder) also its cached views, and an arena with no block in use goes back whole. Garbage
+    /// collection keeps the views (they are address space, and a periodic workload needs them
+    /// to take its blocks with no call). Returns the bytes released.
+    pub(super) fn arena_release_cached(&mut self, queue: Option<QueueKey>, views_too: bool) -> usize {
         let arenas: Vec<(QueueKey, u32)> =
             self.arenas.iter().filter(|(q, _)| queue.is_none_or(|s| **q == s)).map(|(&q, &s)| (q, s)).collect();
         let mut freed = 0;
         for (q, si) in arenas {
             let seg = Arc::clone(&self.segments[si as usize].as_ref().expect("live arena").seg);
-            let ids = self.arena_mut(si).1.cached_ids();
-            for v in ids {
-                self.arena_evict(si, &seg, v);
-            }
-            if self.release_arena_if_free(si) {
-                continue;
+            if views_too {
+                let ids = self.arena_mut(si).1.cached_ids();
+                for v in ids {
+                    self.arena_evict(si, &seg, v);
+                }
+                if self.release_arena_if_free(si) {
+                    continue;
+                }
             }
             if self.queue_busy(q) {
                 continue;
