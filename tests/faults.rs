@@ -334,7 +334,7 @@ fn rlimit_nofile_tiny() {
         // Made before the limit: a block to copy into (small enough for the small pool, so
         // that device 0 has no stitched arena yet: an 8 MiB block then needs a new memfd), an
         // allocator with nothing cached.
-        const KEPT: usize = 32 << 10;
+        const KEPT: usize = 8 << 10;
         let (s, kept) = c_alloc(0, KEPT);
         assert_eq!(s, DMABUF_RT_OK);
         let alloc = CachingAllocator::builder(ShmemSource::new()).capacity(1 << 30).build().expect("allocator");

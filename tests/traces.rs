@@ -184,10 +184,6 @@ fn the_trim_policy_holds_its_bound_on_every_trace() {
 /// whose memory is the units of the live blocks: peak reserved stays within 1.03 of peak
 /// allocated, and once warm (the second half of four repetitions) no step calls the source or
 /// maps a view.
-/// One trace still misses the bound (`llm_serving`: its many small blocks live in the small
-/// pool's expandable segment, whose cached pages are memory the arena cannot use; with 32 KiB
-/// units more of them do, and the trim policy gives pages back and takes them again every
-/// step): it is held to what it reaches now, so that it cannot get worse unseen.
 #[test]
 fn the_stitched_arena_holds_its_bound_and_calls_nothing_once_warm() {
     for cfg in ["", "stitch_unit_kb:32"] {
@@ -199,10 +195,11 @@ fn the_stitched_arena_holds_its_bound_and_calls_nothing_once_warm() {
                 "{name} [{cfg}]: reserved / allocated {:.4}, warm source calls {}, warm remaps {}",
                 r.ratio, r.warm_source_calls, r.warm_remaps
             );
+            // At 32 KiB units llm_serving's blocks of 16 to 32 KiB stay in the small pool,
+            // whose cached pages the arena cannot use.
             let (bound, per_step) = match (cfg, name) {
-                (_, n) if n != "llm_serving" => (1.03, 0.0),
-                ("", _) => (1.045, 0.0),
-                _ => (1.055, 12.0),
+                ("stitch_unit_kb:32", "llm_serving") => (1.05, 0.5),
+                _ => (1.03, 0.0),
             };
             let calls = r.warm_source_calls as f64 / r.warm_steps.max(1) as f64;
             assert!(r.ratio <= bound, "{name} [{cfg}]: peak reserved / peak allocated {:.4}", r.ratio);
