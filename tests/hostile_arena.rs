@@ -161,7 +161,6 @@ fn gc_while_a_freed_block_is_still_read_by_its_queue_no_stitching() {
 /// of a block its queue still reads, though the comment in `garbage_collect` says views stay
 /// while their queue has work in flight.
 #[test]
-#[ignore = "bug: arena_release_cached evicts cached views (and releases the arena) of a queue that still has work in flight: the pending copy reads zeros"]
 fn gc_while_a_freed_arena_block_is_still_read_by_its_queue() {
     let _g = serial();
     pending_copy_out_of_freed_block("garbage_collection_threshold:0.05", |a, _| {
@@ -181,7 +180,6 @@ fn empty_cache_while_a_freed_block_is_still_read_by_its_queue_no_stitching() {
 /// `empty_cache` while the queue is held (its wait for the queue is bounded): the arena's
 /// cached views are evicted under the pending copy.
 #[test]
-#[ignore = "bug: arena_release_cached evicts cached views (and releases the arena) of a queue that still has work in flight: the pending copy reads zeros"]
 fn empty_cache_while_a_freed_arena_block_is_still_read_by_its_queue() {
     let _g = serial();
     pending_copy_out_of_freed_block("", |a, _| a.empty_cache());
@@ -190,7 +188,6 @@ fn empty_cache_while_a_freed_arena_block_is_still_read_by_its_queue() {
 /// The OOM ladder's `release_cached_blocks` rung (another request under pressure, no GC, no
 /// `empty_cache`): the same eviction under the pending copy.
 #[test]
-#[ignore = "bug: the OOM ladder's release_cached evicts cached views of a busy queue: the pending copy reads zeros"]
 fn memory_pressure_while_a_freed_arena_block_is_still_read_by_its_queue() {
     let _g = serial();
     pending_copy_out_of_freed_block("", |a, _| {
@@ -205,7 +202,6 @@ fn memory_pressure_while_a_freed_arena_block_is_still_read_by_its_queue() {
 /// The arena's address space running out (views of many sizes cached, no other pressure):
 /// `arena_new` evicts the oldest cached view, though its queue still reads it.
 #[test]
-#[ignore = "bug: arena_new evicts the oldest cached view when address space runs out without asking whether its queue is busy: the pending copy reads zeros"]
 fn address_space_exhaustion_while_a_freed_arena_block_is_still_read_by_its_queue() {
     let _g = serial();
     // 2 MiB allowed: the reservation is 8 MiB of address space, 16 KiB units.

@@ -129,8 +129,10 @@ impl Pool {
         let made = loop {
             match self.arena_mut(si).1.make(&seg, plan.clone()) {
                 Ok(None) => {
-                    // No address space left: the oldest cached view goes, and again.
-                    let Some(&v) = self.arena_mut(si).1.oldest_cached(0, 1).first() else {
+                    // No address space left: the oldest cached view goes, and again; not while
+                    // the queue has work in flight (it may still use a block freed meanwhile).
+                    let oldest = self.arena_mut(si).1.oldest_cached(0, 1).first().copied();
+                    let Some(v) = oldest.filter(|_| !self.queue_busy(p.queue)) else {
                         p.cause = "; the stitched arena's address space is full of views in use".into();
                         return false;
                     };
@@ -194,10 +196,13 @@ impl Pool {
     /// Block `id` of an arena is free: its units go back to the free set and its view is
     /// cached; the oldest views are let go if the cached ones hold too many mappings.
     pub(super) fn arena_release(&mut self, id: BlockId) {
-        let si = self.blocks[id as usize].seg;
+        let (si, queue) = (self.blocks[id as usize].seg, self.blocks[id as usize].queue);
+        let busy = self.queue_busy(queue);
         let (seg, a) = self.arena_mut(si);
         a.release(id);
-        if a.over_run_budget() {
+        // Not while the queue has work in flight: it may still use the view just freed (a
+        // stream-ordered free), and a view let go shows no memory any more.
+        if a.over_run_budget() && !busy {
             let seg = Arc::clone(seg);
             let ids = a.oldest_cached(super::super::arena::MAX_CACHED_RUNS * 3 / 4, 0);
             for v in ids {
@@ -216,9 +221,11 @@ impl Pool {
         self.free_ids.push(v);
     }
 
-    /// Gives back what the arena of `queue` (or every arena) holds unused: while its queue has
-    /// no work in flight, the pages of its free units; with `views_too` (`empty_cache`, the OOM
-    /// ladder) also its cached views, and an arena with no block in use goes back whole. Garbage
+    /// Gives back what the arena of `queue` (or every arena) holds unused, unless its queue has
+    /// work in flight (work queued before a free may still use the freed block: its view must
+    /// stay and its units keep their pages): the pages of its free units; with `views_too`
+    /// (`empty_cache`, the OOM ladder) also its cached views, and an arena with no block in use
+    /// goes back whole. Garbage
     /// collection keeps the views (they are address space, and a periodic workload needs them
     /// to take its blocks with no call). Returns the bytes released.
     pub(super) fn arena_release_cached(&mut self, queue: Option<QueueKey>, views_too: bool) -> usize {
@@ -226,6 +233,10 @@ impl Pool {
             self.arenas.iter().filter(|(q, _)| queue.is_none_or(|s| **q == s)).map(|(&q, &s)| (q, s)).collect();
         let mut freed = 0;
         for (q, si) in arenas {
+            if self.queue_busy(q) {
+                // Work queued before a free may still use the freed block's view and units.
+                continue;
+            }
             let seg = Arc::clone(&self.segments[si as usize].as_ref().expect("live arena").seg);
             if views_too {
                 let ids = self.arena_mut(si).1.cached_ids();
@@ -235,9 +246,6 @@ impl Pool {
                 if self.release_arena_if_free(si) {
                     continue;
                 }
-            }
-            if self.queue_busy(q) {
-                continue;
             }
             let (bytes, calls) = self.arena_mut(si).1.punch_free(&seg);
             if bytes > 0 {
@@ -251,12 +259,12 @@ impl Pool {
         freed
     }
 
-    /// Returns arena `si` to the source if no block of it is handed out or quick-cached (its
-    /// cached views go with it). Returns whether it went.
+    /// Returns arena `si` to the source if no block of it is handed out and its queue has no
+    /// work in flight (its cached views go with it). Returns whether it went.
     pub(super) fn release_arena_if_free(&mut self, si: u32) -> bool {
         let Some(e) = self.segments[si as usize].as_ref() else { return true };
         let a = e.arena.as_ref().expect("an arena");
-        if a.has_live() {
+        if a.has_live() || self.queue_busy(e.queue) {
             return false;
         }
         let seg = Arc::clone(&e.seg);
