@@ -281,7 +281,7 @@ fn churn(conf: &str, capacity: u64, threads: usize, iters: usize, seed: u64) {
                     let q = if t == 0 { None } else { Some(Queue::new().unwrap()) };
                     let side = Queue::new().unwrap();
                     let mut rng =
-                        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (t as u64 + 1) * 0xD1B5_4A32_D192_ED03 | 1);
+                        Rng((seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((t as u64 + 1) * 0xD1B5_4A32_D192_ED03)) | 1);
                     let mut live: Vec<Live> = Vec::new();
                     start.wait();
                     for step in 0..iters {
