@@ -15,7 +15,7 @@ use super::{AllocParams, Pool, SegEntry};
 
 impl Pool {
     /// Whether a request of `rounded` bytes is served by its queue's arena: page stitching on,
-    /// a source that makes expandable segments, and at least [`MIN_UNITS`] units (one).
+    /// a source that makes expandable segments, and at least [`MIN_UNITS`] units.
     #[inline]
     pub(super) fn uses_arena(&self, rounded: usize) -> bool {
         self.config.page_stitching
