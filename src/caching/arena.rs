@@ -24,7 +24,9 @@
 //! default), not memory: the oldest are let go when they hold more than [`MAX_CACHED_RUNS`]
 //! runs or the address space runs out. A view let go becomes unbacked anonymous memory (not
 //! `PROT_NONE`: work a careless caller left queued on a block it freed must not kill the
-//! process), and its address range is used for later views.
+//! process), and its address range is used for later views. None is let go, and no free unit
+//! given back, while the arena's queue has work in flight: a free in stream order leaves the
+//! work queued before it using the block (the pool checks).
 //!
 //! This file holds the arena's state and arithmetic ([`Arena`]); the pool decides when to use
 //! it (`pool/stitched.rs`).
@@ -58,7 +60,7 @@ pub(crate) struct View {
     /// Units it shows.
     pub(crate) n: usize,
     runs: Vec<(u32, u32)>,
-    /// Handed out or quick-cached (its units are busy).
+    /// Handed out (its units are busy).
     live: bool,
     /// When it was last let go (the arena's clock), for evicting the oldest.
     freed_at: u64,
@@ -71,7 +73,7 @@ pub(crate) struct View {
 }
 
 impl View {
-    /// Handed out or quick-cached.
+    /// Handed out.
     pub(crate) fn is_live(&self) -> bool {
         self.live
     }
@@ -198,7 +200,7 @@ impl Arena {
         self.reserved_len
     }
 
-    /// Whether any view is handed out or quick-cached.
+    /// Whether any view is handed out.
     pub(crate) fn has_live(&self) -> bool {
         self.views.values().any(|v| v.live)
     }
@@ -465,21 +467,10 @@ impl Arena {
             }
             at += len;
         }
-        // The memfd grows by whole chunks (as an expandable segment does): the units past what
-        // this view needs are counted as given back, so the next views take them with no
-        // call (touching them brings their pages in).
-        let new_len = if grown == 0 {
-            self.len
-        } else {
-            let chunk = (super::expandable::CHUNK / self.unit).max(1);
-            (self.len + grown).next_multiple_of(chunk).min(self.reserved_len / self.unit).max(self.len + grown)
-        };
+        let new_len = self.len + grown;
         let words = new_len.div_ceil(64);
         self.busy.resize(words, 0);
         self.holes.resize(words, 0);
-        let spare = new_len - (self.len + grown);
-        set(&mut self.holes, self.len + grown, new_len, true);
-        self.n_holes += spare;
         self.len = new_len;
         for &(u, k) in &runs {
             let (from, to) = (u as usize, (u + k) as usize);

@@ -604,9 +604,15 @@ mod tests {
         assert_eq!(r.peak_allocated_bytes, 32 << 20);
         // Two 8 MiB blocks fit in each 20 MiB segment; the second generation reuses them.
         assert_eq!(r.backend_allocs, 2, "the second generation reused the cache");
-        // One expandable segment (one call to reserve it, one per growth: four of 8 MiB), grown
-        // to exactly what the blocks need, then reused without a call.
+        // Page stitching (the default): one arena (one call to make it), whose units grow to
+        // exactly what the blocks need with no call (its memfd is sparse), four views mapped
+        // (one `mmap` each: the units are one run per view), then taken again without a call.
         let e = replay(&t, ReplaySource::Virtual, 1 << 40, &Config::default()).unwrap();
+        assert_eq!((e.backend_allocs, e.backend_frees, e.peak_reserved_bytes, e.remaps), (1, 0, 32 << 20, 4));
+        // Expandable segments without stitching: one call to reserve, one per growth (four of
+        // 8 MiB).
+        let x = Config { page_stitching: false, ..Config::default() };
+        let e = replay(&t, ReplaySource::Virtual, 1 << 40, &x).unwrap();
         assert_eq!((e.backend_allocs, e.backend_frees, e.peak_reserved_bytes), (5, 0, 32 << 20));
         assert_eq!(r.ooms, 0);
         let min = find_min_capacity(&t, ReplaySource::Virtual, 1 << 40, &c).unwrap().unwrap();

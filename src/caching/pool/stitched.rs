@@ -81,8 +81,9 @@ impl Pool {
     }
 
     /// A cached view for the request whose units are all free (and whose units given back fit
-    /// in the allowed memory when taken again), after merging the quick cache's frees if that
-    /// is what it takes.
+    /// in the allowed memory when taken again). On a miss the quick cache is merged into the
+    /// pools first, as a pool miss does: arena blocks never enter it, but leaving it unmerged
+    /// until it fills measured worse (cnn_train 787 -> 905 instructions per op).
     pub(super) fn arena_cached(&mut self, p: &mut AllocParams) -> bool {
         let Some(&si) = self.arenas.get(&p.queue) else { return false };
         let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
@@ -156,11 +157,9 @@ impl Pool {
         let base = self.segments[si as usize].as_ref().map_or(0, |e| e.base);
         self.blocks[id as usize].allocated = true;
         self.stats.device.num_remaps += made.maps as i64;
-        if made.grown > 0 {
-            // New memory: a call to the source in effect (the memfd's pages are taken when
-            // touched), counted as PyTorch counts a segment mapped.
-            self.stats.device.num_device_alloc += 1;
-        }
+        // New units are no call to the source: the memfd was made sparse at its full length,
+        // and their pages are taken from the kernel when first touched. The calls a view makes
+        // are its `mmap`s, counted above; the reserved bytes and the history show the growth.
         let added = (made.grown + made.rebacked) * self.config.stitch_unit;
         if added > 0 {
             stats::inc_array(&mut self.stats.device.reserved_bytes, PoolKind::Large, added as i64);
@@ -285,7 +284,7 @@ impl Pool {
         true
     }
 
-    /// An arena as snapshot segments: one per view handed out or quick-cached (its block, and
+    /// An arena as snapshot segments: one per view handed out (its block, and
     /// the rest of its last unit free), and its other backed units as one free segment at the
     /// end of its reservation (so that the segments' sizes add up to the reserved bytes).
     pub(super) fn arena_snapshot(
