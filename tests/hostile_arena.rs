@@ -24,6 +24,12 @@ use dmabuf_rt::queue::{HostBuffer, Queue};
 use dmabuf_rt::segment::Access;
 use dmabuf_rt::source::ShmemSource;
 
+/// `n` rounds of a race (as `scaled`), a fifth of them in a debug build (the CI's `cargo test`):
+/// the release runs keep the full count.
+fn rounds(n: usize) -> usize {
+    if cfg!(debug_assertions) { (scaled(n) / 5).max(n.min(20)) } else { scaled(n) }
+}
+
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
 
@@ -278,12 +284,14 @@ fn churn(conf: &str, capacity: u64, threads: usize, iters: usize, seed: u64) {
             .map(|t| {
                 let (a, bin, next_tag, start) = (a.clone(), bin.clone(), next_tag.clone(), start.clone());
                 std::thread::spawn(move || {
+                    // First, so that a panic below fails the test instead of leaving the others
+                    // waiting here.
+                    start.wait();
                     let q = if t == 0 { None } else { Some(Queue::new().unwrap()) };
                     let side = Queue::new().unwrap();
-                    let mut rng =
-                        Rng((seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((t as u64 + 1) * 0xD1B5_4A32_D192_ED03)) | 1);
+                    let mix = (t as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+                    let mut rng = Rng((seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ mix) | 1);
                     let mut live: Vec<Live> = Vec::new();
-                    start.wait();
                     for step in 0..iters {
                         let r = rng.below(100);
                         if r < 50 || live.is_empty() {
@@ -394,16 +402,16 @@ fn churn(conf: &str, capacity: u64, threads: usize, iters: usize, seed: u64) {
 #[test]
 fn churn_default_conf_threads_and_queues() {
     let _g = serial();
-    for seed in 0..scaled(3) as u64 {
-        churn("", 96 * MB as u64, 4, scaled(400), seed);
+    for seed in 0..rounds(3) as u64 {
+        churn("", 96 * MB as u64, 4, rounds(400), seed);
     }
 }
 
 #[test]
 fn churn_tiny_capacity_arena_and_pools_compete() {
     let _g = serial();
-    for seed in 0..scaled(3) as u64 {
-        churn("", 12 * MB as u64, 4, scaled(400), seed + 100);
+    for seed in 0..rounds(3) as u64 {
+        churn("", 12 * MB as u64, 4, rounds(400), seed + 100);
     }
 }
 
@@ -411,7 +419,7 @@ fn churn_tiny_capacity_arena_and_pools_compete() {
 fn churn_every_unit_size() {
     let _g = serial();
     for kb in [4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048] {
-        churn(&arena_conf(kb), 64 * MB as u64, 3, scaled(150), kb as u64);
+        churn(&arena_conf(kb), 64 * MB as u64, 3, rounds(150), kb as u64);
     }
 }
 
@@ -428,7 +436,7 @@ fn churn_other_confs() {
         "roundup_power2_divisions:4",
         "per_process_memory_fraction:0.5",
     ] {
-        churn(conf, 48 * MB as u64, 3, scaled(250), 7);
+        churn(conf, 48 * MB as u64, 3, rounds(250), 7);
     }
 }
 
@@ -520,7 +528,7 @@ fn raw_arena_blocks_freed_from_other_threads_and_raced() {
         let a = Arc::new(alloc(conf, 128 * MB as u64));
         let unit = a.config().stitch_unit;
         let threads = 4;
-        let iters = scaled(1500);
+        let iters = rounds(1500);
         // (address, size, tag) of live raw blocks anyone may free.
         let bin: Arc<Mutex<Vec<(usize, usize, u32)>>> = Arc::new(Mutex::new(Vec::new()));
         let wins = Arc::new(AtomicUsize::new(0));
@@ -530,10 +538,10 @@ fn raw_arena_blocks_freed_from_other_threads_and_raced() {
             .map(|t| {
                 let (a, bin, wins, made, start) = (a.clone(), bin.clone(), wins.clone(), made.clone(), start.clone());
                 std::thread::spawn(move || {
+                    start.wait();
                     let q = Queue::new().unwrap();
                     let mut rng = Rng(t as u64 * 7919 + 17);
                     let mut mine: Vec<(usize, usize, u32)> = Vec::new();
-                    start.wait();
                     for i in 0..iters {
                         match rng.below(4) {
                             0 | 1 => {
@@ -625,7 +633,7 @@ fn aliased_views_never_live_twice() {
         let mut rng = Rng(unit_kb as u64 * 31 + 5);
         let mut live: Vec<Live> = Vec::new();
         let mut tag = 0u32;
-        for step in 0..scaled(3000) {
+        for step in 0..rounds(3000) {
             if rng.below(100) < 55 || live.is_empty() {
                 let n = 4 + rng.below(28) as usize;
                 match a.allocate(n * unit - rng.below(unit as u64) as usize, Some(&q)) {
@@ -676,7 +684,7 @@ fn arena_blocks_shared_as_fds_show_exactly_their_bytes() {
     let mut rng = Rng(99);
     let mut live: Vec<Live> = Vec::new();
     let (mut shared, mut refused) = (0, 0);
-    for step in 0..scaled(600) as u32 {
+    for step in 0..rounds(600) as u32 {
         if rng.below(100) < 60 || live.is_empty() {
             let n = (4 + rng.below(20) as usize) * unit - rng.below(unit as u64) as usize;
             let x = a.allocate(n, Some(&q)).unwrap();
@@ -737,7 +745,7 @@ fn a_dropped_queue_gives_its_arena_back_when_its_last_block_goes() {
     let fds = open_fds();
     let a = Arc::new(alloc("", 256 * MB as u64));
     let unit = a.config().stitch_unit;
-    for round in 0..scaled(20) {
+    for round in 0..rounds(20) {
         let q = Queue::new().unwrap();
         let xs: Vec<Live> = (0..8u32)
             .map(|i| {
