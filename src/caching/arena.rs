@@ -34,6 +34,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::ControlFlow;
 
+use super::bitmap::{bit, count, set, words};
 use super::block::BlockId;
 use super::quick::FxBuild;
 use crate::error::{Error, Result};
@@ -123,32 +124,6 @@ pub(crate) struct Arena {
     /// Address space handed to views so far (the high-water mark).
     va_top: usize,
     clock: u64,
-}
-
-/// Calls `f(word, mask)` for the words of a bitmap that cover bits `[from, to)`.
-fn words(from: usize, to: usize, mut f: impl FnMut(usize, u64)) {
-    let mut p = from;
-    while p < to {
-        let bit = p % 64;
-        let n = (to - p).min(64 - bit);
-        let mask = if n == 64 { !0 } else { ((1u64 << n) - 1) << bit };
-        f(p / 64, mask);
-        p += n;
-    }
-}
-
-fn count(map: &[u64], from: usize, to: usize) -> usize {
-    let mut n = 0;
-    words(from, to, |w, m| n += (map.get(w).copied().unwrap_or(0) & m).count_ones() as usize);
-    n
-}
-
-fn set(map: &mut [u64], from: usize, to: usize, on: bool) {
-    words(from, to, |w, m| if on { map[w] |= m } else { map[w] &= !m });
-}
-
-fn bit(map: &[u64], i: usize) -> bool {
-    map[i / 64] & (1 << (i % 64)) != 0
 }
 
 impl Arena {
@@ -275,8 +250,7 @@ impl Arena {
             let (from, to) = (u as usize, (u + k) as usize);
             debug_assert_eq!(count(&self.busy, from, to), 0, "a view is taken only while its units are free");
             if self.n_holes > 0 {
-                rebacked += count(&self.holes, from, to);
-                set(&mut self.holes, from, to, false);
+                rebacked += set(&mut self.holes, from, to, false);
             }
             set(&mut self.busy, from, to, true);
         }
@@ -474,8 +448,7 @@ impl Arena {
         self.len = new_len;
         for &(u, k) in &runs {
             let (from, to) = (u as usize, (u + k) as usize);
-            self.n_holes -= count(&self.holes, from, to);
-            set(&mut self.holes, from, to, false);
+            self.n_holes -= set(&mut self.holes, from, to, false);
             set(&mut self.busy, from, to, true);
         }
         self.n_busy += n;
@@ -550,14 +523,13 @@ impl Arena {
     /// returns the bytes released and the calls made.
     pub(crate) fn punch_free(&mut self, seg: &Segment) -> (usize, usize) {
         let mut runs: Vec<(usize, usize)> = Vec::new();
-        for i in 0..self.len {
-            if !bit(&self.busy, i) && !bit(&self.holes, i) {
-                match runs.last_mut() {
-                    Some(r) if r.0 + r.1 == i => r.1 += 1,
-                    _ => runs.push((i, 1)),
-                }
-            }
-        }
+        self.scan_runs(
+            |w| !self.busy[w] & !self.holes[w],
+            |u, k| {
+                runs.push((u, k));
+                ControlFlow::Continue(())
+            },
+        );
         let (mut bytes, mut calls) = (0, 0);
         for (u, k) in runs {
             if seg.punch(u * self.unit, k * self.unit).is_err() {

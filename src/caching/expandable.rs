@@ -9,6 +9,7 @@
 //! and their arithmetic), the reservation sizing, and the trim policy's arithmetic
 //! ([`Budget`]); the pool decides when to grow, punch and trim, and calls in here.
 
+use super::bitmap;
 use super::block::BlockId;
 use crate::error::{Error, Result};
 use crate::segment::Segment;
@@ -32,26 +33,12 @@ pub(crate) struct ExpState {
 }
 
 impl ExpState {
-    /// Calls `f(word, mask)` for the words of `holes` that cover pages `[from, to)`.
-    fn words(from: usize, to: usize, mut f: impl FnMut(usize, u64)) {
-        let mut p = from;
-        while p < to {
-            let bit = p % 64;
-            let n = (to - p).min(64 - bit);
-            let mask = if n == 64 { !0 } else { ((1u64 << n) - 1) << bit };
-            f(p / 64, mask);
-            p += n;
-        }
-    }
-
     /// Punched pages among pages `[from, to)`.
     pub(crate) fn holes_in(&self, from: usize, to: usize) -> usize {
         if self.punched == 0 {
             return 0;
         }
-        let mut n = 0;
-        Self::words(from, to, |w, mask| n += (self.holes[w] & mask).count_ones() as usize);
-        n
+        bitmap::count(&self.holes, from, to)
     }
 
     /// The backed runs of the first `mapped` bytes, as byte ranges `[start, end)` in order
@@ -70,13 +57,7 @@ impl ExpState {
 
     /// Marks pages `[from, to)` punched (`hole`) or backed; returns how many changed.
     fn mark(&mut self, from: usize, to: usize, hole: bool) -> usize {
-        let mut changed = 0;
-        let holes = &mut self.holes;
-        Self::words(from, to, |w, mask| {
-            let flip = if hole { !holes[w] & mask } else { holes[w] & mask };
-            changed += flip.count_ones() as usize;
-            holes[w] ^= flip;
-        });
+        let changed = bitmap::set(&mut self.holes, from, to, hole);
         if hole {
             self.punched += changed;
         } else {

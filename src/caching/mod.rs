@@ -68,6 +68,7 @@
 mod addrs;
 mod allocation;
 mod arena;
+mod bitmap;
 mod block;
 pub mod config;
 mod expandable;
