@@ -88,7 +88,8 @@ struct AllocParams {
     waited: bool,
     /// The block found.
     block: Option<BlockId>,
-    /// `block` came from the quick cache: an exact fit, handed out as it is.
+    /// `block` is handed out as it is: an exact fit from the quick cache, or an arena view just
+    /// made for the request.
     exact: bool,
     /// The ladder stopped for the caller to wait for the deferred frees.
     wait: bool,

@@ -155,7 +155,6 @@ impl Pool {
         self.blocks[id as usize].arena = true;
         self.arena_mut(si).1.adopt(id, view);
         let base = self.segments[si as usize].as_ref().map_or(0, |e| e.base);
-        self.blocks[id as usize].allocated = true;
         self.stats.device.num_remaps += made.maps as i64;
         // New units are no call to the source: the memfd was made sparse at its full length,
         // and their pages are taken from the kernel when first touched. The calls a view makes
@@ -165,8 +164,8 @@ impl Pool {
             stats::inc_array(&mut self.stats.device.reserved_bytes, PoolKind::Large, added as i64);
             self.log(HistoryKind::SegmentMap, base + va, added, p.queue);
         }
-        // Handed out as it is: `take_from_pool` sees it allocated and leaves it alone.
-        p.block = Some(id);
+        // Its units are busy already: handed out as it is, not through `take_from_pool`.
+        (p.block, p.exact) = (Some(id), true);
         true
     }
 
@@ -174,11 +173,6 @@ impl Pool {
     /// back count as reserved again.
     pub(super) fn arena_take(&mut self, id: BlockId, rounded: usize) {
         let b = &mut self.blocks[id as usize];
-        if b.allocated {
-            // A view just made ([`Pool::arena_new`]).
-            b.allocated = false;
-            return;
-        }
         b.size = rounded;
         b.pool = PoolKind::for_size(rounded);
         let si = b.seg;
