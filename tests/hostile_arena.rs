@@ -151,29 +151,28 @@ fn pending_copy_out_of_freed_block(conf: &str, release: impl FnOnce(&CachingAllo
     a.check_invariants().unwrap();
 }
 
+/// Host allocations that miss the cache above the garbage-collection threshold, so that
+/// garbage collection runs.
+fn collect_garbage(a: &CachingAllocator, _: &Queue) {
+    let pad = a.allocate(8 * MB, None).unwrap();
+    let _more = a.allocate(3 * MB, None).unwrap();
+    drop(pad);
+}
+
 /// Control: garbage collection while the copy is pending, without page stitching (expandable
 /// segments keep pages of a busy queue's free blocks).
 #[test]
 fn gc_while_a_freed_block_is_still_read_by_its_queue_no_stitching() {
     let _g = serial();
-    pending_copy_out_of_freed_block("page_stitching:False,garbage_collection_threshold:0.05", |a, _| {
-        let pad = a.allocate(8 * MB, None).unwrap();
-        let _more = a.allocate(3 * MB, None).unwrap();
-        drop(pad);
-    });
+    pending_copy_out_of_freed_block("page_stitching:False,garbage_collection_threshold:0.05", collect_garbage);
 }
 
-/// Garbage collection (an allocation's cache miss above the threshold) evicts the cached view
-/// of a block its queue still reads, though the comment in `garbage_collect` says views stay
-/// while their queue has work in flight.
+/// Garbage collection (an allocation's cache miss above the threshold) must neither let go of
+/// the cached view of a block its queue still reads nor punch its units (it once did both).
 #[test]
 fn gc_while_a_freed_arena_block_is_still_read_by_its_queue() {
     let _g = serial();
-    pending_copy_out_of_freed_block("garbage_collection_threshold:0.05", |a, _| {
-        let pad = a.allocate(8 * MB, None).unwrap();
-        let _more = a.allocate(3 * MB, None).unwrap();
-        drop(pad);
-    });
+    pending_copy_out_of_freed_block("garbage_collection_threshold:0.05", collect_garbage);
 }
 
 /// Control for `empty_cache`: without page stitching.
@@ -183,8 +182,8 @@ fn empty_cache_while_a_freed_block_is_still_read_by_its_queue_no_stitching() {
     pending_copy_out_of_freed_block("page_stitching:False", |a, _| a.empty_cache());
 }
 
-/// `empty_cache` while the queue is held (its wait for the queue is bounded): the arena's
-/// cached views are evicted under the pending copy.
+/// `empty_cache` while the queue is held (its wait for the queue is bounded): the arena's cached
+/// views must stay under the pending copy (they were once let go).
 #[test]
 fn empty_cache_while_a_freed_arena_block_is_still_read_by_its_queue() {
     let _g = serial();
@@ -192,7 +191,7 @@ fn empty_cache_while_a_freed_arena_block_is_still_read_by_its_queue() {
 }
 
 /// The OOM ladder's `release_cached_blocks` rung (another request under pressure, no GC, no
-/// `empty_cache`): the same eviction under the pending copy.
+/// `empty_cache`): the same, the views must stay under the pending copy.
 #[test]
 fn memory_pressure_while_a_freed_arena_block_is_still_read_by_its_queue() {
     let _g = serial();
@@ -206,7 +205,8 @@ fn memory_pressure_while_a_freed_arena_block_is_still_read_by_its_queue() {
 }
 
 /// The arena's address space running out (views of many sizes cached, no other pressure):
-/// `arena_new` evicts the oldest cached view, though its queue still reads it.
+/// `arena_new` must not let go of the oldest cached view while its queue still reads it (it once
+/// did).
 #[test]
 fn address_space_exhaustion_while_a_freed_arena_block_is_still_read_by_its_queue() {
     let _g = serial();
