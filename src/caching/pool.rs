@@ -795,6 +795,18 @@ impl Pool {
         idx
     }
 
+    /// How a snapshot shows block `id`, given the free ones (pooled or quick-cached).
+    fn block_state(&self, id: BlockId, free: &HashSet<BlockId>) -> BlockState {
+        let b = &self.blocks[id as usize];
+        if free.contains(&id) {
+            BlockState::Free
+        } else if b.allocated && b.requested == 0 {
+            BlockState::PendingFree
+        } else {
+            BlockState::Allocated
+        }
+    }
+
     /// Segments with their blocks (see [`Snapshot`]).
     pub(crate) fn snapshot(&self) -> Snapshot {
         let free: HashSet<BlockId> =
@@ -806,13 +818,7 @@ impl Pool {
         });
         let blocks =
             self.blocks.iter().enumerate().filter(|&(id, _)| !dead.contains(&(id as BlockId))).map(|(id, b)| {
-                let state = if free.contains(&(id as BlockId)) {
-                    BlockState::Free
-                } else if b.allocated && b.requested == 0 {
-                    BlockState::PendingFree
-                } else {
-                    BlockState::Allocated
-                };
+                let state = self.block_state(id as BlockId, &free);
                 (b.seg, BlockSnapshot { offset: b.offset, size: b.size, requested: b.requested, state })
             });
         let mut snap = Snapshot::build(segments, blocks);

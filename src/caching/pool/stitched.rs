@@ -298,14 +298,7 @@ impl Pool {
         };
         let mut out = Vec::new();
         for (id, v) in a.views().filter(|(_, v)| v.is_live()) {
-            let b = &self.blocks[id as usize];
-            let state = if free.contains(&id) {
-                BlockState::Free
-            } else if b.requested == 0 {
-                BlockState::PendingFree
-            } else {
-                BlockState::Allocated
-            };
+            let (b, state) = (&self.blocks[id as usize], self.block_state(id, free));
             let len = v.n * a.unit();
             let mut blocks = vec![BlockSnapshot { offset: 0, size: b.size, requested: b.requested, state }];
             if len > b.size {
