@@ -1,24 +1,29 @@
 //! Page-stitched arenas: GMLake's idea (ASPLOS'24) on a memfd, which on Linux needs no
 //! driver. Physical memory is a set of fixed-size *units* of one sparse memfd per queue
-//! (`Config::stitch_unit`, 16 KiB by default); a block is a *view*: a range of the arena's
-//! reserved address space onto which whichever free units there were got mapped
-//! (`mmap(MAP_FIXED)`, one call per run of consecutive units). So a block never needs
-//! contiguous physical memory, and free memory is never stranded behind a live neighbour: the
-//! memory in use is the units of the live blocks, whatever their addresses.
+//! (`Config::stitch_unit`, 16 KiB by default), and the arena's reservation has two halves:
+//!
+//! - The *home region* shows the memfd in order (one `mmap` when the arena is made). A block
+//!   that fits in one run of free units is a *home block* there, at its units' own address,
+//!   with no call at all: the smallest free run that holds it (best fit over an index of the
+//!   free runs, which merge again when blocks go). A home block leaves no trace when freed.
+//! - Only when no free run holds a block, its units are stitched: a *view* is a range of the
+//!   second half onto which free runs anywhere in the memfd are mapped (`mmap(MAP_FIXED)`,
+//!   one call per run, as few runs as can be: the largest first). So a block never needs
+//!   contiguous physical memory, free memory is never stranded behind a live neighbour, and
+//!   the memfd grows only when the free units, wherever they lie, are fewer than the block
+//!   needs.
 //!
 //! A view outlives its block. When the block is freed its units go back to the free set but
-//! the view stays mapped and cached (by unit count); a later request of that many units takes
-//! the oldest cached view whose units are all free again, with no call at all. Oldest first
-//! (by when the view was made), not most recently freed, and freed views come straight back
-//! here (not through the pool's quick cache): then which view a request gets depends only on
-//! which units are free at that moment, so a step that repeats the last one repeats its
-//! choices, and a view made in one step is found again at the same point of the next. On the
-//! traces of `examples/torch-traces` no warm step makes a view; most-recently-freed first (and
-//! the quick cache's order) made about 130 new views in every step of cnn_train.
-//! A unit may so show in several views at once (aliases); only one of them is ever handed out
-//! at a time, because a view is handed out only while all its units are free, and taking it
-//! makes them busy. In the steady state of a periodic workload every request finds such a view
-//! and nothing is mapped, taken from the kernel or given back.
+//! the view stays mapped and cached (by unit count); a later request of that many units that
+//! finds no free run takes the oldest cached view whose units are all free again, with no
+//! call. Oldest first (by when the view was made), not most recently freed, and freed blocks
+//! come straight back here (not through the pool's quick cache): then what a request gets
+//! depends only on which units are free at that moment, so a step that repeats the last one
+//! repeats its choices, and a view made in one step is found again at the same point of the
+//! next. On the traces of `examples/torch-traces` no warm step makes a view or calls anything.
+//! A unit may so show in several places at once (aliases: its home address and views); only
+//! one of them is ever handed out at a time, because a block is handed out only while all its
+//! units are free, and taking it makes them busy.
 //!
 //! Cached views cost address space and kernel mappings (VMAs; Linux allows 65,530 a process by
 //! default), not memory: the oldest are let go when they hold more than [`MAX_CACHED_RUNS`]
@@ -112,6 +117,15 @@ pub(crate) struct Arena {
     holes: Vec<u64>,
     n_busy: usize,
     n_holes: usize,
+    /// One bit per unit, set where a home block started and was freed, and no block has
+    /// shown the unit since: a pointer there is a double free (home blocks leave no trace).
+    freed: Vec<u64>,
+    /// Units the home region (and so the memfd) holds: `[0, home_units)`.
+    home_units: usize,
+    /// The free units (not busy) of `[0, len)` as maximal runs: first unit -> count.
+    free_at: BTreeMap<u32, u32>,
+    /// The same runs by `(count, first unit)`, for best fit.
+    free_by_len: BTreeSet<(u32, u32)>,
     views: HashMap<BlockId, View, FxBuild>,
     /// Views not handed out, by unit count, as `(born, id)` in order (oldest first).
     cached: HashMap<usize, Vec<(u64, BlockId)>, FxBuild>,
@@ -132,6 +146,12 @@ impl Arena {
     pub(crate) fn new(seg: &Segment, unit: usize) -> Result<Self> {
         seg.start_stitched()?;
         let reserved_len = seg.mapping().map_or(0, crate::mapping::Mapping::reserved_len);
+        // The home region: the first half of the reservation shows the memfd in order, with
+        // one `mmap` now (a sparse file: no memory until a block's pages are touched).
+        let home_units = (reserved_len / 2 / unit).min(u32::MAX as usize);
+        if home_units > 0 {
+            seg.map_view(0, 0, home_units * unit)?;
+        }
         Ok(Self {
             unit,
             reserved_len,
@@ -140,14 +160,74 @@ impl Arena {
             holes: Vec::new(),
             n_busy: 0,
             n_holes: 0,
+            freed: Vec::new(),
+            home_units,
+            free_at: BTreeMap::new(),
+            free_by_len: BTreeSet::new(),
             views: HashMap::default(),
             cached: HashMap::default(),
             cached_runs: 0,
             va_free: BTreeMap::new(),
             va_by_len: BTreeSet::new(),
-            va_top: 0,
+            va_top: home_units * unit,
             clock: 0,
         })
+    }
+
+    /// Bytes of the home region (the start of the stitched views' address space).
+    fn home_bytes(&self) -> usize {
+        self.home_units * self.unit
+    }
+
+    /// Whether a view lies in the home region (one run, at its units' own address).
+    pub(crate) fn is_home(&self, v: &View) -> bool {
+        v.va < self.home_bytes()
+    }
+
+    /// Whether byte `off` of the reservation is where a home block started and was freed,
+    /// with nothing using the unit since: a free of it is a double free.
+    pub(crate) fn freed_at(&self, off: usize) -> bool {
+        let u = off / self.unit;
+        off < self.home_bytes() && off % self.unit == 0 && u < self.len && bit(&self.freed, u) && !bit(&self.busy, u)
+    }
+
+    fn put_run(&mut self, s: u32, k: u32) {
+        self.free_at.insert(s, k);
+        self.free_by_len.insert((k, s));
+    }
+
+    fn take_run(&mut self, s: u32) -> u32 {
+        let k = self.free_at.remove(&s).expect("a free run");
+        self.free_by_len.remove(&(k, s));
+        k
+    }
+
+    /// Units `[s, s + k)`, all free (so in one free run), become busy in the run index.
+    fn occupy(&mut self, s: u32, k: u32) {
+        let (&rs, &rl) = self.free_at.range(..=s).next_back().expect("free units lie in a free run");
+        debug_assert!(s + k <= rs + rl, "units [{s}, {}) are not all free (run {rs}+{rl})", s + k);
+        self.take_run(rs);
+        if s > rs {
+            self.put_run(rs, s - rs);
+        }
+        if s + k < rs + rl {
+            self.put_run(s + k, rs + rl - s - k);
+        }
+    }
+
+    /// Units `[s, s + k)` become free in the run index, merged with free neighbours.
+    fn vacate(&mut self, mut s: u32, mut k: u32) {
+        if let Some((&ps, &pl)) = self.free_at.range(..s).next_back() {
+            if ps + pl == s {
+                self.take_run(ps);
+                s = ps;
+                k += pl;
+            }
+        }
+        if self.free_at.contains_key(&(s + k)) {
+            k += self.take_run(s + k);
+        }
+        self.put_run(s, k);
     }
 
     /// Bytes per unit.
@@ -254,15 +334,21 @@ impl Arena {
             }
             set(&mut self.busy, from, to, true);
         }
+        for i in 0..self.views[&id].runs.len() {
+            let (u, k) = self.views[&id].runs[i];
+            self.occupy(u, k);
+        }
         self.n_holes -= rebacked;
         self.n_busy += n;
         rebacked
     }
 
-    /// Block `id`'s view is let go by its block (freed): its units are free, the view cached.
-    pub(crate) fn release(&mut self, id: BlockId) {
+    /// Block `id`'s view is let go by its block (freed): its units are free; a stitched view
+    /// is cached, a home block is gone (returns true then: its id and address are free).
+    pub(crate) fn release(&mut self, id: BlockId) -> bool {
         self.clock += 1;
         let clock = self.clock;
+        let home = self.home_bytes();
         let v = self.views.get_mut(&id).expect("a view");
         debug_assert!(v.live);
         v.live = false;
@@ -272,10 +358,22 @@ impl Arena {
             set(&mut self.busy, u as usize, (u + k) as usize, false);
         }
         self.n_busy -= n;
+        if v.va < home {
+            let (u, k) = v.runs[0];
+            self.views.remove(&id);
+            set(&mut self.freed, u as usize, u as usize + 1, true);
+            self.vacate(u, k);
+            return true;
+        }
+        for i in 0..runs {
+            let (u, k) = self.views[&id].runs[i];
+            self.vacate(u, k);
+        }
         let list = self.cached.entry(n).or_default();
         let at = list.binary_search(&key).expect_err("not listed while live");
         list.insert(at, key);
         self.cached_runs += runs;
+        false
     }
 
     /// Calls `f(first, count)` for the maximal runs of units in `[0, len)` whose bit is set in
@@ -316,50 +414,50 @@ impl Arena {
         }
     }
 
-    /// The units a new view of `n` units would show, in runs, and what they cost (units given
-    /// back and taken again, new units): the first run of free backed units that holds `n`
-    /// (one `mmap`), else free backed runs lowest first, then units given back lowest first,
-    /// then new units past the end.
+    /// The units a new block of `n` units would show, in runs, and what they cost (units given
+    /// back and taken again, new units): the smallest free run that holds `n` (a home block:
+    /// no call at all); else free runs lowest first (a stitched view, one `mmap` a run); and
+    /// only if the free units are fewer than `n`, new units past the end as well (so memory
+    /// grows only when the free memory, wherever it lies, cannot hold the block).
     fn pick(&self, n: usize) -> (Vec<(u32, u32)>, usize, usize) {
-        let backed = |w: usize| !self.busy[w] & !self.holes[w];
-        let mut one = None;
-        self.scan_runs(backed, |start, len| {
-            if len >= n {
-                one = Some(start);
-                return ControlFlow::Break(());
-            }
-            ControlFlow::Continue(())
-        });
-        if let Some(start) = one {
-            return (vec![(start as u32, n as u32)], 0, 0);
+        let holes =
+            |u: u32, k: u32| if self.n_holes == 0 { 0 } else { count(&self.holes, u as usize, (u + k) as usize) };
+        if let Some(&(_, s)) = self.free_by_len.range((n as u32, 0)..).next() {
+            return (vec![(s, n as u32)], holes(s, n as u32), 0);
         }
-        let mut chosen: Vec<(usize, usize)> = Vec::new();
-        let left = std::cell::Cell::new(n);
-        let mut take = |start: usize, len: usize| {
-            let k = len.min(left.get());
-            chosen.push((start, k));
-            left.set(left.get() - k);
-            if left.get() == 0 { ControlFlow::Break(()) } else { ControlFlow::Continue(()) }
-        };
-        self.scan_runs(backed, &mut take);
-        let before = n - left.get();
-        if left.get() > 0 {
-            self.scan_runs(|w| !self.busy[w] & self.holes[w], &mut take);
-        }
-        let rebacked = n - left.get() - before;
-        let grown = left.get();
-        if grown > 0 {
-            chosen.push((self.len, grown));
-        }
-        chosen.sort_unstable();
+        // As few runs (mmaps) as can be: the largest free runs, until the smallest one that
+        // holds the rest.
         let mut runs: Vec<(u32, u32)> = Vec::new();
-        for (start, k) in chosen {
+        let mut left = n as u32;
+        let mut largest = self.free_by_len.iter().rev();
+        while left > 0 {
+            if let Some(&(_, s)) = self.free_by_len.range((left, 0)..).find(|&&(_, s)| !runs.iter().any(|r| r.0 == s)) {
+                runs.push((s, left));
+                left = 0;
+                break;
+            }
+            let Some(&(k, s)) = largest.next() else { break };
+            runs.push((s, k));
+            left -= k;
+        }
+        runs.sort_unstable();
+        let rebacked = runs.iter().map(|&(u, k)| holes(u, k)).sum();
+        let grown = left as usize;
+        if grown > 0 {
             match runs.last_mut() {
-                Some(r) if (r.0 + r.1) as usize == start => r.1 += k as u32,
-                _ => runs.push((start as u32, k as u32)),
+                Some(r) if (r.0 + r.1) as usize == self.len => r.1 += left,
+                _ => runs.push((self.len as u32, left)),
             }
         }
         (runs, rebacked, grown)
+    }
+
+    /// A home block of `n` units in the smallest free run that holds it, if there is one:
+    /// its plan and what it adds to the reserved bytes (its units given back).
+    pub(crate) fn home_fit(&self, n: usize) -> Option<(Plan, usize)> {
+        let &(_, s) = self.free_by_len.range((n as u32, 0)..).next()?;
+        let h = if self.n_holes == 0 { 0 } else { count(&self.holes, s as usize, s as usize + n) };
+        Some(((vec![(s, n as u32)], h, 0), h * self.unit))
     }
 
     /// The units a new view of `n` units would show, for [`Arena::make`], and what it would
@@ -416,43 +514,59 @@ impl Arena {
         }
     }
 
-    /// Makes a new view of the units `plan` names ([`Arena::plan`], made since nothing else
-    /// changed), handed out (its units busy; [`Arena::adopt`] files it): address space from
-    /// the free ranges, one `mmap` per run. `None` if the address space is full (the pool lets
-    /// the oldest cached views go and tries again); on failure nothing changed.
+    /// Makes a new block of the units `plan` names ([`Arena::plan`] or [`Arena::home_fit`],
+    /// made since nothing else changed), handed out (its units busy; [`Arena::adopt`] files
+    /// it): one run is a home block, at its units' own address with no call; several are a
+    /// stitched view, with address space from the free ranges and one `mmap` per run. `None`
+    /// if that address space is full (the pool lets the oldest cached views go and tries
+    /// again); on failure nothing changed.
     pub(crate) fn make(&mut self, seg: &Segment, plan: Plan) -> Result<Option<(View, Made)>> {
         let (runs, rebacked, grown) = plan;
         let n = runs.iter().map(|r| r.1 as usize).sum::<usize>();
-        if (self.len + grown) * self.unit > self.reserved_len {
+        if self.len + grown > self.home_units {
             return Err(Error::Unsupported { what: "the arena's memfd is full".into() });
         }
         let bytes = n * self.unit;
-        let Some(va) = self.va_alloc(bytes) else { return Ok(None) };
-        let mut at = va;
-        for &(u, k) in &runs {
-            let len = k as usize * self.unit;
-            if let Err(e) = seg.map_view(at, u as usize * self.unit, len) {
-                // Nothing is handed out over the part mapped so far: give it back.
-                if at > va {
-                    let _ = seg.unmap_view(va, at - va);
+        let home = runs.len() == 1;
+        let va = if home {
+            runs[0].0 as usize * self.unit
+        } else {
+            let Some(va) = self.va_alloc(bytes) else { return Ok(None) };
+            let mut at = va;
+            for &(u, k) in &runs {
+                let len = k as usize * self.unit;
+                if let Err(e) = seg.map_view(at, u as usize * self.unit, len) {
+                    // Nothing is handed out over the part mapped so far: give it back.
+                    if at > va {
+                        let _ = seg.unmap_view(va, at - va);
+                    }
+                    self.va_release(va, bytes);
+                    return Err(e);
                 }
-                self.va_release(va, bytes);
-                return Err(e);
+                at += len;
             }
-            at += len;
+            va
+        };
+        if grown > 0 {
+            let (old, new_len) = (self.len, self.len + grown);
+            let words = new_len.div_ceil(64);
+            self.busy.resize(words, 0);
+            self.holes.resize(words, 0);
+            self.freed.resize(words, 0);
+            self.len = new_len;
+            self.vacate(old as u32, grown as u32);
         }
-        let new_len = self.len + grown;
-        let words = new_len.div_ceil(64);
-        self.busy.resize(words, 0);
-        self.holes.resize(words, 0);
-        self.len = new_len;
         for &(u, k) in &runs {
             let (from, to) = (u as usize, (u + k) as usize);
             self.n_holes -= set(&mut self.holes, from, to, false);
             set(&mut self.busy, from, to, true);
+            self.occupy(u, k);
+        }
+        if home {
+            set(&mut self.freed, runs[0].0 as usize, (runs[0].0 + runs[0].1) as usize, false);
         }
         self.n_busy += n;
-        let maps = runs.len();
+        let maps = if home { 0 } else { runs.len() };
         self.clock += 1;
         let born = self.clock;
         let watch = runs[0].0;
@@ -561,6 +675,13 @@ impl Arena {
             if v.runs.iter().map(|r| r.1 as usize).sum::<usize>() != v.n {
                 return Err(format!("view of block {id} shows other than {} units", v.n));
             }
+            let home = self.is_home(v);
+            if home && (!live || v.runs.len() != 1 || v.va != v.runs[0].0 as usize * self.unit) {
+                return Err(format!("home block {id} is cached, stitched or not at its units: {v:?}"));
+            }
+            if !home && v.runs.len() < 2 {
+                return Err(format!("stitched view of block {id} shows one run: {v:?}"));
+            }
             if live {
                 for &(u, k) in &v.runs {
                     let (from, to) = (u as usize, (u + k) as usize);
@@ -577,8 +698,9 @@ impl Arena {
                     return Err(format!("cached view of block {id} is not listed"));
                 }
             }
-            if v.va + v.n * self.unit > self.va_top
-                || self.va_free.range(..v.va + v.n * self.unit).any(|(&a, &l)| a + l > v.va)
+            if !home
+                && (v.va + v.n * self.unit > self.va_top
+                    || self.va_free.range(..v.va + v.n * self.unit).any(|(&a, &l)| a + l > v.va))
             {
                 return Err(format!("view of block {id} overlaps free address space"));
             }
@@ -593,6 +715,20 @@ impl Arena {
         }
         if count(&self.busy, 0, self.len) != self.n_busy || count(&self.holes, 0, self.len) != self.n_holes {
             return Err("the busy or given-back counts do not match the bitmaps".into());
+        }
+        let mut free_runs = BTreeMap::new();
+        self.scan_runs(
+            |w| !self.busy[w],
+            |u, k| {
+                free_runs.insert(u as u32, k as u32);
+                ControlFlow::Continue(())
+            },
+        );
+        if free_runs != self.free_at
+            || self.free_by_len.len() != self.free_at.len()
+            || self.free_at.iter().any(|(&u, &k)| !self.free_by_len.contains(&(k, u)))
+        {
+            return Err(format!("the free-run index {:?} is not the free units' runs {free_runs:?}", self.free_at));
         }
         if self.va_by_len.len() != self.va_free.len()
             || self.va_free.iter().any(|(&a, &l)| !self.va_by_len.contains(&(l, a)))

@@ -11,6 +11,9 @@ use super::block::{Block, BlockId, QueueKey};
 use super::quick::FxBuild;
 use crate::queue::{Queue, QueueHandle};
 
+/// Why a free of a block already freed is refused.
+pub(crate) const DOUBLE_FREE: &str = "already freed (double free)";
+
 /// A raw free that must wait for other queues: the block and those queues.
 pub(crate) type RawDeferred = (BlockId, Vec<QueueHandle>);
 
@@ -41,7 +44,7 @@ impl RawTable {
         let Some(id) = self.addrs.get(addr) else { return self.classify_foreign(addr, blocks) };
         let b = &blocks[id as usize];
         match (b.allocated, b.requested > 0) {
-            (false, _) => "already freed (double free)",
+            (false, _) => DOUBLE_FREE,
             (true, false) => "already freed (its free is waiting for other queues)",
             // Allocated with a request, so not raw (a live raw block is never refused).
             (true, true) => "owned by an Allocation object, not a raw allocation: drop the Allocation instead",

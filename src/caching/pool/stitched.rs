@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use super::super::arena::{Arena, MIN_UNITS};
+use super::super::arena::{Arena, MIN_UNITS, Plan};
 use super::super::block::{BlockId, PoolKind, QueueKey};
 use super::super::expandable::{self, Reservation};
 use super::super::snapshot::{BlockSnapshot, BlockState, HistoryKind, SegmentSnapshot};
@@ -80,18 +80,24 @@ impl Pool {
         }
     }
 
-    /// A cached view for the request whose units are all free (and whose units given back fit
-    /// in the allowed memory when taken again). On a miss the quick cache is merged into the
-    /// pools first, as a pool miss does: arena blocks never enter it, but leaving it unmerged
-    /// until it fills measured worse (cnn_train 787 -> 905 instructions per op).
+    /// Free memory of the arena for the request, with no call: a home block in the smallest
+    /// free run that holds it, else a cached stitched view whose units are all free (the
+    /// oldest first). Units given back must fit in the allowed memory when taken again. On a
+    /// miss the quick cache is merged into the pools first, as a pool miss does: arena blocks
+    /// never enter it, but leaving it unmerged until it fills measured worse (cnn_train 787
+    /// -> 905 instructions per op).
     pub(super) fn arena_cached(&mut self, p: &mut AllocParams) -> bool {
         let Some(&si) = self.arenas.get(&p.queue) else { return false };
         let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
         let room = self.allowed.saturating_sub(reserved) as usize;
         let rounded = p.rounded;
+        let (_, a) = self.arena_mut(si);
+        let n = a.units_for(rounded);
+        if let Some((plan, _)) = a.home_fit(n).filter(|&(_, cost)| cost <= room) {
+            return self.arena_make(si, p, plan);
+        }
         let find = |pool: &mut Self| {
             let a = pool.segments[si as usize].as_mut().and_then(|e| e.arena.as_mut())?;
-            let n = a.units_for(rounded);
             let max_holes = room / a.unit();
             a.find_cached(n, max_holes).map(|(id, _)| id)
         };
@@ -103,7 +109,7 @@ impl Pool {
         p.block.is_some()
     }
 
-    /// A new view for the request: units free or new, within the allowed memory (counting the
+    /// A new block for the request: units free or new, within the allowed memory (counting the
     /// units given back that it takes again and those it adds). On failure,
     /// `p.arena_over_allowed` tells a lack of allowed memory from an arena that cannot hold the
     /// request (no arena, its memfd or address space full, a failed mapping).
@@ -126,6 +132,12 @@ impl Pool {
             p.arena_over_allowed = true;
             return false;
         }
+        self.arena_make(si, p, plan)
+    }
+
+    /// Makes the block `plan` names in arena `si` and hands it out for request `p` (letting
+    /// the oldest cached views go if a stitched view finds no address space).
+    fn arena_make(&mut self, si: u32, p: &mut AllocParams, plan: Plan) -> bool {
         let seg = Arc::clone(&self.segments[si as usize].as_ref().expect("live arena").seg);
         let made = loop {
             match self.arena_mut(si).1.make(&seg, plan.clone()) {
@@ -191,8 +203,15 @@ impl Pool {
     pub(super) fn arena_release(&mut self, id: BlockId) {
         let (si, queue) = (self.blocks[id as usize].seg, self.blocks[id as usize].queue);
         let busy = self.queue_busy(queue);
+        let base = self.segments[si as usize].as_ref().map_or(0, |e| e.base);
         let (seg, a) = self.arena_mut(si);
-        a.release(id);
+        if a.release(id) {
+            // A home block: gone, its units free for any block.
+            let addr = base + self.blocks[id as usize].offset;
+            self.raw.addrs.remove(addr);
+            self.free_ids.push(id);
+            return;
+        }
         // Not while the queue has work in flight: it may still use the view just freed (a
         // stream-ordered free), and a view let go shows no memory any more.
         if a.over_run_budget() && !busy {
@@ -202,6 +221,16 @@ impl Pool {
                 self.arena_evict(si, &seg, v);
             }
         }
+    }
+
+    /// Whether `addr` is where a home block of an arena started and was freed, with nothing
+    /// using its memory since (a free of it is a double free).
+    pub(super) fn arena_freed_at(&self, addr: usize) -> bool {
+        self.arenas.values().any(|&si| {
+            let e = self.segments[si as usize].as_ref().expect("live arena");
+            let a = e.arena.as_ref().expect("an arena");
+            addr.checked_sub(e.base).is_some_and(|off| a.freed_at(off))
+        })
     }
 
     /// Lets go of cached view `v` of arena `si` (its block id goes too).
