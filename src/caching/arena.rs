@@ -90,8 +90,27 @@ impl View {
     }
 }
 
-/// The units a new view will show (runs) and how many of them are given back or new.
-pub(crate) type Plan = (Vec<(u32, u32)>, usize, usize);
+/// The units a new block will show, and how many of them are given back or new.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan {
+    /// The first run `(first unit, count)`; the only one of a home block.
+    first: (u32, u32),
+    /// The other runs of a stitched view, in address order (none for a home block: no
+    /// allocation on that path).
+    more: Vec<(u32, u32)>,
+    rebacked: usize,
+    grown: usize,
+}
+
+impl Plan {
+    fn runs(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        std::iter::once(self.first).chain(self.more.iter().copied())
+    }
+}
+
+/// A block just made: its byte offset in the reservation, its view if it is stitched (none
+/// for a home block), and what it cost.
+pub(crate) type NewBlock = (usize, Option<View>, Made);
 
 /// What making a view cost: the calls and the memory it added.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -117,8 +136,8 @@ pub(crate) struct Arena {
     holes: Vec<u64>,
     n_busy: usize,
     n_holes: usize,
-    /// One bit per unit, set where a home block started and was freed, and no block has
-    /// shown the unit since: a pointer there is a double free (home blocks leave no trace).
+    /// One bit per unit, set where a home block started and was freed, and no home block has
+    /// started there since: a free there is a double free (home blocks leave no trace).
     freed: Vec<u64>,
     /// Units the home region (and so the memfd) holds: `[0, home_units)`.
     home_units: usize,
@@ -126,6 +145,10 @@ pub(crate) struct Arena {
     free_at: BTreeMap<u32, u32>,
     /// The same runs by `(count, first unit)`, for best fit.
     free_by_len: BTreeSet<(u32, u32)>,
+    /// Home blocks handed out (they have no view: a block at home offset `o` of `n` units
+    /// shows units `[o / unit, o / unit + n)`).
+    home_live: usize,
+    /// The stitched views, live and cached.
     views: HashMap<BlockId, View, FxBuild>,
     /// Views not handed out, by unit count, as `(born, id)` in order (oldest first).
     cached: HashMap<usize, Vec<(u64, BlockId)>, FxBuild>,
@@ -164,6 +187,7 @@ impl Arena {
             home_units,
             free_at: BTreeMap::new(),
             free_by_len: BTreeSet::new(),
+            home_live: 0,
             views: HashMap::default(),
             cached: HashMap::default(),
             cached_runs: 0,
@@ -179,16 +203,19 @@ impl Arena {
         self.home_units * self.unit
     }
 
-    /// Whether a view lies in the home region (one run, at its units' own address).
-    pub(crate) fn is_home(&self, v: &View) -> bool {
-        v.va < self.home_bytes()
+    /// Whether a block at byte `off` of the reservation is a home block (its units are
+    /// `[off / unit, off / unit + n)`, and `off` is their offset in the memfd).
+    #[inline]
+    pub(crate) fn is_home(&self, off: usize) -> bool {
+        off < self.home_bytes()
     }
 
     /// Whether byte `off` of the reservation is where a home block started and was freed,
-    /// with nothing using the unit since: a free of it is a double free.
+    /// with no home block started there since (a free of it, when no live block holds it,
+    /// is a double free).
     pub(crate) fn freed_at(&self, off: usize) -> bool {
         let u = off / self.unit;
-        off < self.home_bytes() && off % self.unit == 0 && u < self.len && bit(&self.freed, u) && !bit(&self.busy, u)
+        self.is_home(off) && off % self.unit == 0 && u < self.len && bit(&self.freed, u)
     }
 
     fn put_run(&mut self, s: u32, k: u32) {
@@ -257,7 +284,7 @@ impl Arena {
 
     /// Whether any view is handed out.
     pub(crate) fn has_live(&self) -> bool {
-        self.views.values().any(|v| v.live)
+        self.home_live > 0 || self.views.values().any(|v| v.live)
     }
 
     /// The view of block `id`.
@@ -343,12 +370,22 @@ impl Arena {
         rebacked
     }
 
-    /// Block `id`'s view is let go by its block (freed): its units are free; a stitched view
-    /// is cached, a home block is gone (returns true then: its id and address are free).
-    pub(crate) fn release(&mut self, id: BlockId) -> bool {
+    /// The home block at byte `off` of `n` units is freed: its units are free (merged into
+    /// the free runs), and nothing is left of it but the mark that a block started there.
+    pub(crate) fn release_home(&mut self, off: usize, n: usize) {
+        let (u, k) = ((off / self.unit) as u32, n as u32);
+        debug_assert!(self.is_home(off) && off % self.unit == 0);
+        set(&mut self.busy, u as usize, (u + k) as usize, false);
+        self.n_busy -= n;
+        self.home_live -= 1;
+        set(&mut self.freed, u as usize, u as usize + 1, true);
+        self.vacate(u, k);
+    }
+
+    /// Block `id`'s view is let go by its block (freed): its units are free, the view cached.
+    pub(crate) fn release(&mut self, id: BlockId) {
         self.clock += 1;
         let clock = self.clock;
-        let home = self.home_bytes();
         let v = self.views.get_mut(&id).expect("a view");
         debug_assert!(v.live);
         v.live = false;
@@ -358,13 +395,6 @@ impl Arena {
             set(&mut self.busy, u as usize, (u + k) as usize, false);
         }
         self.n_busy -= n;
-        if v.va < home {
-            let (u, k) = v.runs[0];
-            self.views.remove(&id);
-            set(&mut self.freed, u as usize, u as usize + 1, true);
-            self.vacate(u, k);
-            return true;
-        }
         for i in 0..runs {
             let (u, k) = self.views[&id].runs[i];
             self.vacate(u, k);
@@ -373,7 +403,6 @@ impl Arena {
         let at = list.binary_search(&key).expect_err("not listed while live");
         list.insert(at, key);
         self.cached_runs += runs;
-        false
     }
 
     /// Calls `f(first, count)` for the maximal runs of units in `[0, len)` whose bit is set in
@@ -419,12 +448,12 @@ impl Arena {
     /// no call at all); else free runs lowest first (a stitched view, one `mmap` a run); and
     /// only if the free units are fewer than `n`, new units past the end as well (so memory
     /// grows only when the free memory, wherever it lies, cannot hold the block).
-    fn pick(&self, n: usize) -> (Vec<(u32, u32)>, usize, usize) {
+    fn pick(&self, n: usize) -> Plan {
+        if let Some((plan, _)) = self.home_fit(n) {
+            return plan;
+        }
         let holes =
             |u: u32, k: u32| if self.n_holes == 0 { 0 } else { count(&self.holes, u as usize, (u + k) as usize) };
-        if let Some(&(_, s)) = self.free_by_len.range((n as u32, 0)..).next() {
-            return (vec![(s, n as u32)], holes(s, n as u32), 0);
-        }
         // As few runs (mmaps) as can be: the largest free runs, until the smallest one that
         // holds the rest.
         let mut runs: Vec<(u32, u32)> = Vec::new();
@@ -449,7 +478,8 @@ impl Arena {
                 _ => runs.push((self.len as u32, left)),
             }
         }
-        (runs, rebacked, grown)
+        let first = runs.remove(0);
+        Plan { first, more: runs, rebacked, grown }
     }
 
     /// A home block of `n` units in the smallest free run that holds it, if there is one:
@@ -457,14 +487,15 @@ impl Arena {
     pub(crate) fn home_fit(&self, n: usize) -> Option<(Plan, usize)> {
         let &(_, s) = self.free_by_len.range((n as u32, 0)..).next()?;
         let h = if self.n_holes == 0 { 0 } else { count(&self.holes, s as usize, s as usize + n) };
-        Some(((vec![(s, n as u32)], h, 0), h * self.unit))
+        Some((Plan { first: (s, n as u32), more: Vec::new(), rebacked: h, grown: 0 }, h * self.unit))
     }
 
     /// The units a new view of `n` units would show, for [`Arena::make`], and what it would
     /// add to the reserved bytes (units given back and taken again, and new ones).
     pub(crate) fn plan(&self, n: usize) -> (Plan, usize) {
-        let (runs, rebacked, grown) = self.pick(n);
-        ((runs, rebacked, grown), (rebacked + grown) * self.unit)
+        let plan = self.pick(n);
+        let cost = (plan.rebacked + plan.grown) * self.unit;
+        (plan, cost)
     }
 
     /// Address space for a view of `len` bytes: the first free range that holds it, else past
@@ -520,20 +551,20 @@ impl Arena {
     /// stitched view, with address space from the free ranges and one `mmap` per run. `None`
     /// if that address space is full (the pool lets the oldest cached views go and tries
     /// again); on failure nothing changed.
-    pub(crate) fn make(&mut self, seg: &Segment, plan: Plan) -> Result<Option<(View, Made)>> {
-        let (runs, rebacked, grown) = plan;
-        let n = runs.iter().map(|r| r.1 as usize).sum::<usize>();
+    pub(crate) fn make(&mut self, seg: &Segment, plan: &Plan) -> Result<Option<NewBlock>> {
+        let &Plan { first, rebacked, grown, .. } = plan;
+        let n = plan.runs().map(|r| r.1 as usize).sum::<usize>();
         if self.len + grown > self.home_units {
             return Err(Error::Unsupported { what: "the arena's memfd is full".into() });
         }
         let bytes = n * self.unit;
-        let home = runs.len() == 1;
+        let home = plan.more.is_empty();
         let va = if home {
-            runs[0].0 as usize * self.unit
+            first.0 as usize * self.unit
         } else {
             let Some(va) = self.va_alloc(bytes) else { return Ok(None) };
             let mut at = va;
-            for &(u, k) in &runs {
+            for (u, k) in plan.runs() {
                 let len = k as usize * self.unit;
                 if let Err(e) = seg.map_view(at, u as usize * self.unit, len) {
                     // Nothing is handed out over the part mapped so far: give it back.
@@ -556,21 +587,28 @@ impl Arena {
             self.len = new_len;
             self.vacate(old as u32, grown as u32);
         }
-        for &(u, k) in &runs {
+        for (u, k) in plan.runs() {
             let (from, to) = (u as usize, (u + k) as usize);
-            self.n_holes -= set(&mut self.holes, from, to, false);
+            if self.n_holes > 0 {
+                self.n_holes -= set(&mut self.holes, from, to, false);
+            }
             set(&mut self.busy, from, to, true);
             self.occupy(u, k);
         }
-        if home {
-            set(&mut self.freed, runs[0].0 as usize, (runs[0].0 + runs[0].1) as usize, false);
-        }
         self.n_busy += n;
-        let maps = if home { 0 } else { runs.len() };
+        if home {
+            // A block starts here now: the mark of one freed here goes.
+            set(&mut self.freed, first.0 as usize, first.0 as usize + 1, false);
+            self.home_live += 1;
+            return Ok(Some((va, None, Made { maps: 0, rebacked, grown })));
+        }
+        let runs: Vec<(u32, u32)> = plan.runs().collect();
+        let maps = runs.len();
         self.clock += 1;
         let born = self.clock;
-        let watch = runs[0].0;
-        Ok(Some((View { va, n, runs, live: true, freed_at: 0, born, watch }, Made { maps, rebacked, grown })))
+        let watch = first.0;
+        let view = View { va, n, runs, live: true, freed_at: 0, born, watch };
+        Ok(Some((va, Some(view), Made { maps, rebacked, grown })))
     }
 
     /// Files a view just made ([`Arena::make`]) as block `id`'s.
@@ -657,17 +695,37 @@ impl Arena {
         (bytes, calls)
     }
 
-    /// Checks the state against the arena's blocks, `(id, offset, size, live)`: every block has
-    /// its view at its offset, big enough; live views show disjoint busy units and only they
-    /// do; no busy unit is given back; the cached lists hold exactly the other views; the
-    /// counts match the bitmaps.
+    /// Checks the state against the arena's blocks, `(id, offset, size, live)`: home blocks are
+    /// live, at their units, with no view; every other block has its view at its offset, big
+    /// enough; live blocks show disjoint busy units and only they do; no busy unit is given
+    /// back; the free-run index is the free units' runs; the cached lists hold exactly the
+    /// cached views; the counts match the bitmaps.
     pub(crate) fn check(&self, blocks: &[(BlockId, usize, usize, bool)]) -> std::result::Result<(), String> {
-        if blocks.len() != self.views.len() {
-            return Err(format!("{} blocks for {} views", blocks.len(), self.views.len()));
-        }
         let mut shown = vec![false; self.len];
-        let mut runs = 0;
+        let mut show = |id: BlockId, runs: &[(u32, u32)]| -> std::result::Result<(), String> {
+            for &(u, k) in runs {
+                let (from, to) = (u as usize, (u + k) as usize);
+                let Some(units) = shown.get_mut(from..to) else {
+                    return Err(format!("block {id} shows units past the end"));
+                };
+                if let Some(i) = units.iter_mut().position(|s| std::mem::replace(s, true)) {
+                    return Err(format!("unit {} is shown by two live blocks", from + i));
+                }
+            }
+            Ok(())
+        };
+        let (mut runs, mut homes, mut stitched) = (0, 0, 0);
         for &(id, off, size, live) in blocks {
+            if self.is_home(off) {
+                // A home block: live, at its units' own address, with no view.
+                if !live || off % self.unit != 0 || self.views.contains_key(&id) {
+                    return Err(format!("home block {id} ({off}, {size}) is cached, misplaced or has a view"));
+                }
+                show(id, &[((off / self.unit) as u32, self.units_for(size) as u32)])?;
+                homes += 1;
+                continue;
+            }
+            stitched += 1;
             let Some(v) = self.views.get(&id) else { return Err(format!("block {id} has no view")) };
             if v.va != off || v.n != self.units_for(size) || v.live != live {
                 return Err(format!("block {id} ({off}, {size}, live {live}) does not match its view {v:?}"));
@@ -675,39 +733,33 @@ impl Arena {
             if v.runs.iter().map(|r| r.1 as usize).sum::<usize>() != v.n {
                 return Err(format!("view of block {id} shows other than {} units", v.n));
             }
-            let home = self.is_home(v);
-            if home && (!live || v.runs.len() != 1 || v.va != v.runs[0].0 as usize * self.unit) {
-                return Err(format!("home block {id} is cached, stitched or not at its units: {v:?}"));
-            }
-            if !home && v.runs.len() < 2 {
+            if v.runs.len() < 2 {
                 return Err(format!("stitched view of block {id} shows one run: {v:?}"));
             }
             if live {
-                for &(u, k) in &v.runs {
-                    let (from, to) = (u as usize, (u + k) as usize);
-                    let Some(units) = shown.get_mut(from..to) else {
-                        return Err(format!("view of block {id} shows units past the end"));
-                    };
-                    if let Some(i) = units.iter_mut().position(|s| std::mem::replace(s, true)) {
-                        return Err(format!("unit {} is shown by two live views", from + i));
-                    }
-                }
+                show(id, &v.runs)?;
             } else {
                 runs += v.runs.len();
                 if self.cached.get(&v.n).is_none_or(|l| l.binary_search(&(v.born, id)).is_err()) {
                     return Err(format!("cached view of block {id} is not listed"));
                 }
             }
-            if !home
-                && (v.va + v.n * self.unit > self.va_top
-                    || self.va_free.range(..v.va + v.n * self.unit).any(|(&a, &l)| a + l > v.va))
+            if v.va + v.n * self.unit > self.va_top
+                || self.va_free.range(..v.va + v.n * self.unit).any(|(&a, &l)| a + l > v.va)
             {
                 return Err(format!("view of block {id} overlaps free address space"));
             }
         }
+        if homes != self.home_live || stitched != self.views.len() {
+            return Err(format!(
+                "{homes} home blocks and {stitched} views for {} and {}",
+                self.home_live,
+                self.views.len()
+            ));
+        }
         for (i, &shown) in shown.iter().enumerate() {
             if bit(&self.busy, i) != shown {
-                return Err(format!("unit {i}: busy {} but shown by a live view {shown}", bit(&self.busy, i)));
+                return Err(format!("unit {i}: busy {} but shown by a live block {shown}", bit(&self.busy, i)));
             }
             if shown && bit(&self.holes, i) {
                 return Err(format!("unit {i} is in use and given back"));

@@ -837,9 +837,9 @@ impl Pool {
                 None => vec![seg],
             })
             .collect();
-        for e in self.segments.iter().flatten() {
-            if let Some(a) = &e.arena {
-                snap.segments.extend(self.arena_snapshot(e.base, e.queue, a, &free));
+        for (si, e) in self.segments.iter().enumerate() {
+            if e.as_ref().is_some_and(|e| e.arena.is_some()) {
+                snap.segments.extend(self.arena_snapshot(si as u32, &free, &dead));
             }
         }
         snap.segments.sort_by_key(|s| s.address);

@@ -14,6 +14,9 @@ use crate::queue::{Queue, QueueHandle};
 /// Why a free of a block already freed is refused.
 pub(crate) const DOUBLE_FREE: &str = "already freed (double free)";
 
+/// Why a free of an address in no block is refused.
+pub(crate) const FOREIGN_FREE: &str = "not a pointer this allocator handed out";
+
 /// A raw free that must wait for other queues: the block and those queues.
 pub(crate) type RawDeferred = (BlockId, Vec<QueueHandle>);
 
@@ -56,7 +59,7 @@ impl RawTable {
         if self.holding(ptr, blocks).is_some() {
             "not the start of a block (a pointer into an allocation)"
         } else {
-            "not a pointer this allocator handed out"
+            FOREIGN_FREE
         }
     }
 

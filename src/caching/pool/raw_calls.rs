@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::super::block::{BlockId, FreeMsg};
-use super::super::raw::{DOUBLE_FREE, RawDeferred};
+use super::super::raw::{DOUBLE_FREE, FOREIGN_FREE, RawDeferred};
 use super::super::snapshot::HistoryKind;
 use super::{Handed, Pool};
 use crate::queue::Queue;
@@ -28,8 +28,8 @@ impl Pool {
             Err(why) => {
                 self.history.log_always(HistoryKind::InvalidFree, addr, 0, 0);
                 // A home block of an arena leaves no block behind when freed; the arena
-                // remembers where one was until its memory is used again.
-                if why != DOUBLE_FREE && self.arena_freed_at(addr) {
+                // remembers where one started until another starts there.
+                if why == FOREIGN_FREE && self.arena_freed_at(addr) {
                     return Err(DOUBLE_FREE);
                 }
                 return Err(why);

@@ -140,7 +140,7 @@ impl Pool {
     fn arena_make(&mut self, si: u32, p: &mut AllocParams, plan: Plan) -> bool {
         let seg = Arc::clone(&self.segments[si as usize].as_ref().expect("live arena").seg);
         let made = loop {
-            match self.arena_mut(si).1.make(&seg, plan.clone()) {
+            match self.arena_mut(si).1.make(&seg, &plan) {
                 Ok(None) => {
                     // No address space left: the oldest cached view goes, and again; not while
                     // the queue has work in flight (it may still use a block freed meanwhile).
@@ -154,7 +154,7 @@ impl Pool {
                 other => break other,
             }
         };
-        let (view, made) = match made {
+        let (va, view, made) = match made {
             Ok(m) => m.expect("handled above"),
             Err(e) => {
                 p.cause = format!("; mapping a stitched view failed: {e}");
@@ -162,10 +162,11 @@ impl Pool {
                 return false;
             }
         };
-        let va = view.va;
         let id = self.new_block(si, (va, p.rounded), p.queue, p.pool, None, None);
         self.blocks[id as usize].arena = true;
-        self.arena_mut(si).1.adopt(id, view);
+        if let Some(view) = view {
+            self.arena_mut(si).1.adopt(id, view);
+        }
         let base = self.segments[si as usize].as_ref().map_or(0, |e| e.base);
         self.stats.device.num_remaps += made.maps as i64;
         // New units are no call to the source: the memfd was made sparse at its full length,
@@ -204,14 +205,17 @@ impl Pool {
         let (si, queue) = (self.blocks[id as usize].seg, self.blocks[id as usize].queue);
         let busy = self.queue_busy(queue);
         let base = self.segments[si as usize].as_ref().map_or(0, |e| e.base);
+        let (off, size) = (self.blocks[id as usize].offset, self.blocks[id as usize].size);
         let (seg, a) = self.arena_mut(si);
-        if a.release(id) {
+        if a.is_home(off) {
             // A home block: gone, its units free for any block.
-            let addr = base + self.blocks[id as usize].offset;
-            self.raw.addrs.remove(addr);
+            let n = a.units_for(size);
+            a.release_home(off, n);
+            self.raw.addrs.remove(base + off);
             self.free_ids.push(id);
             return;
         }
+        a.release(id);
         // Not while the queue has work in flight: it may still use the view just freed (a
         // stream-ordered free), and a view let go shows no memory any more.
         if a.over_run_budget() && !busy {
@@ -307,16 +311,18 @@ impl Pool {
         true
     }
 
-    /// An arena as snapshot segments: one per view handed out (its block, and
-    /// the rest of its last unit free), and its other backed units as one free segment at the
-    /// end of its reservation (so that the segments' sizes add up to the reserved bytes).
+    /// Arena `si` as snapshot segments: one per block handed out, home block or view (its
+    /// block, and the rest of its last unit free), and its other backed units as one free
+    /// segment at the end of its reservation (so that the segments' sizes add up to the
+    /// reserved bytes). `dead` are the block ids not in use.
     pub(super) fn arena_snapshot(
         &self,
-        base: usize,
-        queue: QueueKey,
-        a: &Arena,
+        si: u32,
         free: &HashSet<BlockId>,
+        dead: &HashSet<BlockId>,
     ) -> Vec<SegmentSnapshot> {
+        let e = self.segments[si as usize].as_ref().expect("live arena");
+        let (base, queue, a) = (e.base, e.queue, e.arena.as_ref().expect("an arena"));
         let seg = |address: usize, size: usize, blocks: Vec<BlockSnapshot>| SegmentSnapshot {
             address,
             size,
@@ -325,10 +331,15 @@ impl Pool {
             is_expandable: true,
             blocks,
         };
+        let views = a.views().filter(|(_, v)| v.is_live()).map(|(id, v)| (id, v.va));
+        let homes = self.blocks.iter().enumerate().filter_map(|(id, b)| {
+            let id = id as BlockId;
+            (b.seg == si && b.arena && a.is_home(b.offset) && !dead.contains(&id)).then_some((id, b.offset))
+        });
         let mut out = Vec::new();
-        for (id, v) in a.views().filter(|(_, v)| v.is_live()) {
+        for (id, va) in views.chain(homes) {
             let (b, state) = (&self.blocks[id as usize], self.block_state(id, free));
-            let len = v.n * a.unit();
+            let len = a.units_for(b.size) * a.unit();
             let mut blocks = vec![BlockSnapshot { offset: 0, size: b.size, requested: b.requested, state }];
             if len > b.size {
                 blocks.push(BlockSnapshot {
@@ -338,7 +349,7 @@ impl Pool {
                     state: BlockState::Free,
                 });
             }
-            out.push(seg(base + v.va, len, blocks));
+            out.push(seg(base + va, len, blocks));
         }
         let rest = a.free_backed_bytes();
         if rest > 0 {
@@ -355,6 +366,10 @@ impl Pool {
         let Some(a) = self.segments[b.seg as usize].as_ref().and_then(|e| e.arena.as_ref()) else {
             return Ok(b.offset);
         };
+        if a.is_home(b.offset) {
+            // At its units' own offset.
+            return Ok(b.offset);
+        }
         let v = a.view(id).expect("an arena block has a view");
         match v.runs() {
             [(first, _)] => Ok(*first as usize * a.unit()),
