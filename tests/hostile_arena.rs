@@ -797,3 +797,629 @@ fn a_dropped_queues_arena_goes_without_empty_cache() {
     assert_eq!(s.reserved_bytes[AGGREGATE].current, before, "the gone queue's arena is still reserved: {s:?}");
     assert_eq!(s.segment[AGGREGATE].current, 0);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Home blocks (the home region: a block that fits in one run of free units lies at its units'
+// own address and leaves no trace when freed).
+// ---------------------------------------------------------------------------------------------
+
+/// A raw free of `p` from `threads` threads at once: exactly one wins, the others are told it
+/// is a double free (nothing is allocated in between).
+fn racing_frees(a: &Arc<CachingAllocator>, p: usize, threads: usize) -> Vec<std::result::Result<(), &'static str>> {
+    let start = Arc::new(Barrier::new(threads));
+    let hs: Vec<_> = (0..threads)
+        .map(|_| {
+            let (a, start) = (a.clone(), start.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                match a.free_raw(p as *mut u8) {
+                    Ok(()) => Ok(()),
+                    Err(Error::InvalidFree { why, .. }) => Err(why),
+                    Err(e) => panic!("free_raw: {e}"),
+                }
+            })
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// Home blocks freed raw from several threads at once: exactly one free wins and every other is
+/// a double free; then the same pointer freed again after its units were taken by other blocks
+/// (a home block over a wider run, a stitched view over them, both freed again), after
+/// `empty_cache` punched them, and from a thread while its old units are live in another
+/// block: never freeing anything, and every live block keeps its bytes.
+#[test]
+fn home_block_double_frees_from_many_threads_and_after_reuse() {
+    let _g = serial();
+    let a = Arc::new(alloc("", 64 * MB as u64));
+    let unit = a.config().stitch_unit;
+    let q = Queue::new().unwrap();
+    // A live block first, so that the arena stays while everything else is freed.
+    let anchor = a.allocate_raw(4 * unit, Some(&q)).unwrap();
+    raw_fill(anchor, 4 * unit, 1);
+    for round in 0..rounds(200) {
+        // At least four units (smaller requests go to the pools).
+        let n = (5 + round % 5) * unit - round % 100;
+        let p = a.allocate_raw(n, Some(&q)).unwrap();
+        raw_fill(p, n, 2);
+        let r = racing_frees(&a, p as usize, 4);
+        assert_eq!(r.iter().filter(|r| r.is_ok()).count(), 1, "round {round}: {r:?}");
+        for why in r.iter().filter_map(|r| r.err()) {
+            assert_eq!(why, DOUBLE, "round {round}: a racing free of a freed home block");
+        }
+        raw_check(anchor, 4 * unit, 1, "the anchor");
+    }
+    a.check_invariants().unwrap();
+    // Its units reused by another block (the best fit: at the same address, where a free of
+    // `p` is that block's, as for any allocator; elsewhere it must touch nothing).
+    let p = a.allocate_raw(4 * unit, Some(&q)).unwrap();
+    let after = a.allocate_raw(4 * unit, Some(&q)).unwrap();
+    raw_fill(after, 4 * unit, 3);
+    a.free_raw(p).unwrap();
+    assert_eq!(refusal(a.free_raw(p), p), DOUBLE);
+    let big = a.allocate_raw(4 * unit, Some(&q)).unwrap();
+    raw_fill(big, 4 * unit, 4);
+    // Whatever `big` is (the same address again or not), a free of `p` must not touch `after`.
+    if big != p {
+        let why = refusal(a.free_raw(p), p);
+        assert!([DOUBLE, FOREIGN, INTERIOR].contains(&why), "{why}");
+        raw_check(big, 4 * unit, 4, "a block over the freed home block's units");
+    }
+    raw_check(after, 4 * unit, 3, "the block after it");
+    a.free_raw(big).unwrap();
+    a.check_invariants().unwrap();
+    // Scattered free units: a block no run holds is stitched over `p`'s units; a free of `p`
+    // while the view is live must be refused and free nothing.
+    let xs: Vec<*mut u8> = (0..8).map(|_| a.allocate_raw(4 * unit, Some(&q)).unwrap()).collect();
+    for (i, &x) in xs.iter().enumerate() {
+        raw_fill(x, 4 * unit, 10 + i as u32);
+    }
+    for &x in xs.iter().step_by(2) {
+        a.free_raw(x).unwrap();
+    }
+    let freed_home = xs[0];
+    let view = a.allocate_raw(16 * unit, Some(&q)).unwrap();
+    raw_fill(view, 16 * unit, 20);
+    for _ in 0..3 {
+        let why = refusal(a.free_raw(freed_home), freed_home);
+        assert!([DOUBLE, FOREIGN, INTERIOR].contains(&why), "{why}");
+    }
+    raw_check(view, 16 * unit, 20, "a stitched view over a freed home block's units");
+    for (i, &x) in xs.iter().enumerate().skip(1).step_by(2) {
+        raw_check(x, 4 * unit, 10 + i as u32, "a home block between the view's runs");
+    }
+    a.check_invariants().unwrap();
+    a.free_raw(view).unwrap();
+    assert_eq!(refusal(a.free_raw(view), view), DOUBLE, "the stitched view is cached");
+    // empty_cache: the view goes, the free units are punched; the anchor keeps the arena.
+    a.empty_cache();
+    a.check_invariants().unwrap();
+    for gone in [view, freed_home, p] {
+        let why = refusal(a.free_raw(gone), gone);
+        assert!([DOUBLE, FOREIGN, INTERIOR].contains(&why), "{gone:p}: {why}");
+    }
+    for (i, &x) in xs.iter().enumerate().skip(1).step_by(2) {
+        raw_check(x, 4 * unit, 10 + i as u32, "after empty_cache");
+        a.free_raw(x).unwrap();
+    }
+    raw_check(after, 4 * unit, 3, "after empty_cache");
+    a.free_raw(after).unwrap();
+    raw_check(anchor, 4 * unit, 1, "the anchor at the end");
+    a.free_raw(anchor).unwrap();
+    // The queue and its arena gone: every old pointer is refused.
+    q.synchronize().unwrap();
+    drop(q);
+    a.empty_cache();
+    for gone in [anchor, after, freed_home, view] {
+        let why = refusal(a.free_raw(gone), gone);
+        assert!([DOUBLE, FOREIGN, INTERIOR].contains(&why), "{gone:p}: {why}");
+    }
+    a.check_invariants().unwrap();
+    assert_eq!(a.stats().allocated_bytes[AGGREGATE].current, 0);
+    assert_eq!(a.stats().reserved_bytes[AGGREGATE].current, 0);
+}
+
+/// `free_raw_sized` with a wrong size, `raw_size`, interior frees and `mem_at` on home blocks:
+/// a refused sized free frees nothing; `mem_at` into a freed home block (alone, or with its
+/// units live in a stitched view elsewhere) is refused, never a range of live memory.
+#[test]
+fn home_blocks_sized_frees_and_ranges_into_freed_ones() {
+    let _g = serial();
+    let a = alloc("", 64 * MB as u64);
+    let unit = a.config().stitch_unit;
+    let q = Queue::new().unwrap();
+    let n = 6 * unit - 77;
+    let p = a.allocate_raw(n, Some(&q)).unwrap();
+    raw_fill(p, n, 5);
+    assert_eq!(a.raw_size(p).unwrap(), n);
+    for wrong in [n - 1, n + 1, 6 * unit, 0, usize::MAX] {
+        assert!(matches!(a.free_raw_sized(p, wrong), Err(Error::SizeMismatch { .. })), "{wrong}");
+    }
+    for bad in [p.wrapping_add(1), p.wrapping_add(unit), p.wrapping_add(n - 1)] {
+        assert_eq!(refusal(a.free_raw(bad), bad), INTERIOR, "{bad:p}");
+        assert!(matches!(a.free_raw_sized(bad, n), Err(Error::InvalidFree { .. })), "{bad:p}");
+    }
+    raw_check(p, n, 5, "after refused frees");
+    assert!(a.mem_at(p, n).is_ok());
+    assert!(a.mem_at(p, n + 1).is_err(), "a range past the request");
+    a.check_invariants().unwrap();
+    a.free_raw_sized(p, n).unwrap();
+    assert!(a.free_raw_sized(p, n).is_err(), "a sized double free");
+    assert!(a.raw_size(p).is_err());
+    assert!(a.mem_at(p, 1).is_err(), "mem_at into a freed home block");
+    assert!(a.mem_at(p.wrapping_add(unit), 16).is_err(), "mem_at into a freed home block's middle");
+    // Its units under a live stitched view (the runs around a live block): the home address of
+    // those units is no live allocation's.
+    let xs: Vec<*mut u8> = (0..6).map(|_| a.allocate_raw(4 * unit, Some(&q)).unwrap()).collect();
+    for &x in xs.iter().step_by(2) {
+        a.free_raw(x).unwrap();
+    }
+    let v = a.allocate_raw(12 * unit, Some(&q)).unwrap();
+    raw_fill(v, 12 * unit, 6);
+    assert!(a.mem_at(v, 12 * unit).is_ok());
+    for &x in xs.iter().step_by(2) {
+        assert!(a.mem_at(x, 1).is_err(), "mem_at {x:p}: a freed home block whose units a live view shows");
+        assert!(a.raw_size(x).is_err());
+    }
+    raw_check(v, 12 * unit, 6, "the view");
+    a.free_raw(v).unwrap();
+    for &x in xs.iter().skip(1).step_by(2) {
+        a.free_raw(x).unwrap();
+    }
+    a.check_invariants().unwrap();
+}
+
+/// `holds` is documented as "whether `ptr` lies in memory this allocator holds (live, cached or
+/// freed blocks alike)", and the C runtime relies on it: a pointer it holds must lie in one
+/// live allocation for a copy (`runtime_mem_at` then refuses a freed one), while a pointer it
+/// does not hold is taken as plain host memory. A freed home block is memory the arena still
+/// holds (mapped, its units free or live in another block), so `holds` must stay true for it
+/// (a freed stitched view, cached, is).
+#[test]
+fn holds_a_freed_home_block() {
+    let _g = serial();
+    let a = alloc("", 64 * MB as u64);
+    let unit = a.config().stitch_unit;
+    let q = Queue::new().unwrap();
+    let keep = a.allocate_raw(4 * unit, Some(&q)).unwrap();
+    let p = a.allocate_raw(8 * unit, Some(&q)).unwrap();
+    assert!(a.holds(p) && a.holds(p.wrapping_add(unit)));
+    a.free_raw(p).unwrap();
+    assert!(a.holds(keep));
+    assert!(a.holds(p), "a freed home block's address is not held any more: the C runtime takes it for host memory");
+    a.free_raw(keep).unwrap();
+}
+
+/// Free units split by live blocks, some of them punched by `empty_cache` (given back, so
+/// taking them again counts against the allowed memory), while the queue has work in flight
+/// (so nothing more can be punched): a request that the backed free units hold together must
+/// be stitched from them, with no memory added, not refused because the best-fitting free run
+/// is a punched one. (Before the home region, free backed runs were taken first.)
+#[test]
+fn punched_best_fit_run_does_not_hide_backed_free_units() {
+    let _g = serial();
+    // 2 MiB allowed: 128 units of 16 KiB.
+    let a = alloc_with("", 2 * MB as u64, Duration::from_millis(50));
+    let unit = a.config().stitch_unit;
+    let q = Queue::new().unwrap();
+    // Units: P [0, 8), sep [8, 12), S1 [12, 16), M1 [16, 20), S2 [20, 24), M2 [24, 28).
+    let sizes = [8, 4, 4, 4, 4, 4];
+    let mut xs: Vec<Option<Live>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &k)| {
+            let x = a.allocate(k * unit, Some(&q)).unwrap();
+            fill_alloc(&x, 30 + i as u32);
+            Some(Live { x, tag: 30 + i as u32 })
+        })
+        .collect();
+    drop(xs[0].take()); // P
+    a.empty_cache(); // P's units are given back (punched); the arena stays (live blocks)
+    assert_eq!(a.stats().reserved_bytes[AGGREGATE].current as usize, 20 * unit);
+    // Another user takes all but 4 units of the allowed memory.
+    let host = a.allocate(104 * unit, None).unwrap();
+    fill_alloc(&host, 40);
+    assert_eq!(a.stats().reserved_bytes[AGGREGATE].current as usize, 124 * unit);
+    let gate = QueueGate::close(&q);
+    drop(xs[2].take()); // S1, in stream order: free for later work of `q`
+    drop(xs[4].take()); // S2
+    // 8 units: the free backed units of S1 and S2 hold it with no memory added.
+    let r = a.allocate(8 * unit, Some(&q));
+    let got = match r {
+        Ok(x) => x,
+        Err(e) => panic!(
+            "8 units refused while 8 free backed units lie in the arena (only the punched run [0, 8) was \
+             tried): {e}"
+        ),
+    };
+    fill_alloc(&got, 50);
+    for l in xs.iter().flatten() {
+        check_alloc(&l.x, l.tag, "live around it");
+    }
+    check_alloc(&host, 40, "the host block");
+    assert!(a.stats().reserved_bytes[AGGREGATE].current as usize <= 2 * MB);
+    gate.open();
+    q.synchronize().unwrap();
+    a.check_invariants().unwrap();
+}
+
+/// The same without a busy queue: the request succeeds either way, but it must not take
+/// memory back from the kernel (punched units) while free backed units hold it: the reserved
+/// bytes must not grow.
+#[test]
+fn punched_best_fit_run_is_not_rebacked_while_backed_units_suffice() {
+    let _g = serial();
+    let a = alloc("", 64 * MB as u64);
+    let unit = a.config().stitch_unit;
+    let q = Queue::new().unwrap();
+    let sizes = [8, 4, 4, 4, 4, 4];
+    let mut xs: Vec<Option<Allocation>> =
+        sizes.iter().map(|&k| Some(a.allocate(k * unit, Some(&q)).unwrap())).collect();
+    drop(xs[0].take());
+    a.empty_cache();
+    drop(xs[2].take());
+    drop(xs[4].take());
+    let before = a.stats().reserved_bytes[AGGREGATE].current;
+    let x = a.allocate(8 * unit, Some(&q)).unwrap();
+    let after = a.stats().reserved_bytes[AGGREGATE].current;
+    assert_eq!(
+        after,
+        before,
+        "8 units took {} bytes back from the kernel while 8 free backed units lay in the arena",
+        after - before
+    );
+    drop(x);
+    a.check_invariants().unwrap();
+}
+
+/// The snapshot's segments of an arena never overlap: live home blocks, live stitched views
+/// and the free backed units (shown as one free segment at the end of the reservation).
+#[track_caller]
+fn check_snapshot_disjoint(a: &CachingAllocator, what: &str) {
+    let snap = a.snapshot();
+    let mut segs: Vec<(usize, usize)> = snap.segments.iter().map(|s| (s.address, s.size)).collect();
+    segs.sort_unstable();
+    for w in segs.windows(2) {
+        assert!(
+            w[0].0 + w[0].1 <= w[1].0,
+            "{what}: snapshot segments overlap: {:#x}+{:#x} and {:#x}+{:#x}",
+            w[0].0,
+            w[0].1,
+            w[1].0,
+            w[1].1
+        );
+    }
+}
+
+/// Address space of the stitched views filled (views of many sizes made over scattered free
+/// units, the oldest let go), one of them live: the snapshot must show it apart from the free
+/// units' segment, and every live block inside exactly one segment, in an allocated block.
+#[test]
+fn snapshot_segments_of_home_blocks_and_views_never_overlap() {
+    let _g = serial();
+    // 2 MiB allowed: 128 units, a reservation of 512 units, views in its upper 256.
+    let a = alloc("", 2 * MB as u64);
+    let unit = a.config().stitch_unit;
+    let q = Queue::new().unwrap();
+    let xs: Vec<Allocation> = (0..32).map(|_| a.allocate(4 * unit, Some(&q)).unwrap()).collect();
+    let (keep, go): (Vec<_>, Vec<_>) = xs.into_iter().enumerate().partition(|(i, _)| i % 2 == 0);
+    drop(go);
+    let keep: Vec<Live> = keep
+        .into_iter()
+        .map(|(i, x)| {
+            fill_alloc(&x, 60 + i as u32);
+            Live { x, tag: 60 + i as u32 }
+        })
+        .collect();
+    for round in 0..rounds(3) {
+        for n in 5..=64usize {
+            let x = a.allocate(n * unit - round, Some(&q)).unwrap();
+            fill_alloc(&x, 200 + n as u32);
+            check_snapshot_disjoint(&a, &format!("round {round}, a live view of {n} units"));
+            let snap = a.snapshot();
+            let p = x.as_ptr() as usize;
+            let inside: Vec<_> = snap.segments.iter().filter(|s| p >= s.address && p < s.address + s.size).collect();
+            assert_eq!(
+                inside.len(),
+                1,
+                "round {round}, {n} units: the block at {p:#x} lies in {} segments",
+                inside.len()
+            );
+            let s = inside[0];
+            assert!(
+                s.blocks.iter().any(|b| s.address + b.offset == p && b.requested == x.len()),
+                "round {round}, {n} units: the block at {p:#x} is not an allocated block of its segment: {s:?}"
+            );
+            check_alloc_sparse(&x, 200 + n as u32, unit, "the view");
+            drop(x);
+        }
+        a.check_invariants().unwrap();
+    }
+    for l in &keep {
+        check_alloc(&l.x, l.tag, "the home blocks at the end");
+    }
+}
+
+/// Near the allowed memory: every unit in use by home blocks, then every other block freed: a
+/// request that all the free units hold together (half the memory) must be stitched from them,
+/// not refused; then the same in a loop of random sizes, each request at most the free units.
+#[test]
+fn stitches_rather_than_fails_near_the_allowed_memory() {
+    let _g = serial();
+    for unit_kb in [4usize, 16, 64] {
+        let cap = 4 * MB;
+        let a = alloc_with(&arena_conf(unit_kb), cap as u64, Duration::from_millis(50));
+        let unit = unit_kb * KB;
+        let units = cap / unit;
+        let q = Queue::new().unwrap();
+        let xs: Vec<Allocation> = (0..units / 4).map(|_| a.allocate(4 * unit, Some(&q)).unwrap()).collect();
+        assert!(a.allocate(4 * unit, Some(&q)).is_err(), "{unit_kb} KiB: the allowed memory is full");
+        let (keep, go): (Vec<_>, Vec<_>) = xs.into_iter().enumerate().partition(|(i, _)| i % 2 == 0);
+        drop(go);
+        let mut live: Vec<Live> = keep
+            .into_iter()
+            .map(|(i, x)| {
+                fill_alloc(&x, i as u32 + 1);
+                Live { x, tag: i as u32 + 1 }
+            })
+            .collect();
+        let half = a
+            .allocate(units / 2 * unit, Some(&q))
+            .unwrap_or_else(|e| panic!("{unit_kb} KiB: half the memory refused while half the units are free: {e}"));
+        fill_alloc(&half, 9999);
+        for l in &live {
+            check_alloc_sparse(&l.x, l.tag, unit, "around the half");
+        }
+        drop(half);
+        a.check_invariants().unwrap();
+        let mut rng = Rng(unit_kb as u64 + 3);
+        let mut tag = 10_000;
+        let mut used: usize = live.iter().map(|l| l.x.len().div_ceil(unit)).sum();
+        for step in 0..rounds(400) {
+            let free = units - used;
+            if free >= 4 && (rng.below(2) == 0 || live.is_empty()) {
+                let n = 4 + rng.below((free - 3) as u64) as usize;
+                // (Four units exactly: less goes to the pools.)
+                let size = if n == 4 { 4 * unit } else { n * unit - rng.below(unit as u64) as usize };
+                let x = a.allocate(size, Some(&q)).unwrap_or_else(|e| {
+                    panic!("{unit_kb} KiB, step {step}: {n} units refused with {free} units free: {e}")
+                });
+                tag += 1;
+                fill_alloc(&x, tag);
+                used += n;
+                live.push(Live { x, tag });
+            } else if !live.is_empty() {
+                let l = live.swap_remove(rng.below(live.len() as u64) as usize);
+                check_alloc(&l.x, l.tag, "before its free");
+                used -= l.x.len().div_ceil(unit);
+            }
+            for l in &live {
+                check_alloc_sparse(&l.x, l.tag, unit, &format!("{unit_kb} KiB, step {step}"));
+            }
+            if step % 32 == 0 {
+                a.check_invariants().unwrap_or_else(|e| panic!("step {step}: {e}"));
+            }
+        }
+        drop(live);
+        a.check_invariants().unwrap();
+    }
+}
+
+/// Home blocks shared as fds: each shows its block's bytes at `offset()` of the arena's memfd,
+/// and two live blocks' ranges of one fd never overlap.
+#[test]
+fn home_blocks_fd_ranges_are_disjoint_and_exact() {
+    let _g = serial();
+    use std::os::unix::fs::FileExt;
+    let a = alloc("", 64 * MB as u64);
+    let unit = a.config().stitch_unit;
+    let q = Queue::new().unwrap();
+    let mut rng = Rng(4242);
+    let mut live: Vec<Live> = Vec::new();
+    for step in 0..rounds(300) as u32 {
+        if rng.below(100) < 55 || live.is_empty() {
+            let n = (5 + rng.below(12) as usize) * unit - rng.below(unit as u64) as usize;
+            let x = a.allocate(n, Some(&q)).unwrap();
+            fill_alloc(&x, step + 1);
+            live.push(Live { x, tag: step + 1 });
+        } else {
+            let l = live.swap_remove(rng.below(live.len() as u64) as usize);
+            check_alloc(&l.x, l.tag, "before free");
+        }
+        // The fd ranges of the shareable live blocks: pairwise disjoint, and each shows its block.
+        let mut ranges: Vec<(u64, usize, usize, u32)> = Vec::new();
+        for l in &live {
+            if let Ok(fd) = l.x.try_clone_fd() {
+                let f = std::fs::File::from(fd);
+                let mut b = [0u8; 64];
+                f.read_exact_at(&mut b, l.x.offset() as u64).unwrap();
+                assert!(b.iter().enumerate().all(|(i, &v)| v == pat(l.tag, i)), "step {step}: fd range start");
+                let last = l.x.len() - 1;
+                f.read_exact_at(&mut b[..1], (l.x.offset() + last) as u64).unwrap();
+                assert_eq!(b[0], pat(l.tag, last), "step {step}: fd range end");
+                use std::os::unix::fs::MetadataExt;
+                ranges.push((f.metadata().unwrap().ino(), l.x.offset(), l.x.len(), l.tag));
+            }
+        }
+        ranges.sort_unstable();
+        for w in ranges.windows(2) {
+            assert!(
+                w[0].0 != w[1].0 || w[0].1 + w[0].2 <= w[1].1,
+                "step {step}: fd ranges of two live blocks overlap: {w:?}"
+            );
+        }
+        for l in &live {
+            check_alloc_sparse(&l.x, l.tag, unit, &format!("step {step}"));
+        }
+    }
+    drop(live);
+    a.check_invariants().unwrap();
+}
+
+/// A raw home block used on another queue (`record_queue_raw`) and freed: its free waits for
+/// that queue, so its units stay out of reach of the blocks made meanwhile on its own queue (a
+/// copy queued on the other queue before the free still reads its bytes); a second free says it
+/// is waiting; once the other queue has passed, a free of it is a double free.
+#[test]
+fn a_home_blocks_deferred_free_keeps_its_units() {
+    let _g = serial();
+    let a = alloc("", 64 * MB as u64);
+    let unit = a.config().stitch_unit;
+    let q = Queue::new().unwrap();
+    let q2 = Queue::new().unwrap();
+    for round in 0..rounds(40) {
+        let keep = a.allocate_raw(4 * unit, Some(&q)).unwrap();
+        let n = (5 + round % 7) * unit;
+        let w = a.allocate_raw(n, Some(&q)).unwrap();
+        raw_fill(w, n, 70);
+        let dst = HostBuffer::new(n).unwrap();
+        let gate = QueueGate::close(&q2);
+        q2.copy(&dst, a.mem_at(w, n).unwrap()).unwrap();
+        a.record_queue_raw(w, &q2).unwrap();
+        a.free_raw(w).unwrap();
+        assert_eq!(refusal(a.free_raw(w), w), WAITING);
+        // Blocks on `q` of every size up to the freed one's: none may show its units.
+        let others: Vec<(*mut u8, usize)> = (4..=(n / unit))
+            .map(|k| {
+                let p = a.allocate_raw(k * unit, Some(&q)).unwrap();
+                raw_fill(p, k * unit, 71 + k as u32);
+                (p, k * unit)
+            })
+            .collect();
+        a.check_invariants().unwrap();
+        gate.open();
+        q2.synchronize().unwrap();
+        let got = dst.to_vec();
+        let want = pattern_of(70, n);
+        if let Some(i) = (0..n).find(|&i| got[i] != want[i]) {
+            panic!("round {round}: the copy queued before the deferred free read byte {i} as {:#x}", got[i]);
+        }
+        for &(p, len) in &others {
+            raw_check(p, len, 71 + (len / unit) as u32, "a block made while the free waited");
+        }
+        // The deferred free is applied by the next call that takes the lock.
+        let _ = a.stats();
+        let why = refusal(a.free_raw(w), w);
+        assert!([DOUBLE, WAITING].contains(&why), "round {round}: {why}");
+        for (p, _) in others {
+            a.free_raw(p).unwrap();
+        }
+        a.free_raw(keep).unwrap();
+        a.check_invariants().unwrap();
+    }
+    q.synchronize().unwrap();
+    assert_eq!(a.stats().allocated_bytes[AGGREGATE].current, 0);
+}
+
+/// Many threads on one queue (one arena), raw home blocks and stitched views mixed, each
+/// thread freeing its own and other threads' blocks, with `empty_cache`, `snapshot` and
+/// `check_invariants` racing: every live block keeps its bytes, every free succeeds once,
+/// refused frees (interior, sized with a wrong size) free nothing.
+#[test]
+fn one_arena_shared_by_threads_home_blocks_and_views() {
+    let _g = serial();
+    let a = Arc::new(alloc("", 24 * MB as u64));
+    let unit = a.config().stitch_unit;
+    let q = Arc::new(Queue::new().unwrap());
+    let threads = 4;
+    let bin: Arc<Mutex<Vec<(usize, usize, u32)>>> = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Arc::new(Barrier::new(threads + 1));
+    let hs: Vec<_> = (0..threads)
+        .map(|t| {
+            let (a, q, bin, start) = (a.clone(), q.clone(), bin.clone(), start.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                let mut rng = Rng(t as u64 * 104_729 + 1);
+                let mut mine: Vec<(usize, usize, u32)> = Vec::new();
+                for i in 0..rounds(1200) {
+                    let r = rng.below(10);
+                    if r < 5 || mine.is_empty() {
+                        let k = if rng.below(4) == 0 { 16 + rng.below(48) } else { 4 + rng.below(8) } as usize;
+                        let n = if k == 4 { 4 * unit } else { k * unit - rng.below(unit as u64) as usize };
+                        match a.allocate_raw(n, Some(&q)) {
+                            Ok(p) => {
+                                let tag = (t * 1_000_000 + i) as u32;
+                                raw_fill(p, n, tag);
+                                mine.push((p as usize, n, tag));
+                            }
+                            Err(Error::AllocatorOom { .. }) => {
+                                if let Some((p, n, tag)) = mine.pop() {
+                                    raw_check(p as *mut u8, n, tag, "freed under pressure");
+                                    a.free_raw(p as *mut u8).unwrap();
+                                }
+                            }
+                            Err(e) => panic!("{e}"),
+                        }
+                    } else if r < 7 {
+                        let (p, n, tag) = mine.swap_remove(rng.below(mine.len() as u64) as usize);
+                        raw_check(p as *mut u8, n, tag, "mine");
+                        let ip = (p + unit) as *mut u8;
+                        assert_eq!(refusal(a.free_raw(ip), ip), INTERIOR);
+                        assert!(matches!(a.free_raw_sized(p as *mut u8, n + 1), Err(Error::SizeMismatch { .. })));
+                        a.free_raw_sized(p as *mut u8, n).unwrap();
+                    } else {
+                        let l = mine.swap_remove(rng.below(mine.len() as u64) as usize);
+                        let mut b = bin.lock().unwrap();
+                        b.push(l);
+                        let at = rng.below(b.len() as u64) as usize;
+                        let (p, n, tag) = b.swap_remove(at);
+                        drop(b);
+                        raw_check(p as *mut u8, n, tag, "from the bin");
+                        a.free_raw(p as *mut u8).unwrap();
+                    }
+                    for &(p, n, tag) in &mine {
+                        raw_check(p as *mut u8, n.min(64), tag, "mine, each step");
+                        let last = n - 64.min(n);
+                        // SAFETY: as in `raw_fill`; the last bytes of a live block of this thread.
+                        let s = unsafe { std::slice::from_raw_parts((p + last) as *const u8, n - last) };
+                        assert!(
+                            s.iter().enumerate().all(|(i, &v)| v == pat(tag, last + i)),
+                            "thread {t} step {i}: the end of the live block at {p:#x} changed"
+                        );
+                    }
+                }
+                for (p, n, tag) in mine {
+                    raw_check(p as *mut u8, n, tag, "mine at the end");
+                    a.free_raw(p as *mut u8).unwrap();
+                }
+            })
+        })
+        .collect();
+    let disturber = {
+        let (a, stop, start) = (a.clone(), stop.clone(), start.clone());
+        std::thread::spawn(move || {
+            start.wait();
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                if n % 4 == 0 {
+                    a.empty_cache();
+                }
+                a.check_invariants().unwrap_or_else(|e| panic!("invariants: {e}"));
+                let _ = a.snapshot();
+                n += 1;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+    let mut failed = None;
+    for h in hs {
+        if let Err(e) = h.join() {
+            failed.get_or_insert(e);
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    disturber.join().unwrap();
+    if let Some(e) = failed {
+        std::panic::resume_unwind(e);
+    }
+    for (p, n, tag) in bin.lock().unwrap().drain(..) {
+        raw_check(p as *mut u8, n, tag, "the bin at the end");
+        a.free_raw(p as *mut u8).unwrap();
+    }
+    a.check_invariants().unwrap();
+    assert_eq!(a.stats().allocated_bytes[AGGREGATE].current, 0);
+    q.synchronize().unwrap();
+    a.empty_cache();
+    assert_eq!(a.stats().reserved_bytes[AGGREGATE].current, 0);
+}
