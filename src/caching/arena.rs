@@ -41,6 +41,7 @@ use std::ops::ControlFlow;
 
 use super::bitmap::{bit, count, set, words};
 use super::block::BlockId;
+use super::free_runs::FreeRuns;
 use super::quick::FxBuild;
 use crate::error::{Error, Result};
 use crate::segment::Segment;
@@ -141,10 +142,8 @@ pub(crate) struct Arena {
     freed: Vec<u64>,
     /// Units the home region (and so the memfd) holds: `[0, home_units)`.
     home_units: usize,
-    /// The free units (not busy) of `[0, len)` as maximal runs: first unit -> count.
-    free_at: BTreeMap<u32, u32>,
-    /// The same runs by `(count, first unit)`, for best fit.
-    free_by_len: BTreeSet<(u32, u32)>,
+    /// The free units (not busy) of `[0, len)` as maximal runs, by size class.
+    free: FreeRuns,
     /// Home blocks handed out (they have no view: a block at home offset `o` of `n` units
     /// shows units `[o / unit, o / unit + n)`).
     home_live: usize,
@@ -185,8 +184,7 @@ impl Arena {
             n_holes: 0,
             freed: Vec::new(),
             home_units,
-            free_at: BTreeMap::new(),
-            free_by_len: BTreeSet::new(),
+            free: FreeRuns::new(),
             home_live: 0,
             views: HashMap::default(),
             cached: HashMap::default(),
@@ -218,43 +216,9 @@ impl Arena {
         self.is_home(off) && off % self.unit == 0 && u < self.len && bit(&self.freed, u)
     }
 
-    fn put_run(&mut self, s: u32, k: u32) {
-        self.free_at.insert(s, k);
-        self.free_by_len.insert((k, s));
-    }
-
-    fn take_run(&mut self, s: u32) -> u32 {
-        let k = self.free_at.remove(&s).expect("a free run");
-        self.free_by_len.remove(&(k, s));
-        k
-    }
-
-    /// Units `[s, s + k)`, all free (so in one free run), become busy in the run index.
-    fn occupy(&mut self, s: u32, k: u32) {
-        let (&rs, &rl) = self.free_at.range(..=s).next_back().expect("free units lie in a free run");
-        debug_assert!(s + k <= rs + rl, "units [{s}, {}) are not all free (run {rs}+{rl})", s + k);
-        self.take_run(rs);
-        if s > rs {
-            self.put_run(rs, s - rs);
-        }
-        if s + k < rs + rl {
-            self.put_run(s + k, rs + rl - s - k);
-        }
-    }
-
-    /// Units `[s, s + k)` become free in the run index, merged with free neighbours.
-    fn vacate(&mut self, mut s: u32, mut k: u32) {
-        if let Some((&ps, &pl)) = self.free_at.range(..s).next_back() {
-            if ps + pl == s {
-                self.take_run(ps);
-                s = ps;
-                k += pl;
-            }
-        }
-        if self.free_at.contains_key(&(s + k)) {
-            k += self.take_run(s + k);
-        }
-        self.put_run(s, k);
+    /// Units used so far (`[0, units)`).
+    pub(crate) fn units(&self) -> usize {
+        self.len
     }
 
     /// Bytes per unit.
@@ -270,16 +234,6 @@ impl Arena {
     /// Bytes of memory the arena holds: the units used so far, less those given back.
     pub(crate) fn backed_bytes(&self) -> usize {
         (self.len - self.n_holes) * self.unit
-    }
-
-    /// Bytes of the backed units no live view shows (free memory).
-    pub(crate) fn free_backed_bytes(&self) -> usize {
-        (self.len - self.n_holes - self.n_busy) * self.unit
-    }
-
-    /// Bytes of the reservation.
-    pub(crate) fn reserved_len(&self) -> usize {
-        self.reserved_len
     }
 
     /// Whether any view is handed out.
@@ -363,7 +317,7 @@ impl Arena {
         }
         for i in 0..self.views[&id].runs.len() {
             let (u, k) = self.views[&id].runs[i];
-            self.occupy(u, k);
+            self.free.occupy(u, k);
         }
         self.n_holes -= rebacked;
         self.n_busy += n;
@@ -379,7 +333,7 @@ impl Arena {
         self.n_busy -= n;
         self.home_live -= 1;
         set(&mut self.freed, u as usize, u as usize + 1, true);
-        self.vacate(u, k);
+        self.free.vacate(u, k);
     }
 
     /// Block `id`'s view is let go by its block (freed): its units are free, the view cached.
@@ -397,7 +351,7 @@ impl Arena {
         self.n_busy -= n;
         for i in 0..runs {
             let (u, k) = self.views[&id].runs[i];
-            self.vacate(u, k);
+            self.free.vacate(u, k);
         }
         let list = self.cached.entry(n).or_default();
         let at = list.binary_search(&key).expect_err("not listed while live");
@@ -449,45 +403,86 @@ impl Arena {
     /// only if the free units are fewer than `n`, new units past the end as well (so memory
     /// grows only when the free memory, wherever it lies, cannot hold the block).
     fn pick(&self, n: usize) -> Plan {
+        if self.n_holes > 0 {
+            return self.pick_around_holes(n);
+        }
         if let Some((plan, _)) = self.home_fit(n) {
             return plan;
         }
-        let holes =
-            |u: u32, k: u32| if self.n_holes == 0 { 0 } else { count(&self.holes, u as usize, (u + k) as usize) };
-        // As few runs (mmaps) as can be: the largest free runs, until the smallest one that
-        // holds the rest.
-        let mut runs: Vec<(u32, u32)> = Vec::new();
-        let mut left = n as u32;
-        let mut largest = self.free_by_len.iter().rev();
-        while left > 0 {
-            if let Some(&(_, s)) = self.free_by_len.range((left, 0)..).find(|&&(_, s)| !runs.iter().any(|r| r.0 == s)) {
-                runs.push((s, left));
-                left = 0;
-                break;
-            }
-            let Some(&(k, s)) = largest.next() else { break };
-            runs.push((s, k));
-            left -= k;
-        }
-        runs.sort_unstable();
-        let rebacked = runs.iter().map(|&(u, k)| holes(u, k)).sum();
-        let grown = left as usize;
-        if grown > 0 {
-            match runs.last_mut() {
-                Some(r) if (r.0 + r.1) as usize == self.len => r.1 += left,
-                _ => runs.push((self.len as u32, left)),
-            }
-        }
-        let first = runs.remove(0);
-        Plan { first, more: runs, rebacked, grown }
+        let mut runs = Vec::new();
+        let left = take_fewest(&self.free.longest_first(), n as u32, &mut runs);
+        self.finish(runs, left)
     }
 
-    /// A home block of `n` units in the smallest free run that holds it, if there is one:
-    /// its plan and what it adds to the reserved bytes (its units given back).
+    /// [`Arena::pick`] while some free units are given back (after `empty_cache`, garbage
+    /// collection or the OOM ladder): backed free units first, in one run if one holds the
+    /// block, else as few runs as can be; then units given back, lowest first (taking them
+    /// costs memory again); then new units. A walk over the bitmaps, not the run index, which
+    /// does not tell given-back units apart.
+    fn pick_around_holes(&self, n: usize) -> Plan {
+        let mut backed = Vec::new();
+        self.scan_runs(
+            |w| !self.busy[w] & !self.holes[w],
+            |u, k| {
+                backed.push((k as u32, u as u32));
+                ControlFlow::Continue(())
+            },
+        );
+        backed.sort_unstable_by(|a, b| b.cmp(a));
+        let mut runs = Vec::new();
+        let mut left = take_fewest(&backed, n as u32, &mut runs);
+        if left > 0 {
+            self.scan_runs(
+                |w| !self.busy[w] & self.holes[w],
+                |u, k| {
+                    let k = (k as u32).min(left);
+                    runs.push((u as u32, k));
+                    left -= k;
+                    if left == 0 { ControlFlow::Break(()) } else { ControlFlow::Continue(()) }
+                },
+            );
+        }
+        self.finish(runs, left)
+    }
+
+    /// A plan of the free units `runs` and `left` new ones: in address order, touching runs
+    /// merged (one run is a home block), with the units it takes back counted.
+    fn finish(&self, mut runs: Vec<(u32, u32)>, left: u32) -> Plan {
+        runs.sort_unstable();
+        let mut merged: Vec<(u32, u32)> = Vec::with_capacity(runs.len() + 1);
+        for (u, k) in runs {
+            match merged.last_mut() {
+                Some(r) if r.0 + r.1 == u => r.1 += k,
+                _ => merged.push((u, k)),
+            }
+        }
+        let rebacked = if self.n_holes == 0 {
+            0
+        } else {
+            merged.iter().map(|&(u, k)| count(&self.holes, u as usize, (u + k) as usize)).sum()
+        };
+        let grown = left as usize;
+        if grown > 0 {
+            match merged.last_mut() {
+                Some(r) if (r.0 + r.1) as usize == self.len => r.1 += left,
+                _ => merged.push((self.len as u32, left)),
+            }
+        }
+        let first = merged.remove(0);
+        Plan { first, more: merged, rebacked, grown }
+    }
+
+    /// A home block of `n` units in the smallest free run that holds it (while units are
+    /// given back: one of backed units first), if there is one: its plan and what it adds to
+    /// the reserved bytes (its units given back).
     pub(crate) fn home_fit(&self, n: usize) -> Option<(Plan, usize)> {
-        let &(_, s) = self.free_by_len.range((n as u32, 0)..).next()?;
-        let h = if self.n_holes == 0 { 0 } else { count(&self.holes, s as usize, s as usize + n) };
-        Some((Plan { first: (s, n as u32), more: Vec::new(), rebacked: h, grown: 0 }, h * self.unit))
+        if self.n_holes > 0 {
+            let plan = self.pick_around_holes(n);
+            let cost = plan.rebacked * self.unit;
+            return (plan.more.is_empty() && plan.grown == 0).then_some((plan, cost));
+        }
+        let (s, _) = self.free.fit(n as u32)?;
+        Some((Plan { first: (s, n as u32), more: Vec::new(), rebacked: 0, grown: 0 }, 0))
     }
 
     /// The units a new view of `n` units would show, for [`Arena::make`], and what it would
@@ -585,7 +580,8 @@ impl Arena {
             self.holes.resize(words, 0);
             self.freed.resize(words, 0);
             self.len = new_len;
-            self.vacate(old as u32, grown as u32);
+            self.free.grow(new_len);
+            self.free.vacate(old as u32, grown as u32);
         }
         for (u, k) in plan.runs() {
             let (from, to) = (u as usize, (u + k) as usize);
@@ -593,7 +589,7 @@ impl Arena {
                 self.n_holes -= set(&mut self.holes, from, to, false);
             }
             set(&mut self.busy, from, to, true);
-            self.occupy(u, k);
+            self.free.occupy(u, k);
         }
         self.n_busy += n;
         if home {
@@ -671,10 +667,9 @@ impl Arena {
         self.views.iter().filter(|(_, v)| !v.live).map(|(&id, _)| id).collect()
     }
 
-    /// Gives every free backed unit back to the kernel (one `fallocate(PUNCH_HOLE)` per run);
-    /// returns the bytes released and the calls made.
-    pub(crate) fn punch_free(&mut self, seg: &Segment) -> (usize, usize) {
-        let mut runs: Vec<(usize, usize)> = Vec::new();
+    /// The runs `(first unit, count)` of free backed units, lowest first.
+    pub(crate) fn free_backed_runs(&self) -> Vec<(usize, usize)> {
+        let mut runs = Vec::new();
         self.scan_runs(
             |w| !self.busy[w] & !self.holes[w],
             |u, k| {
@@ -682,6 +677,13 @@ impl Arena {
                 ControlFlow::Continue(())
             },
         );
+        runs
+    }
+
+    /// Gives every free backed unit back to the kernel (one `fallocate(PUNCH_HOLE)` per run);
+    /// returns the bytes released and the calls made.
+    pub(crate) fn punch_free(&mut self, seg: &Segment) -> (usize, usize) {
+        let runs = self.free_backed_runs();
         let (mut bytes, mut calls) = (0, 0);
         for (u, k) in runs {
             if seg.punch(u * self.unit, k * self.unit).is_err() {
@@ -768,19 +770,9 @@ impl Arena {
         if count(&self.busy, 0, self.len) != self.n_busy || count(&self.holes, 0, self.len) != self.n_holes {
             return Err("the busy or given-back counts do not match the bitmaps".into());
         }
-        let mut free_runs = BTreeMap::new();
-        self.scan_runs(
-            |w| !self.busy[w],
-            |u, k| {
-                free_runs.insert(u as u32, k as u32);
-                ControlFlow::Continue(())
-            },
-        );
-        if free_runs != self.free_at
-            || self.free_by_len.len() != self.free_at.len()
-            || self.free_at.iter().any(|(&u, &k)| !self.free_by_len.contains(&(k, u)))
-        {
-            return Err(format!("the free-run index {:?} is not the free units' runs {free_runs:?}", self.free_at));
+        self.free.check(&self.busy).map_err(|why| format!("the free-run index: {why}"))?;
+        if self.free.free_units() != self.len - self.n_busy {
+            return Err(format!("{} free units indexed, {} not busy", self.free.free_units(), self.len - self.n_busy));
         }
         if self.va_by_len.len() != self.va_free.len()
             || self.va_free.iter().any(|(&a, &l)| !self.va_by_len.contains(&(l, a)))
@@ -794,4 +786,25 @@ impl Arena {
         }
         Ok(())
     }
+}
+
+/// Takes units out of the free runs `longest_first` (as `(length, first unit)`, the longest
+/// first) for a block of `n` units, with as few runs (`mmap`s) as can be: the longest runs,
+/// until the smallest one (the lowest of those) that holds the rest. Pushes `(first, count)`
+/// runs onto `out`; returns the units still missing.
+fn take_fewest(longest_first: &[(u32, u32)], n: u32, out: &mut Vec<(u32, u32)>) -> u32 {
+    let mut left = n;
+    let mut i = 0;
+    while left > 0 {
+        let holding = longest_first[i..].partition_point(|&(k, _)| k >= left);
+        if holding > 0 {
+            out.push((longest_first[i + holding - 1].1, left));
+            return 0;
+        }
+        let Some(&(k, s)) = longest_first.get(i) else { break };
+        out.push((s, k));
+        left -= k;
+        i += 1;
+    }
+    left
 }

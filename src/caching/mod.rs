@@ -73,6 +73,7 @@ mod block;
 pub mod config;
 mod expandable;
 pub mod free_list;
+mod free_runs;
 mod host;
 mod pool;
 mod quick;

@@ -69,13 +69,21 @@ impl Pool {
     /// The live allocation that holds `[addr, addr + len)` wholly: its segment and the offset
     /// of `addr` in the segment (see [`RawTable::live_range`]).
     pub(crate) fn live_range(&self, addr: usize, len: usize) -> std::result::Result<(Arc<Segment>, usize), String> {
-        let id = self.raw.live_range(addr, len, &self.blocks)?;
+        let id = self.raw.live_range(addr, len, &self.blocks).map_err(|why| {
+            if self.arena_holds(addr) && self.raw.holding(addr, &self.blocks).is_none() {
+                // Freed home blocks leave no block behind: say what the memory is.
+                "inside free memory of a page-stitched arena (a freed block's, or not handed out yet)".to_string()
+            } else {
+                why
+            }
+        })?;
         let e = self.segments[self.blocks[id as usize].seg as usize].as_ref().expect("a live block's segment is live");
         Ok((Arc::clone(&e.seg), addr - e.base))
     }
 
-    /// Whether `addr` lies in some block of a live segment.
+    /// Whether `addr` lies in some block of a live segment, or in a page-stitched arena's
+    /// memory (where freed home blocks leave no block behind).
     pub(crate) fn holds(&self, addr: usize) -> bool {
-        self.raw.holding(addr, &self.blocks).is_some()
+        self.raw.holding(addr, &self.blocks).is_some() || self.arena_holds(addr)
     }
 }

@@ -237,6 +237,15 @@ impl Pool {
         })
     }
 
+    /// Whether `addr` lies in the memory of an arena: its home region's units used so far.
+    pub(super) fn arena_holds(&self, addr: usize) -> bool {
+        self.arenas.values().any(|&si| {
+            let e = self.segments[si as usize].as_ref().expect("live arena");
+            let a = e.arena.as_ref().expect("an arena");
+            addr.checked_sub(e.base).is_some_and(|off| a.is_home(off) && off / a.unit() < a.units())
+        })
+    }
+
     /// Lets go of cached view `v` of arena `si` (its block id goes too).
     fn arena_evict(&mut self, si: u32, seg: &crate::segment::Segment, v: BlockId) {
         let base = self.segments[si as usize].as_ref().map_or(0, |e| e.base);
@@ -312,9 +321,9 @@ impl Pool {
     }
 
     /// Arena `si` as snapshot segments: one per block handed out, home block or view (its
-    /// block, and the rest of its last unit free), and its other backed units as one free
-    /// segment at the end of its reservation (so that the segments' sizes add up to the
-    /// reserved bytes). `dead` are the block ids not in use.
+    /// block, and the rest of its last unit free), and its free backed units as free segments
+    /// at their home addresses (so that the segments' sizes add up to the reserved bytes, and
+    /// none overlaps another). `dead` are the block ids not in use.
     pub(super) fn arena_snapshot(
         &self,
         si: u32,
@@ -351,10 +360,10 @@ impl Pool {
             }
             out.push(seg(base + va, len, blocks));
         }
-        let rest = a.free_backed_bytes();
-        if rest > 0 {
-            let free_block = BlockSnapshot { offset: 0, size: rest, requested: 0, state: BlockState::Free };
-            out.push(seg(base + a.reserved_len() - rest, rest, vec![free_block]));
+        for (u, k) in a.free_backed_runs() {
+            let (at, size) = (u * a.unit(), k * a.unit());
+            let free_block = BlockSnapshot { offset: 0, size, requested: 0, state: BlockState::Free };
+            out.push(seg(base + at, size, vec![free_block]));
         }
         out
     }

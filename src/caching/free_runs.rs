@@ -1,0 +1,359 @@
+//! The free runs of an arena's units: the maximal runs of free units, merged with their free
+//! neighbours as units come free (boundary tags: a run's length at its first unit and its
+//! first unit at its last, so a merge looks at two tags), and filed by size class (two-level
+//! segregated fit, as TLSF: exact classes below 16 units, then 16 classes per power of two)
+//! in intrusive lists, so that finding a run that holds `n` units, taking units out of a run
+//! and giving them back cost a few dozen instructions whatever the number of runs.
+
+use super::bitmap::{bit, set};
+
+const NIL: u32 = u32::MAX;
+/// Runs shorter than this have a class each.
+const EXACT: u32 = 16;
+/// Classes: the exact ones, then 16 per power of two from 16 to 2^32.
+const CLASSES: usize = EXACT as usize + 28 * 16;
+/// How many runs of a class a search looks at for the smallest that holds the request.
+const LOOK: usize = 16;
+
+/// The class of a run of `k` units (`k > 0`).
+#[inline]
+fn class(k: u32) -> usize {
+    if k < EXACT {
+        return k as usize;
+    }
+    let fl = 31 - k.leading_zeros();
+    let sl = (k >> (fl - 4)) & 15;
+    (EXACT + (fl - 4) * 16 + sl) as usize
+}
+
+/// The free runs of units `[0, len)` (see the module docs).
+#[derive(Debug, Default)]
+pub(crate) struct FreeRuns {
+    /// One bit per unit, set while it is free.
+    free: Vec<u64>,
+    len: usize,
+    /// At a run's first unit: its length.
+    head_len: Vec<u32>,
+    /// At a run's last unit: its first unit.
+    tail_start: Vec<u32>,
+    /// At a run's first unit: the next and previous runs of its class.
+    next: Vec<u32>,
+    prev: Vec<u32>,
+    /// The first run of each class.
+    heads: Vec<u32>,
+    /// One bit per class, set while it has runs.
+    nonempty: [u64; CLASSES.div_ceil(64)],
+    runs: usize,
+    free_units: usize,
+}
+
+impl FreeRuns {
+    /// No units.
+    pub(crate) fn new() -> Self {
+        Self { heads: vec![NIL; CLASSES], ..Self::default() }
+    }
+
+    /// Free units.
+    pub(crate) fn free_units(&self) -> usize {
+        self.free_units
+    }
+
+    /// Units `[len, new_len)` are added, busy (the caller vacates those it does not use).
+    pub(crate) fn grow(&mut self, new_len: usize) {
+        debug_assert!(new_len >= self.len);
+        self.free.resize(new_len.div_ceil(64), 0);
+        for v in [&mut self.head_len, &mut self.tail_start, &mut self.next, &mut self.prev] {
+            v.resize(new_len, NIL);
+        }
+        self.len = new_len;
+    }
+
+    fn link(&mut self, s: u32, k: u32) {
+        self.head_len[s as usize] = k;
+        self.tail_start[(s + k - 1) as usize] = s;
+        let c = class(k);
+        let h = self.heads[c];
+        self.next[s as usize] = h;
+        self.prev[s as usize] = NIL;
+        if h != NIL {
+            self.prev[h as usize] = s;
+        }
+        self.heads[c] = s;
+        self.nonempty[c / 64] |= 1 << (c % 64);
+        self.runs += 1;
+    }
+
+    /// Takes the run that starts at `s` out of its class; returns its length.
+    fn unlink(&mut self, s: u32) -> u32 {
+        let k = self.head_len[s as usize];
+        let (n, p) = (self.next[s as usize], self.prev[s as usize]);
+        let c = class(k);
+        if p == NIL {
+            self.heads[c] = n;
+            if n == NIL {
+                self.nonempty[c / 64] &= !(1 << (c % 64));
+            }
+        } else {
+            self.next[p as usize] = n;
+        }
+        if n != NIL {
+            self.prev[n as usize] = p;
+        }
+        self.runs -= 1;
+        k
+    }
+
+    /// Units `[s, s + k)`, busy, come free, merged with the free runs around them.
+    pub(crate) fn vacate(&mut self, mut s: u32, mut k: u32) {
+        debug_assert!(k > 0 && (s + k) as usize <= self.len);
+        set(&mut self.free, s as usize, (s + k) as usize, true);
+        self.free_units += k as usize;
+        if s > 0 && bit(&self.free, s as usize - 1) {
+            let ls = self.tail_start[s as usize - 1];
+            k += self.unlink(ls);
+            s = ls;
+        }
+        let end = (s + k) as usize;
+        if end < self.len && bit(&self.free, end) {
+            k += self.unlink(end as u32);
+        }
+        self.link(s, k);
+    }
+
+    /// The first unit of the free run that holds free unit `u`.
+    fn run_start(&self, u: u32) -> u32 {
+        let u = u as usize;
+        let (mut w, mut b) = (u / 64, u % 64);
+        loop {
+            // The busy units at or below bit `b` of word `w`.
+            let below = if b == 63 { !0 } else { (1u64 << (b + 1)) - 1 };
+            let busy = !self.free[w] & below;
+            if busy != 0 {
+                return (w * 64 + 64 - busy.leading_zeros() as usize) as u32;
+            }
+            if w == 0 {
+                return 0;
+            }
+            (w, b) = (w - 1, 63);
+        }
+    }
+
+    /// Units `[s, s + k)`, all free (so in one free run), become busy.
+    pub(crate) fn occupy(&mut self, s: u32, k: u32) {
+        let rs = if s == 0 || !bit(&self.free, s as usize - 1) { s } else { self.run_start(s) };
+        let rl = self.unlink(rs);
+        debug_assert!(s + k <= rs + rl, "units [{s}, {}) are not all free (run {rs}+{rl})", s + k);
+        set(&mut self.free, s as usize, (s + k) as usize, false);
+        self.free_units -= k as usize;
+        if s > rs {
+            self.link(rs, s - rs);
+        }
+        if s + k < rs + rl {
+            self.link(s + k, rs + rl - s - k);
+        }
+    }
+
+    /// The smallest of the first `look` runs of class `c` that holds `n` units.
+    fn best_in(&self, c: usize, n: u32, look: usize) -> Option<(u32, u32)> {
+        let mut best: Option<(u32, u32)> = None;
+        let mut r = self.heads[c];
+        for _ in 0..look {
+            if r == NIL {
+                break;
+            }
+            let k = self.head_len[r as usize];
+            if k >= n && best.is_none_or(|(bs, bk)| (k, r) < (bk, bs)) {
+                best = Some((r, k));
+                if k == n {
+                    break;
+                }
+            }
+            r = self.next[r as usize];
+        }
+        best
+    }
+
+    /// A free run that holds `n` units, as `(first unit, length)`: the smallest among those
+    /// of `n`'s class (of the first few looked at), else of the next class that has runs (all
+    /// of which hold `n`), else of all of `n`'s class. `None` only if no free run holds `n`.
+    #[inline]
+    pub(crate) fn fit(&self, n: u32) -> Option<(u32, u32)> {
+        let c = class(n.max(1));
+        let has = |c: usize| self.nonempty[c / 64] & (1 << (c % 64)) != 0;
+        if has(c) {
+            if let Some(r) = self.best_in(c, n, LOOK) {
+                return Some(r);
+            }
+        }
+        match self.next_class(c + 1) {
+            Some(next) => self.best_in(next, n, LOOK),
+            None if has(c) => self.best_in(c, n, usize::MAX),
+            None => None,
+        }
+    }
+
+    /// The first class from `c` on that has runs.
+    fn next_class(&self, c: usize) -> Option<usize> {
+        let mut w = c / 64;
+        if w >= self.nonempty.len() {
+            return None;
+        }
+        let mut bits = self.nonempty[w] & (!0u64 << (c % 64));
+        loop {
+            if bits != 0 {
+                return Some(w * 64 + bits.trailing_zeros() as usize);
+            }
+            w += 1;
+            if w == self.nonempty.len() {
+                return None;
+            }
+            bits = self.nonempty[w];
+        }
+    }
+
+    /// Every free run as `(length, first unit)`, the longest first.
+    pub(crate) fn longest_first(&self) -> Vec<(u32, u32)> {
+        let mut out = Vec::with_capacity(self.runs);
+        for (w, &word) in self.nonempty.iter().enumerate() {
+            let mut bits = word;
+            while bits != 0 {
+                let c = w * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let mut r = self.heads[c];
+                while r != NIL {
+                    out.push((self.head_len[r as usize], r));
+                    r = self.next[r as usize];
+                }
+            }
+        }
+        out.sort_unstable_by(|a, b| b.cmp(a));
+        out
+    }
+
+    /// Checks the index against `busy` (one bit per unit, set while it is busy): the free bits
+    /// are its complement, every maximal free run has its tags and is listed in its class, and
+    /// nothing else is.
+    pub(crate) fn check(&self, busy: &[u64]) -> Result<(), String> {
+        let mut found = 0;
+        let mut u = 0;
+        while u < self.len {
+            if bit(&self.free, u) == bit(busy, u) {
+                return Err(format!("unit {u}: free {} and busy {}", bit(&self.free, u), bit(busy, u)));
+            }
+            if !bit(&self.free, u) {
+                u += 1;
+                continue;
+            }
+            let mut end = u;
+            while end < self.len && bit(&self.free, end) && !bit(busy, end) {
+                end += 1;
+            }
+            let k = (end - u) as u32;
+            if self.head_len[u] != k || self.tail_start[end - 1] != u as u32 {
+                return Err(format!(
+                    "free run [{u}, {end}) has tags {} / {}",
+                    self.head_len[u],
+                    self.tail_start[end - 1]
+                ));
+            }
+            let c = class(k);
+            let mut r = self.heads[c];
+            while r != NIL && r != u as u32 {
+                r = self.next[r as usize];
+            }
+            if r == NIL {
+                return Err(format!("free run [{u}, {end}) is not listed in class {c}"));
+            }
+            found += 1;
+            u = end;
+        }
+        let listed: usize = (0..CLASSES)
+            .map(|c| {
+                let (mut r, mut n) = (self.heads[c], 0);
+                while r != NIL {
+                    n += 1;
+                    r = self.next[r as usize];
+                }
+                n
+            })
+            .sum();
+        if found != self.runs || listed != self.runs {
+            return Err(format!("{found} free runs, {listed} listed, {} counted", self.runs));
+        }
+        if self.free_units != super::bitmap::count(&self.free, 0, self.len) {
+            return Err("the free units' count does not match the bitmap".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Random vacate/occupy against a plain model (a bool per unit); after each step the
+    /// index is checked, and `fit` must find a run that holds the request whenever one exists
+    /// (and only then).
+    #[test]
+    fn matches_a_model_of_free_units() {
+        let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = |m: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % m
+        };
+        let steps = if cfg!(miri) { 200 } else { 20_000 };
+        let mut f = FreeRuns::new();
+        let mut busy: Vec<bool> = Vec::new();
+        for step in 0..steps {
+            if next(50) == 0 && busy.len() < 4000 {
+                let add = 1 + next(300) as usize;
+                let old = busy.len();
+                f.grow(old + add);
+                busy.resize(old + add, true);
+                f.vacate(old as u32, add as u32);
+                busy[old..].fill(false);
+            }
+            let len = busy.len();
+            if len == 0 {
+                continue;
+            }
+            let s = next(len as u64) as usize;
+            let k = 1 + next((len - s).min(64) as u64) as usize;
+            let span = &mut busy[s..s + k];
+            if span.iter().all(|b| !b) {
+                f.occupy(s as u32, k as u32);
+                span.fill(true);
+            } else if span.iter().all(|&b| b) {
+                f.vacate(s as u32, k as u32);
+                span.fill(false);
+            }
+            let bits: Vec<u64> = (0..len.div_ceil(64))
+                .map(|w| (0..64).filter(|i| busy.get(w * 64 + i).copied().unwrap_or(false)).fold(0, |a, i| a | 1 << i))
+                .collect();
+            if step % 16 == 0 {
+                f.check(&bits).unwrap_or_else(|e| panic!("step {step}: {e}"));
+            }
+            let n = 1 + next(80) as u32;
+            let longest = busy.split(|&b| b).map(<[bool]>::len).max().unwrap_or(0) as u32;
+            match f.fit(n) {
+                Some((s, k)) => {
+                    assert!(k >= n && busy[s as usize..(s + k) as usize].iter().all(|b| !b), "step {step}: {s}+{k}");
+                }
+                None => assert!(longest < n, "step {step}: no fit for {n} with a free run of {longest}"),
+            }
+        }
+    }
+
+    #[test]
+    fn classes_are_ordered_and_bounded() {
+        let mut last = 0;
+        for k in 1..100_000u32 {
+            let c = class(k);
+            assert!(c >= last && c < CLASSES, "{k}: {c}");
+            last = c;
+        }
+        assert!(class(u32::MAX) < CLASSES);
+    }
+}
