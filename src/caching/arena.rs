@@ -410,7 +410,7 @@ impl Arena {
             return plan;
         }
         let mut runs = Vec::new();
-        let left = take_fewest(&self.free.longest_first(), n as u32, &mut runs);
+        let left = self.free.take_fewest(n as u32, &mut runs);
         self.finish(runs, left)
     }
 

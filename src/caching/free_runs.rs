@@ -153,8 +153,9 @@ impl FreeRuns {
         }
     }
 
-    /// The smallest of the first `look` runs of class `c` that holds `n` units.
-    fn best_in(&self, c: usize, n: u32, look: usize) -> Option<(u32, u32)> {
+    /// The smallest of the first `look` runs of class `c` that holds `n` units, passing over
+    /// those that start at a unit of `skip`.
+    fn best_in(&self, c: usize, n: u32, look: usize, skip: &[(u32, u32)]) -> Option<(u32, u32)> {
         let mut best: Option<(u32, u32)> = None;
         let mut r = self.heads[c];
         for _ in 0..look {
@@ -162,7 +163,7 @@ impl FreeRuns {
                 break;
             }
             let k = self.head_len[r as usize];
-            if k >= n && best.is_none_or(|(bs, bk)| (k, r) < (bk, bs)) {
+            if k >= n && best.is_none_or(|(bs, bk)| (k, r) < (bk, bs)) && !skip.iter().any(|t| t.0 == r) {
                 best = Some((r, k));
                 if k == n {
                     break;
@@ -178,18 +179,70 @@ impl FreeRuns {
     /// of which hold `n`), else of all of `n`'s class. `None` only if no free run holds `n`.
     #[inline]
     pub(crate) fn fit(&self, n: u32) -> Option<(u32, u32)> {
+        self.fit_skipping(n, &[])
+    }
+
+    /// [`FreeRuns::fit`], passing over the runs that start at a unit of `skip`.
+    fn fit_skipping(&self, n: u32, skip: &[(u32, u32)]) -> Option<(u32, u32)> {
         let c = class(n.max(1));
         let has = |c: usize| self.nonempty[c / 64] & (1 << (c % 64)) != 0;
         if has(c) {
-            if let Some(r) = self.best_in(c, n, LOOK) {
+            if let Some(r) = self.best_in(c, n, LOOK, skip) {
                 return Some(r);
             }
         }
-        match self.next_class(c + 1) {
-            Some(next) => self.best_in(next, n, LOOK),
-            None if has(c) => self.best_in(c, n, usize::MAX),
-            None => None,
+        let mut next = c + 1;
+        while let Some(k) = self.next_class(next) {
+            if let Some(r) = self.best_in(k, n, if skip.is_empty() { LOOK } else { usize::MAX }, skip) {
+                return Some(r);
+            }
+            next = k + 1;
         }
+        if has(c) { self.best_in(c, n, usize::MAX, skip) } else { None }
+    }
+
+    /// The longest run not starting at a unit of `skip`: from the highest class that has
+    /// runs down, each walked whole (the long runs are few).
+    fn longest_skipping(&self, skip: &[(u32, u32)]) -> Option<(u32, u32)> {
+        for w in (0..self.nonempty.len()).rev() {
+            let mut bits = self.nonempty[w];
+            while bits != 0 {
+                let c = w * 64 + 63 - bits.leading_zeros() as usize;
+                bits &= !(1 << (c % 64));
+                let mut best: Option<(u32, u32)> = None;
+                let mut r = self.heads[c];
+                while r != NIL {
+                    let k = self.head_len[r as usize];
+                    if best.is_none_or(|(bs, bk)| (k, std::cmp::Reverse(r)) > (bk, std::cmp::Reverse(bs)))
+                        && !skip.iter().any(|t| t.0 == r)
+                    {
+                        best = Some((r, k));
+                    }
+                    r = self.next[r as usize];
+                }
+                if best.is_some() {
+                    return best;
+                }
+            }
+        }
+        None
+    }
+
+    /// Free units for a block of `n` units with as few runs (`mmap`s) as can be: the longest
+    /// runs, until one that holds the rest (the smallest such). Pushes `(first unit, count)`
+    /// runs onto `out`; returns the units still missing (all free units are taken then).
+    pub(crate) fn take_fewest(&self, n: u32, out: &mut Vec<(u32, u32)>) -> u32 {
+        let mut left = n;
+        while left > 0 {
+            if let Some((s, _)) = self.fit_skipping(left, out) {
+                out.push((s, left));
+                return 0;
+            }
+            let Some((s, k)) = self.longest_skipping(out) else { break };
+            out.push((s, k));
+            left -= k;
+        }
+        left
     }
 
     /// The first class from `c` on that has runs.
@@ -209,25 +262,6 @@ impl FreeRuns {
             }
             bits = self.nonempty[w];
         }
-    }
-
-    /// Every free run as `(length, first unit)`, the longest first.
-    pub(crate) fn longest_first(&self) -> Vec<(u32, u32)> {
-        let mut out = Vec::with_capacity(self.runs);
-        for (w, &word) in self.nonempty.iter().enumerate() {
-            let mut bits = word;
-            while bits != 0 {
-                let c = w * 64 + bits.trailing_zeros() as usize;
-                bits &= bits - 1;
-                let mut r = self.heads[c];
-                while r != NIL {
-                    out.push((self.head_len[r as usize], r));
-                    r = self.next[r as usize];
-                }
-            }
-        }
-        out.sort_unstable_by(|a, b| b.cmp(a));
-        out
     }
 
     /// Checks the index against `busy` (one bit per unit, set while it is busy): the free bits
@@ -336,6 +370,17 @@ mod tests {
                 f.check(&bits).unwrap_or_else(|e| panic!("step {step}: {e}"));
             }
             let n = 1 + next(80) as u32;
+            let mut taken = Vec::new();
+            let left = f.take_fewest(n, &mut taken);
+            let free: usize = busy.iter().filter(|b| !**b).count();
+            assert_eq!(left as usize, (n as usize).saturating_sub(free), "step {step}");
+            let mut seen = vec![false; len];
+            for &(s, k) in &taken {
+                for u in s as usize..(s + k) as usize {
+                    assert!(!busy[u] && !std::mem::replace(&mut seen[u], true), "step {step}: unit {u} in {taken:?}");
+                }
+            }
+            assert_eq!(taken.iter().map(|t| t.1).sum::<u32>() + left, n, "step {step}");
             let longest = busy.split(|&b| b).map(<[bool]>::len).max().unwrap_or(0) as u32;
             match f.fit(n) {
                 Some((s, k)) => {
