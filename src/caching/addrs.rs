@@ -1,7 +1,9 @@
 //! Where each block starts: an exact table for frees (a raw pointer must be a block's start)
 //! and an ordered one for ranges (a copy's pointer may lie anywhere inside a block). Both
-//! change only when blocks are made, split, merged or released: never on the hot path, which
-//! hands out and takes back whole blocks.
+//! change only when blocks are made, split, merged or released: never on the pools' hot path,
+//! which hands out and takes back whole blocks. A page-stitched arena's home blocks are made
+//! and freed on every request, so its home region is a dense region here: starts by unit in a
+//! bitmap, not entries of the ordered map.
 //!
 //! The exact table is an open-addressing hash table of its own (linear probing, at most half
 //! full, Fibonacci hashing of the address's 512-byte unit): a raw free's lookup is a multiply,
@@ -134,21 +136,98 @@ impl Exact {
     }
 }
 
+/// A dense region: a page-stitched arena's home region, where blocks start at multiples of
+/// its unit and are made and freed on every request. Its starts are a bitmap and a table by
+/// unit instead of entries of the ordered map (which cost a tree insert and remove a block).
+struct Region {
+    base: usize,
+    len: usize,
+    shift: u32,
+    /// One bit per unit, set where a block starts.
+    starts: Vec<u64>,
+    /// By unit: the block that starts there (where the bit is set).
+    ids: Vec<BlockId>,
+}
+
+impl Region {
+    #[inline]
+    fn holds(&self, addr: usize) -> bool {
+        addr.wrapping_sub(self.base) < self.len
+    }
+
+    /// The last start at or before `addr` (in the region), and its block.
+    fn at_or_before(&self, addr: usize) -> Option<(usize, BlockId)> {
+        let u = (addr - self.base) >> self.shift;
+        let (mut w, mut b) = (u / 64, u % 64);
+        if w >= self.starts.len() {
+            (w, b) = (self.starts.len().checked_sub(1)?, 63);
+        }
+        loop {
+            let below = if b == 63 { !0 } else { (1u64 << (b + 1)) - 1 };
+            let bits = self.starts[w] & below;
+            if bits != 0 {
+                let s = w * 64 + 63 - bits.leading_zeros() as usize;
+                return Some((self.base + (s << self.shift), self.ids[s]));
+            }
+            if w == 0 {
+                return None;
+            }
+            (w, b) = (w - 1, 63);
+        }
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct BlockAddrs {
     exact: Exact,
     ordered: BTreeMap<usize, BlockId>,
+    regions: Vec<Region>,
 }
 
 impl BlockAddrs {
+    #[inline]
+    fn region_of(&mut self, addr: usize) -> Option<&mut Region> {
+        self.regions.iter_mut().find(|r| r.holds(addr))
+    }
+
     pub(crate) fn insert(&mut self, addr: usize, id: BlockId) {
         self.exact.insert(addr, id);
+        if let Some(r) = self.region_of(addr) {
+            let u = (addr - r.base) >> r.shift;
+            debug_assert_eq!((addr - r.base) & ((1 << r.shift) - 1), 0, "a region's blocks start at its units");
+            if u >= r.ids.len() {
+                r.ids.resize((u + 1).next_power_of_two(), BlockId::MAX);
+                r.starts.resize(r.ids.len().div_ceil(64), 0);
+            }
+            r.starts[u / 64] |= 1 << (u % 64);
+            r.ids[u] = id;
+            return;
+        }
         self.ordered.insert(addr, id);
     }
 
     pub(crate) fn remove(&mut self, addr: usize) {
         self.exact.remove(addr);
+        if let Some(r) = self.region_of(addr) {
+            let u = (addr - r.base) >> r.shift;
+            if let Some(w) = r.starts.get_mut(u / 64) {
+                *w &= !(1 << (u % 64));
+            }
+            return;
+        }
         self.ordered.remove(&addr);
+    }
+
+    /// Files blocks in `[base, base + len)` as a dense region (see [`Region`]): they start at
+    /// multiples of `unit` (a power of two). Nothing may be filed there yet.
+    pub(crate) fn add_region(&mut self, base: usize, len: usize, unit: usize) {
+        debug_assert!(unit.is_power_of_two() && self.ordered.range(base..base + len).next().is_none());
+        self.regions.push(Region { base, len, shift: unit.trailing_zeros(), starts: Vec::new(), ids: Vec::new() });
+    }
+
+    /// Forgets the dense region at `base` (its blocks were removed).
+    pub(crate) fn remove_region(&mut self, base: usize) {
+        self.regions.retain(|r| r.base != base);
     }
 
     /// The block that starts at `addr`.
@@ -168,11 +247,23 @@ impl BlockAddrs {
     /// The block that starts last at or before `addr` (the one holding it, if any does), and
     /// its start.
     pub(crate) fn at_or_before(&self, addr: usize) -> Option<(usize, BlockId)> {
+        if let Some(r) = self.regions.iter().find(|r| r.holds(addr)) {
+            // No block of the ordered map lies in a region.
+            return r.at_or_before(addr);
+        }
         self.ordered.range(..=addr).next_back().map(|(&a, &id)| (a, id))
     }
 
     pub(crate) fn len(&self) -> usize {
-        debug_assert_eq!(self.exact.len, self.ordered.len());
+        debug_assert_eq!(
+            self.exact.len,
+            self.ordered.len()
+                + self
+                    .regions
+                    .iter()
+                    .map(|r| r.starts.iter().map(|w| w.count_ones() as usize).sum::<usize>())
+                    .sum::<usize>()
+        );
         self.exact.len
     }
 }
@@ -215,5 +306,38 @@ mod tests {
         assert_eq!(Exact::default().find(0), NONE);
         t.remove(EMPTY);
         assert_eq!(t.len, m.len());
+    }
+
+    /// Blocks in a dense region are found by exact address and by `at_or_before` as the
+    /// ordered map finds the others (a model: a std BTreeMap of every block), and never from
+    /// outside the region.
+    #[test]
+    fn a_region_answers_as_the_ordered_map_would() {
+        let (base, unit) = (1usize << 30, 1usize << 14);
+        let mut a = BlockAddrs::default();
+        a.insert(base - 4096, 7);
+        a.add_region(base, 1 << 24, unit);
+        let mut m = BTreeMap::new();
+        m.insert(base - 4096, 7);
+        let mut x = 0x9E37_79B9_7F4A_7C15_u64;
+        for step in 0..if cfg!(miri) { 300u32 } else { 5_000 } {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let addr = base + (x as usize % 700) * unit;
+            if x % 3 == 0 {
+                a.remove(addr);
+                m.remove(&addr);
+            } else {
+                a.insert(addr, step);
+                m.insert(addr, step);
+            }
+            assert_eq!(a.len(), m.len());
+            let probe = base + (x >> 20) as usize % (800 * unit);
+            let want = m.range(..=probe).next_back().map(|(&s, &id)| (s, id)).filter(|&(s, _)| s >= base);
+            assert_eq!(a.at_or_before(probe), want, "step {step}: {probe:#x}");
+            assert_eq!(a.get(addr), m.get(&addr).copied());
+        }
+        assert_eq!(a.at_or_before(base - 1), Some((base - 4096, 7)));
     }
 }

@@ -197,7 +197,7 @@ impl Arena {
     }
 
     /// Bytes of the home region (the start of the stitched views' address space).
-    fn home_bytes(&self) -> usize {
+    pub(crate) fn home_bytes(&self) -> usize {
         self.home_units * self.unit
     }
 

@@ -58,6 +58,7 @@ impl Pool {
         match made {
             Ok((seg, arena)) => {
                 let base = seg.mapping().map_or(0, |m| m.as_ptr() as usize);
+                let home = arena.home_bytes();
                 let entry = SegEntry {
                     seg: Arc::new(seg),
                     base,
@@ -69,6 +70,8 @@ impl Pool {
                 };
                 let si = self.add_segment(entry);
                 self.arenas.insert(queue, si);
+                // Its home blocks are filed by unit, not in the ordered address map.
+                self.raw.addrs.add_region(base, home, unit);
                 Some(si)
             }
             Err(e) => {
@@ -312,6 +315,7 @@ impl Pool {
         stats::dec_array(&mut self.stats.device.segment, e.pool, 1);
         stats::dec_array(&mut self.stats.device.reserved_bytes, e.pool, backed as i64);
         self.arenas.remove(&e.queue);
+        self.raw.addrs.remove_region(e.base);
         if backed > 0 {
             self.log(HistoryKind::SegmentUnmap, e.base, backed, e.queue);
         }
