@@ -131,11 +131,8 @@ pub(crate) struct Arena {
     reserved_len: usize,
     /// Units that exist: `[0, len)` (used at least once).
     len: usize,
-    /// One bit per unit, set while a live view shows it.
-    busy: Vec<u64>,
     /// One bit per unit, set while it is given back (punched); only free units are.
     holes: Vec<u64>,
-    n_busy: usize,
     n_holes: usize,
     /// One bit per unit, set where a home block started and was freed, and no home block has
     /// started there since: a free there is a double free (home blocks leave no trace).
@@ -178,9 +175,7 @@ impl Arena {
             unit,
             reserved_len,
             len: 0,
-            busy: Vec::new(),
             holes: Vec::new(),
-            n_busy: 0,
             n_holes: 0,
             freed: Vec::new(),
             home_units,
@@ -256,7 +251,7 @@ impl Arena {
         for &(u, k) in &v.runs {
             let mut found = None;
             words(u as usize, (u + k) as usize, |w, m| {
-                let b = self.busy[w] & m;
+                let b = !self.free.free_word(w) & m;
                 if found.is_none() && b != 0 {
                     found = Some((w * 64) as u32 + b.trailing_zeros());
                 }
@@ -279,7 +274,7 @@ impl Arena {
         let list = self.cached.get(&n)?;
         for &(_, id) in list {
             let v = &self.views[&id];
-            if bit(&self.busy, v.watch as usize) {
+            if !self.free.is_free(v.watch) {
                 continue;
             }
             if let Some(unit) = self.first_busy(v) {
@@ -309,18 +304,15 @@ impl Arena {
         let mut rebacked = 0;
         for &(u, k) in &v.runs {
             let (from, to) = (u as usize, (u + k) as usize);
-            debug_assert_eq!(count(&self.busy, from, to), 0, "a view is taken only while its units are free");
             if self.n_holes > 0 {
                 rebacked += set(&mut self.holes, from, to, false);
             }
-            set(&mut self.busy, from, to, true);
         }
         for i in 0..self.views[&id].runs.len() {
             let (u, k) = self.views[&id].runs[i];
             self.free.occupy(u, k);
         }
         self.n_holes -= rebacked;
-        self.n_busy += n;
         rebacked
     }
 
@@ -329,8 +321,6 @@ impl Arena {
     pub(crate) fn release_home(&mut self, off: usize, n: usize) {
         let (u, k) = ((off / self.unit) as u32, n as u32);
         debug_assert!(self.is_home(off) && off % self.unit == 0);
-        set(&mut self.busy, u as usize, (u + k) as usize, false);
-        self.n_busy -= n;
         self.home_live -= 1;
         set(&mut self.freed, u as usize, u as usize + 1, true);
         self.free.vacate(u, k);
@@ -345,10 +335,6 @@ impl Arena {
         v.live = false;
         v.freed_at = clock;
         let (n, runs, key) = (v.n, v.runs.len(), (v.born, id));
-        for &(u, k) in &v.runs {
-            set(&mut self.busy, u as usize, (u + k) as usize, false);
-        }
-        self.n_busy -= n;
         for i in 0..runs {
             let (u, k) = self.views[&id].runs[i];
             self.free.vacate(u, k);
@@ -422,7 +408,7 @@ impl Arena {
     fn pick_around_holes(&self, n: usize) -> Plan {
         let mut backed = Vec::new();
         self.scan_runs(
-            |w| !self.busy[w] & !self.holes[w],
+            |w| self.free.free_word(w) & !self.holes[w],
             |u, k| {
                 backed.push((k as u32, u as u32));
                 ControlFlow::Continue(())
@@ -433,7 +419,7 @@ impl Arena {
         let mut left = take_fewest(&backed, n as u32, &mut runs);
         if left > 0 {
             self.scan_runs(
-                |w| !self.busy[w] & self.holes[w],
+                |w| self.free.free_word(w) & self.holes[w],
                 |u, k| {
                     let k = (k as u32).min(left);
                     runs.push((u as u32, k));
@@ -576,7 +562,6 @@ impl Arena {
         if grown > 0 {
             let (old, new_len) = (self.len, self.len + grown);
             let words = new_len.div_ceil(64);
-            self.busy.resize(words, 0);
             self.holes.resize(words, 0);
             self.freed.resize(words, 0);
             self.len = new_len;
@@ -588,10 +573,8 @@ impl Arena {
             if self.n_holes > 0 {
                 self.n_holes -= set(&mut self.holes, from, to, false);
             }
-            set(&mut self.busy, from, to, true);
             self.free.occupy(u, k);
         }
-        self.n_busy += n;
         if home {
             // A block starts here now: the mark of one freed here goes.
             set(&mut self.freed, first.0 as usize, first.0 as usize + 1, false);
@@ -671,7 +654,7 @@ impl Arena {
     pub(crate) fn free_backed_runs(&self) -> Vec<(usize, usize)> {
         let mut runs = Vec::new();
         self.scan_runs(
-            |w| !self.busy[w] & !self.holes[w],
+            |w| self.free.free_word(w) & !self.holes[w],
             |u, k| {
                 runs.push((u, k));
                 ControlFlow::Continue(())
@@ -760,20 +743,20 @@ impl Arena {
             ));
         }
         for (i, &shown) in shown.iter().enumerate() {
-            if bit(&self.busy, i) != shown {
-                return Err(format!("unit {i}: busy {} but shown by a live block {shown}", bit(&self.busy, i)));
+            if self.free.is_free(i as u32) == shown {
+                return Err(format!("unit {i}: free {} but shown by a live block {shown}", !shown));
             }
             if shown && bit(&self.holes, i) {
                 return Err(format!("unit {i} is in use and given back"));
             }
         }
-        if count(&self.busy, 0, self.len) != self.n_busy || count(&self.holes, 0, self.len) != self.n_holes {
-            return Err("the busy or given-back counts do not match the bitmaps".into());
+        if count(&self.holes, 0, self.len) != self.n_holes {
+            return Err("the given-back count does not match the bitmap".into());
         }
-        self.free.check(&self.busy).map_err(|why| format!("the free-run index: {why}"))?;
-        if self.free.free_units() != self.len - self.n_busy {
-            return Err(format!("{} free units indexed, {} not busy", self.free.free_units(), self.len - self.n_busy));
+        if self.free.units() != self.len {
+            return Err(format!("the free-run index covers {} units of {}", self.free.units(), self.len));
         }
+        self.free.check().map_err(|why| format!("the free-run index: {why}"))?;
         if self.va_by_len.len() != self.va_free.len()
             || self.va_free.iter().any(|(&a, &l)| !self.va_by_len.contains(&(l, a)))
         {

@@ -44,7 +44,6 @@ pub(crate) struct FreeRuns {
     /// One bit per class, set while it has runs.
     nonempty: [u64; CLASSES.div_ceil(64)],
     runs: usize,
-    free_units: usize,
 }
 
 impl FreeRuns {
@@ -53,9 +52,21 @@ impl FreeRuns {
         Self { heads: vec![NIL; CLASSES], ..Self::default() }
     }
 
-    /// Free units.
-    pub(crate) fn free_units(&self) -> usize {
-        self.free_units
+    /// Units covered (`[0, units)`).
+    pub(crate) fn units(&self) -> usize {
+        self.len
+    }
+
+    /// Whether unit `u` is free.
+    #[inline]
+    pub(crate) fn is_free(&self, u: u32) -> bool {
+        bit(&self.free, u as usize)
+    }
+
+    /// Word `w` of the free bitmap (bit `i` for unit `64 w + i`; none past the end).
+    #[inline]
+    pub(crate) fn free_word(&self, w: usize) -> u64 {
+        self.free[w]
     }
 
     /// Units `[len, new_len)` are added, busy (the caller vacates those it does not use).
@@ -107,7 +118,6 @@ impl FreeRuns {
     pub(crate) fn vacate(&mut self, mut s: u32, mut k: u32) {
         debug_assert!(k > 0 && (s + k) as usize <= self.len);
         set(&mut self.free, s as usize, (s + k) as usize, true);
-        self.free_units += k as usize;
         if s > 0 && bit(&self.free, s as usize - 1) {
             let ls = self.tail_start[s as usize - 1];
             k += self.unlink(ls);
@@ -144,7 +154,6 @@ impl FreeRuns {
         let rl = self.unlink(rs);
         debug_assert!(s + k <= rs + rl, "units [{s}, {}) are not all free (run {rs}+{rl})", s + k);
         set(&mut self.free, s as usize, (s + k) as usize, false);
-        self.free_units -= k as usize;
         if s > rs {
             self.link(rs, s - rs);
         }
@@ -264,22 +273,21 @@ impl FreeRuns {
         }
     }
 
-    /// Checks the index against `busy` (one bit per unit, set while it is busy): the free bits
-    /// are its complement, every maximal free run has its tags and is listed in its class, and
-    /// nothing else is.
-    pub(crate) fn check(&self, busy: &[u64]) -> Result<(), String> {
+    /// Checks the index against its free bitmap: every maximal free run has its tags and is
+    /// listed in its class, and nothing else is; no bit is set past the end.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        if super::bitmap::count(&self.free, self.len, self.free.len() * 64) != 0 {
+            return Err("free units past the end".into());
+        }
         let mut found = 0;
         let mut u = 0;
         while u < self.len {
-            if bit(&self.free, u) == bit(busy, u) {
-                return Err(format!("unit {u}: free {} and busy {}", bit(&self.free, u), bit(busy, u)));
-            }
             if !bit(&self.free, u) {
                 u += 1;
                 continue;
             }
             let mut end = u;
-            while end < self.len && bit(&self.free, end) && !bit(busy, end) {
+            while end < self.len && bit(&self.free, end) {
                 end += 1;
             }
             let k = (end - u) as u32;
@@ -313,9 +321,6 @@ impl FreeRuns {
             .sum();
         if found != self.runs || listed != self.runs {
             return Err(format!("{found} free runs, {listed} listed, {} counted", self.runs));
-        }
-        if self.free_units != super::bitmap::count(&self.free, 0, self.len) {
-            return Err("the free units' count does not match the bitmap".into());
         }
         Ok(())
     }
@@ -363,11 +368,9 @@ mod tests {
                 f.vacate(s as u32, k as u32);
                 span.fill(false);
             }
-            let bits: Vec<u64> = (0..len.div_ceil(64))
-                .map(|w| (0..64).filter(|i| busy.get(w * 64 + i).copied().unwrap_or(false)).fold(0, |a, i| a | 1 << i))
-                .collect();
             if step % 16 == 0 {
-                f.check(&bits).unwrap_or_else(|e| panic!("step {step}: {e}"));
+                f.check().unwrap_or_else(|e| panic!("step {step}: {e}"));
+                assert!((0..len).all(|u| f.is_free(u as u32) != busy[u]), "step {step}: the free bits");
             }
             let n = 1 + next(80) as u32;
             let mut taken = Vec::new();
