@@ -136,6 +136,81 @@ impl Exact {
     }
 }
 
+/// Levels of [`Starts`]: 64^5 units (over a billion) at most.
+const LEVELS: usize = 5;
+
+/// Unit numbers, where the last one at or below any unit is found in a few word reads, however
+/// far back it lies: a bitmap, a summary of it (a bit per word that has any bit set), a summary
+/// of that, and so on.
+#[derive(Default)]
+struct Starts {
+    levels: [Vec<u64>; LEVELS],
+}
+
+impl Starts {
+    fn insert(&mut self, u: usize) {
+        let mut i = u;
+        for v in &mut self.levels {
+            let w = i / 64;
+            if w >= v.len() {
+                v.resize(w + 1, 0);
+            }
+            let had = v[w] != 0;
+            v[w] |= 1 << (i % 64);
+            if had {
+                // The levels above know this word already.
+                return;
+            }
+            i = w;
+        }
+    }
+
+    fn remove(&mut self, u: usize) {
+        let mut i = u;
+        for v in &mut self.levels {
+            let Some(word) = v.get_mut(i / 64) else { return };
+            *word &= !(1 << (i % 64));
+            if *word != 0 {
+                return;
+            }
+            i /= 64;
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.levels[0].iter().map(|w| w.count_ones() as usize).sum()
+    }
+
+    /// The last unit filed at or below `u`.
+    fn last_at_or_below(&self, u: usize) -> Option<usize> {
+        let mut i = u;
+        for lvl in 0..LEVELS {
+            let v = &self.levels[lvl];
+            let (mut w, mut b) = (i / 64, i % 64);
+            if w >= v.len() {
+                // Past the end: everything filed at this level lies below.
+                w = v.len().checked_sub(1)?;
+                b = 63;
+            }
+            let below = if b == 63 { !0 } else { (1u64 << (b + 1)) - 1 };
+            let bits = v[w] & below;
+            if bits != 0 {
+                // Down again, taking the highest bit of each word.
+                let mut j = w * 64 + 63 - bits.leading_zeros() as usize;
+                for l in (0..lvl).rev() {
+                    let word = self.levels[l][j];
+                    debug_assert!(word != 0, "a summary bit names a word with bits");
+                    j = j * 64 + 63 - word.leading_zeros() as usize;
+                }
+                return Some(j);
+            }
+            // Nothing at or below `b` in word `w`: the words before it, one level up.
+            i = w.checked_sub(1)?;
+        }
+        None
+    }
+}
+
 /// A dense region: a page-stitched arena's home region, where blocks start at multiples of
 /// its unit and are made and freed on every request. Its starts are a bitmap and a table by
 /// unit instead of entries of the ordered map (which cost a tree insert and remove a block).
@@ -143,8 +218,8 @@ struct Region {
     base: usize,
     len: usize,
     shift: u32,
-    /// One bit per unit, set where a block starts.
-    starts: Vec<u64>,
+    /// The units where a block starts.
+    starts: Starts,
     /// By unit: the block that starts there (where the bit is set).
     ids: Vec<BlockId>,
 }
@@ -157,23 +232,8 @@ impl Region {
 
     /// The last start at or before `addr` (in the region), and its block.
     fn at_or_before(&self, addr: usize) -> Option<(usize, BlockId)> {
-        let u = (addr - self.base) >> self.shift;
-        let (mut w, mut b) = (u / 64, u % 64);
-        if w >= self.starts.len() {
-            (w, b) = (self.starts.len().checked_sub(1)?, 63);
-        }
-        loop {
-            let below = if b == 63 { !0 } else { (1u64 << (b + 1)) - 1 };
-            let bits = self.starts[w] & below;
-            if bits != 0 {
-                let s = w * 64 + 63 - bits.leading_zeros() as usize;
-                return Some((self.base + (s << self.shift), self.ids[s]));
-            }
-            if w == 0 {
-                return None;
-            }
-            (w, b) = (w - 1, 63);
-        }
+        let s = self.starts.last_at_or_below((addr - self.base) >> self.shift)?;
+        Some((self.base + (s << self.shift), self.ids[s]))
     }
 }
 
@@ -197,9 +257,8 @@ impl BlockAddrs {
             debug_assert_eq!((addr - r.base) & ((1 << r.shift) - 1), 0, "a region's blocks start at its units");
             if u >= r.ids.len() {
                 r.ids.resize((u + 1).next_power_of_two(), BlockId::MAX);
-                r.starts.resize(r.ids.len().div_ceil(64), 0);
             }
-            r.starts[u / 64] |= 1 << (u % 64);
+            r.starts.insert(u);
             r.ids[u] = id;
             return;
         }
@@ -209,10 +268,7 @@ impl BlockAddrs {
     pub(crate) fn remove(&mut self, addr: usize) {
         self.exact.remove(addr);
         if let Some(r) = self.region_of(addr) {
-            let u = (addr - r.base) >> r.shift;
-            if let Some(w) = r.starts.get_mut(u / 64) {
-                *w &= !(1 << (u % 64));
-            }
+            r.starts.remove((addr - r.base) >> r.shift);
             return;
         }
         self.ordered.remove(&addr);
@@ -222,7 +278,13 @@ impl BlockAddrs {
     /// multiples of `unit` (a power of two). Nothing may be filed there yet.
     pub(crate) fn add_region(&mut self, base: usize, len: usize, unit: usize) {
         debug_assert!(unit.is_power_of_two() && self.ordered.range(base..base + len).next().is_none());
-        self.regions.push(Region { base, len, shift: unit.trailing_zeros(), starts: Vec::new(), ids: Vec::new() });
+        self.regions.push(Region {
+            base,
+            len,
+            shift: unit.trailing_zeros(),
+            starts: Starts::default(),
+            ids: Vec::new(),
+        });
     }
 
     /// Forgets the dense region at `base` (its blocks were removed).
@@ -257,12 +319,7 @@ impl BlockAddrs {
     pub(crate) fn len(&self) -> usize {
         debug_assert_eq!(
             self.exact.len,
-            self.ordered.len()
-                + self
-                    .regions
-                    .iter()
-                    .map(|r| r.starts.iter().map(|w| w.count_ones() as usize).sum::<usize>())
-                    .sum::<usize>()
+            self.ordered.len() + self.regions.iter().map(|r| r.starts.len()).sum::<usize>()
         );
         self.exact.len
     }
@@ -339,5 +396,34 @@ mod tests {
             assert_eq!(a.get(addr), m.get(&addr).copied());
         }
         assert_eq!(a.at_or_before(base - 1), Some((base - 4096, 7)));
+    }
+
+    /// `last_at_or_below` agrees with a sorted set, for units spread over several levels (far
+    /// apart, so that the search climbs and comes down again).
+    #[test]
+    fn starts_find_the_last_unit_at_or_below() {
+        let mut st = Starts::default();
+        let mut m = std::collections::BTreeSet::new();
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        for step in 0..if cfg!(miri) { 300u32 } else { 20_000 } {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let u = match x % 4 {
+                0 => (x >> 8) as usize % 100,
+                1 => (x >> 8) as usize % 10_000,
+                _ => (x >> 8) as usize % if cfg!(miri) { 300_000 } else { 30_000_000 },
+            };
+            if x % 5 < 2 {
+                st.remove(u);
+                m.remove(&u);
+            } else {
+                st.insert(u);
+                m.insert(u);
+            }
+            let probe = (x >> 20) as usize % 40_000_000;
+            assert_eq!(st.last_at_or_below(probe), m.range(..=probe).next_back().copied(), "step {step}: {probe}");
+        }
+        assert_eq!(st.len(), m.len());
     }
 }

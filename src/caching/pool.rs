@@ -534,7 +534,14 @@ impl Pool {
 
     /// Rung 0: whether a segment for the request could fit in the allowed memory at all.
     fn segment_fits_allowed(&mut self, p: &mut AllocParams) -> bool {
-        let needs = if self.uses_expandable() { p.rounded.next_multiple_of(CHUNK) } else { p.alloc_size };
+        let needs = if p.arena {
+            // An arena grows by units.
+            p.rounded.next_multiple_of(self.config.stitch_unit)
+        } else if self.uses_expandable() {
+            p.rounded.next_multiple_of(CHUNK)
+        } else {
+            p.alloc_size
+        };
         if needs as u64 > self.allowed {
             p.cause = format!("; the request needs {needs} bytes of segment, more than the allowed memory");
             return false;
