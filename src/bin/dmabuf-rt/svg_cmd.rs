@@ -915,24 +915,31 @@ mod tests {
         assert!(run(&["a.json".to_string(), "--bogus".to_string()]).unwrap_err().contains("--bogus"));
     }
 
-    /// `replay --svg`: the segments of a snapshot of this library come out drawn, an expandable
-    /// segment's backed runs as one bar with its punched gaps.
+    /// `replay --svg`: the segments of a snapshot of this library come out drawn: without page
+    /// stitching, an expandable segment's backed runs as one bar with its punched gaps; with it
+    /// (the default), the arena's blocks and free units each as a segment of its own, with no
+    /// gap drawn as punched (units in use through a stitched view lie far away).
     #[test]
     fn a_library_snapshot_is_drawn() {
         use dmabuf_rt::caching::{CachingAllocator, Config};
         use dmabuf_rt::source::SparseSource;
-        let a = CachingAllocator::builder(SparseSource).config(Config::default()).capacity(1 << 40).build().unwrap();
-        let (x, y) = (a.allocate(3 << 20, None).unwrap(), a.allocate(1 << 20, None).unwrap());
-        drop(x);
-        let snap = a.snapshot();
-        let segs = segments_of(&snap).unwrap();
-        let drawn: usize =
-            segs.iter().flat_map(|s| &s.blocks).filter(|b| b.state == SvgState::Allocated).map(|b| b.size).sum();
-        assert_eq!(drawn, y.len().next_multiple_of(512), "the live block, and only it, is drawn as allocated");
-        assert!(
-            segs.iter().all(|s| s.label.contains("exp")),
-            "{:?}",
-            segs.iter().map(|s| &s.label).collect::<Vec<_>>()
-        );
+        for stitching in [false, true] {
+            let c = Config { page_stitching: stitching, ..Config::default() };
+            let a = CachingAllocator::builder(SparseSource).config(c).capacity(1 << 40).build().unwrap();
+            let (x, y) = (a.allocate(3 << 20, None).unwrap(), a.allocate(1 << 20, None).unwrap());
+            drop(x);
+            let snap = a.snapshot();
+            let segs = segments_of(&snap).unwrap();
+            let drawn: usize =
+                segs.iter().flat_map(|s| &s.blocks).filter(|b| b.state == SvgState::Allocated).map(|b| b.size).sum();
+            assert_eq!(drawn, y.len().next_multiple_of(512), "the live block, and only it, is drawn as allocated");
+            let labels: Vec<_> = segs.iter().map(|s| &s.label).collect();
+            if stitching {
+                assert!(segs.iter().flat_map(|s| &s.blocks).all(|b| b.state != SvgState::Punched), "{labels:?}");
+                assert_eq!(segs.len(), 2, "the live block and the free units: {labels:?}");
+            } else {
+                assert!(segs.iter().all(|s| s.label.contains("exp")), "{labels:?}");
+            }
+        }
     }
 }

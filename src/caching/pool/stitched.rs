@@ -336,12 +336,15 @@ impl Pool {
     ) -> Vec<SegmentSnapshot> {
         let e = self.segments[si as usize].as_ref().expect("live arena");
         let (base, queue, a) = (e.base, e.queue, e.arena.as_ref().expect("an arena"));
+        // Not expandable: readers (ours and PyTorch's) draw consecutive runs of an expandable
+        // segment as one, with the gaps between them punched; in an arena the gaps are units
+        // in use through a stitched view (far away, in the other half), not punched.
         let seg = |address: usize, size: usize, blocks: Vec<BlockSnapshot>| SegmentSnapshot {
             address,
             size,
             pool: PoolKind::Large.name(),
             stream: queue.get(),
-            is_expandable: true,
+            is_expandable: false,
             blocks,
         };
         let views = a.views().filter(|(_, v)| v.is_live()).map(|(id, v)| (id, v.va));
