@@ -397,7 +397,7 @@ mod tests {
     #[test]
     fn classes_are_ordered_and_bounded() {
         let mut last = 0;
-        for k in 1..100_000u32 {
+        for k in 1..if cfg!(miri) { 3_000u32 } else { 100_000 } {
             let c = class(k);
             assert!(c >= last && c < CLASSES, "{k}: {c}");
             last = c;
