@@ -1,6 +1,7 @@
 //! Page-stitched arenas: GMLake's idea (ASPLOS'24) on a memfd, which on Linux needs no
 //! driver. Physical memory is a set of fixed-size *units* of one sparse memfd per queue
-//! (`Config::stitch_unit`, 16 KiB by default), and the arena's reservation has two halves:
+//! (`Config::stitch_unit`, 4 KiB, the page, by default), and the arena's reservation has
+//! two halves:
 //!
 //! - The *home region* shows the memfd in order (one `mmap` when the arena is made). A block
 //!   that fits in one run of free units is a *home block* there, at its units' own address,
@@ -53,9 +54,8 @@ pub(crate) const MAX_CACHED_RUNS: usize = 8192;
 /// Blocks of at least this many units go to the arena; smaller ones are packed into the
 /// pools' segments. A block wastes less than a unit here, so at most a quarter of its size.
 /// (One unit would bound the waste only by the unit: a workload of blocks just over a unit
-/// wastes nearly half. It did better on `llm_serving`, 1.013 of its peak allocated against
-/// 1.040, because the small pool's cached pages are memory the arena cannot use; the fix for
-/// that is a small pool backed by the arena's units, not a lower threshold.)
+/// wastes nearly half. Blocks below the threshold stay in the small pool, whose cached pages
+/// the arena cannot use: a smaller unit, not a lower threshold, sends more of them here.)
 pub(crate) const MIN_UNITS: usize = 4;
 
 /// One view: where it is in the reservation and which units it shows, in runs

@@ -35,6 +35,26 @@ pub(crate) fn set(map: &mut [u64], from: usize, to: usize, on: bool) -> usize {
     changed
 }
 
+/// Sets (`on`) or clears bits `[from, to)`, with no count: whole words in the middle are
+/// filled at once (a long range is a `memset`).
+#[inline]
+pub(crate) fn fill(map: &mut [u64], from: usize, to: usize, on: bool) {
+    if from >= to {
+        return;
+    }
+    let (fw, lw) = (from / 64, (to - 1) / 64);
+    let head = !0u64 << (from % 64);
+    let tail = !0u64 >> (63 - (to - 1) % 64);
+    let apply = |word: &mut u64, m: u64| if on { *word |= m } else { *word &= !m };
+    if fw == lw {
+        apply(&mut map[fw], head & tail);
+        return;
+    }
+    apply(&mut map[fw], head);
+    map[fw + 1..lw].fill(if on { !0 } else { 0 });
+    apply(&mut map[lw], tail);
+}
+
 /// Whether bit `i` is set.
 #[inline]
 pub(crate) fn bit(map: &[u64], i: usize) -> bool {
@@ -57,5 +77,20 @@ mod tests {
         assert_eq!(count(&m, 0, 256), 64);
         assert_eq!(set(&mut m, 200, 201, true), 1);
         assert!(bit(&m, 200));
+    }
+
+    /// `fill` sets and clears exactly what `set` does, for ranges within a word, across two
+    /// and across many.
+    #[test]
+    fn fill_matches_set() {
+        for (from, to) in [(0, 0), (3, 4), (0, 64), (5, 63), (60, 70), (64, 128), (1, 255), (63, 193), (0, 256)] {
+            for on in [true, false] {
+                let start = if on { 0 } else { !0 };
+                let (mut a, mut b) = (vec![start; 4], vec![start; 4]);
+                set(&mut a, from, to, on);
+                fill(&mut b, from, to, on);
+                assert_eq!(a, b, "[{from}, {to}) {on}");
+            }
+        }
     }
 }

@@ -5,7 +5,7 @@
 //! in intrusive lists, so that finding a run that holds `n` units, taking units out of a run
 //! and giving them back cost a few dozen instructions whatever the number of runs.
 
-use super::bitmap::{bit, set};
+use super::bitmap::{bit, fill};
 
 const NIL: u32 = u32::MAX;
 /// Runs shorter than this have a class each.
@@ -117,7 +117,7 @@ impl FreeRuns {
     /// Units `[s, s + k)`, busy, come free, merged with the free runs around them.
     pub(crate) fn vacate(&mut self, mut s: u32, mut k: u32) {
         debug_assert!(k > 0 && (s + k) as usize <= self.len);
-        set(&mut self.free, s as usize, (s + k) as usize, true);
+        fill(&mut self.free, s as usize, (s + k) as usize, true);
         if s > 0 && bit(&self.free, s as usize - 1) {
             let ls = self.tail_start[s as usize - 1];
             k += self.unlink(ls);
@@ -153,7 +153,7 @@ impl FreeRuns {
         let rs = if s == 0 || !bit(&self.free, s as usize - 1) { s } else { self.run_start(s) };
         let rl = self.unlink(rs);
         debug_assert!(s + k <= rs + rl, "units [{s}, {}) are not all free (run {rs}+{rl})", s + k);
-        set(&mut self.free, s as usize, (s + k) as usize, false);
+        fill(&mut self.free, s as usize, (s + k) as usize, false);
         if s > rs {
             self.link(rs, s - rs);
         }
