@@ -1079,8 +1079,8 @@ fn a_random_workload_on_the_stitched_pool_matches_its_model() {
     use dmabuf_rt::segment::Access;
     let mut remaps = 0;
     for seed in 1..=8u64 {
-        // Half the seeds stitch 64 KiB units (blocks from 256 KiB in the arena), half 16 KiB
-        // (from 64 KiB), so that most blocks are views and the units run short.
+        // Half the seeds stitch the default 4 KiB units (blocks from 16 KiB in the arena), half
+        // 16 KiB (from 64 KiB), so that most blocks are in the arena and the units run short.
         let conf = if seed % 2 == 0 {
             "expandable_segments:True,page_stitching:True"
         } else {

@@ -180,13 +180,13 @@ fn the_trim_policy_holds_its_bound_on_every_trace() {
     }
 }
 
-/// Issue 12: with page stitching (the default), large blocks are views of a queue's arena,
-/// whose memory is the units of the live blocks: peak reserved stays within 1.03 of peak
-/// allocated, and once warm (the second half of four repetitions) no step calls the source or
-/// maps a view.
+/// Issue 12: with page stitching (the default), blocks from four units are home blocks or
+/// stitched views of a queue's arena, whose memory is the units of the live blocks: peak
+/// reserved stays within 1.03 of peak allocated, and once warm (the second half of four
+/// repetitions) no step calls the source or maps a view.
 #[test]
 fn the_stitched_arena_holds_its_bound_and_calls_nothing_once_warm() {
-    for cfg in ["", "stitch_unit_kb:32"] {
+    for cfg in ["", "stitch_unit_kb:16", "stitch_unit_kb:32"] {
         let c = Config::parse(cfg).unwrap();
         for name in TRACES {
             let r =
@@ -195,12 +195,14 @@ fn the_stitched_arena_holds_its_bound_and_calls_nothing_once_warm() {
                 "{name} [{cfg}]: reserved / allocated {:.4}, warm source calls {}, warm remaps {}",
                 r.ratio, r.warm_source_calls, r.warm_remaps
             );
+            // With the default 4 KiB units every trace holds 1.03. With larger units
             // llm_serving's blocks under four units stay in the small pool, whose cached pages
             // the arena cannot use (and at 32 KiB units the trim policy punches them every
             // step): held to what it reaches now, so that it cannot get worse unseen.
             let (bound, per_step) = match (cfg, name) {
+                ("", _) => (1.03, 0.0),
                 (_, n) if n != "llm_serving" => (1.03, 0.0),
-                ("", _) => (1.045, 0.0),
+                ("stitch_unit_kb:16", _) => (1.045, 0.0),
                 _ => (1.055, 12.0),
             };
             let calls = r.warm_source_calls as f64 / r.warm_steps.max(1) as f64;
@@ -208,7 +210,9 @@ fn the_stitched_arena_holds_its_bound_and_calls_nothing_once_warm() {
             assert!(calls <= per_step, "{name} [{cfg}]: {calls:.2} source calls per warm step");
             // Oldest-first choice settles: a warm step finds every view it needs.
             assert_eq!(r.warm_remaps, 0, "{name} [{cfg}]: warm steps made views");
-            assert!(r.remaps > 0, "{name} [{cfg}]: no view was mapped: the arena was not used");
+            // Every trace leaves some free memory split somewhere at some point of its first
+            // step: a block is stitched (which exercises the views, not only home blocks).
+            assert!(r.remaps > 0, "{name} [{cfg}]: no block was stitched");
         }
     }
 }
