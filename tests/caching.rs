@@ -1242,3 +1242,26 @@ fn an_arena_block_shares_its_range_of_the_memfd() {
     assert!(back == data, "the fd at offset() does not show the block");
     drop(pad);
 }
+
+/// A raw free of a block recorded on another queue whose work is already done completes at
+/// once, and the history still shows it requested, then completed (as PyTorch's trace does
+/// for a block used on other streams): the torch backend's trace must not depend on whether
+/// the other stream finished before the free (it did not, in a CI run, and a test saw no
+/// `free_requested`).
+#[test]
+fn a_raw_free_after_the_other_queue_finished_is_still_requested_then_completed() {
+    let a = alloc("", 1 << 30);
+    a.record_history(true);
+    let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
+    let p = a.allocate_raw(MB, Some(&q1)).unwrap();
+    a.record_queue_raw(p, &q2).unwrap();
+    q2.synchronize().unwrap();
+    a.free_raw(p).unwrap();
+    let actions: Vec<String> =
+        a.history().iter().map(|e| e.to_json()).filter(|j| j.contains(&format!("\"addr\":{}", p as usize))).collect();
+    let at = |what: &str| actions.iter().position(|j| j.contains(&format!("\"action\":\"{what}\"")));
+    let (req, done) = (at("free_requested"), at("free_completed"));
+    assert!(req.is_some() && done.is_some() && req < done, "{actions:?}");
+    assert_eq!(a.stats().allocated_bytes[AGGREGATE].current, 0);
+    a.check_invariants().unwrap();
+}

@@ -415,9 +415,12 @@ impl CachingAllocator {
         match pool.free_raw(ptr as usize) {
             Ok(None) => Ok(()),
             Ok(Some((id, mut uses))) => {
-                // Queues idle now have finished every use made before this free.
+                // Queues idle now have finished every use made before this free: it completes at
+                // once. The history still shows it requested first, as PyTorch's does for a
+                // block used on other streams, whether or not their work is done by then.
                 uses.retain(|q| !q.has_passed());
                 if uses.is_empty() {
+                    pool.log_free_requested(id);
                     pool.apply_free(id);
                     return Ok(());
                 }

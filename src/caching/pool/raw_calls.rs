@@ -42,6 +42,15 @@ impl Pool {
         Ok(Some((id, self.raw.take_uses(id))))
     }
 
+    /// Logs the free of block `id` as requested (a raw free used on other queues, all of
+    /// which have passed: it completes at once, [`Pool::apply_free`]).
+    pub(crate) fn log_free_requested(&mut self, id: BlockId) {
+        let b = &self.blocks[id as usize];
+        let (size, queue) = (b.size, b.queue);
+        let addr = self.addr(id);
+        self.log(HistoryKind::FreeRequested, addr, size, queue);
+    }
+
     /// Frees block `id` now (a raw free whose other queues had all passed).
     pub(crate) fn apply_free(&mut self, id: BlockId) {
         self.apply(FreeMsg::Free(id));
