@@ -196,13 +196,14 @@ impl FreeRuns {
         let c = class(n.max(1));
         let has = |c: usize| self.nonempty[c / 64] & (1 << (c % 64)) != 0;
         if has(c) {
-            if let Some(r) = self.best_in(c, n, LOOK, skip) {
+            if let Some(r) = self.best_in(c, n, LOOK + skip.len(), skip) {
                 return Some(r);
             }
         }
         let mut next = c + 1;
         while let Some(k) = self.next_class(next) {
-            if let Some(r) = self.best_in(k, n, if skip.is_empty() { LOOK } else { usize::MAX }, skip) {
+            // Past the runs skipped, as many as when none is.
+            if let Some(r) = self.best_in(k, n, LOOK + skip.len(), skip) {
                 return Some(r);
             }
             next = k + 1;
@@ -210,31 +211,30 @@ impl FreeRuns {
         if has(c) { self.best_in(c, n, usize::MAX, skip) } else { None }
     }
 
-    /// The longest run not starting at a unit of `skip`: from the highest class that has
-    /// runs down, each walked whole (the long runs are few).
-    fn longest_skipping(&self, skip: &[(u32, u32)]) -> Option<(u32, u32)> {
-        for w in (0..self.nonempty.len()).rev() {
+    /// The classes that have runs, from the highest down.
+    fn classes_down(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.nonempty.len()).rev().flat_map(move |w| {
             let mut bits = self.nonempty[w];
-            while bits != 0 {
-                let c = w * 64 + 63 - bits.leading_zeros() as usize;
-                bits &= !(1 << (c % 64));
-                let mut best: Option<(u32, u32)> = None;
-                let mut r = self.heads[c];
-                while r != NIL {
-                    let k = self.head_len[r as usize];
-                    if best.is_none_or(|(bs, bk)| (k, std::cmp::Reverse(r)) > (bk, std::cmp::Reverse(bs)))
-                        && !skip.iter().any(|t| t.0 == r)
-                    {
-                        best = Some((r, k));
-                    }
-                    r = self.next[r as usize];
+            std::iter::from_fn(move || {
+                if bits == 0 {
+                    return None;
                 }
-                if best.is_some() {
-                    return best;
-                }
-            }
+                let i = 63 - bits.leading_zeros() as usize;
+                bits &= !(1 << i);
+                Some(w * 64 + i)
+            })
+        })
+    }
+
+    /// The runs of class `c` as `(length, first unit)`, the longest last (lowest first among
+    /// equals taken last).
+    fn class_runs(&self, c: usize, out: &mut Vec<(u32, std::cmp::Reverse<u32>)>) {
+        let mut r = self.heads[c];
+        while r != NIL {
+            out.push((self.head_len[r as usize], std::cmp::Reverse(r)));
+            r = self.next[r as usize];
         }
-        None
+        out.sort_unstable();
     }
 
     /// Free units for a block of `n` units with as few runs (`mmap`s) as can be: the longest
@@ -242,12 +242,19 @@ impl FreeRuns {
     /// runs onto `out`; returns the units still missing (all free units are taken then).
     pub(crate) fn take_fewest(&self, n: u32, out: &mut Vec<(u32, u32)>) -> u32 {
         let mut left = n;
+        let mut classes = self.classes_down();
+        let mut batch = Vec::new();
         while left > 0 {
             if let Some((s, _)) = self.fit_skipping(left, out) {
                 out.push((s, left));
                 return 0;
             }
-            let Some((s, k)) = self.longest_skipping(out) else { break };
+            // The longest run not taken yet: the rest of the highest class, one class at a time.
+            if batch.is_empty() {
+                let Some(c) = classes.next() else { break };
+                self.class_runs(c, &mut batch);
+            }
+            let Some((k, std::cmp::Reverse(s))) = batch.pop() else { break };
             out.push((s, k));
             left -= k;
         }
