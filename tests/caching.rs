@@ -1265,3 +1265,56 @@ fn a_raw_free_after_the_other_queue_finished_is_still_requested_then_completed()
     assert_eq!(a.stats().allocated_bytes[AGGREGATE].current, 0);
     a.check_invariants().unwrap();
 }
+
+/// Free memory split into more runs than a stitched view may take (256, `MAX_VIEW_RUNS`): a
+/// block that would need more is made by growing when the allowed memory holds it (no `mmap`,
+/// no kernel mapping per run), and stitched from the runs when it does not (served either
+/// way); every block keeps its bytes.
+#[test]
+fn a_block_that_would_take_too_many_runs_grows_unless_memory_is_short() {
+    use dmabuf_rt::segment::Access;
+    let fill = |x: &dmabuf_rt::caching::Allocation, byte: u8| {
+        x.cpu_access(Access::Write).unwrap().fill(0, x.len(), byte).unwrap();
+    };
+    let holds = |x: &dmabuf_rt::caching::Allocation, byte: u8| {
+        let mut v = vec![0u8; x.len()];
+        x.cpu_access(Access::Read).unwrap().read(0, &mut v).unwrap();
+        v.iter().all(|&b| b == byte)
+    };
+    for short in [false, true] {
+        let capacity = 64 * MB;
+        let a = alloc("expandable_segments:True", capacity);
+        let unit = a.config().stitch_unit;
+        let q = Queue::new().unwrap();
+        // 600 blocks of four units, every other one freed: 300 free runs of four units.
+        let all: Vec<_> = (0..600).map(|_| a.allocate(4 * unit, Some(&q)).unwrap()).collect();
+        let mut keep = Vec::new();
+        for (i, x) in all.into_iter().enumerate() {
+            if i % 2 == 0 {
+                fill(&x, (i / 2 % 251) as u8 + 1);
+                keep.push(x);
+            }
+        }
+        let before = a.stats();
+        let reserved = before.reserved_bytes[AGGREGATE].current as usize;
+        if short {
+            // No room to grow: only the free units can serve the block.
+            a.set_memory_fraction(reserved as f64 / capacity as f64).unwrap();
+        }
+        let big = a.allocate(1100 * unit, Some(&q)).unwrap();
+        let after = a.stats();
+        let maps = after.num_remaps - before.num_remaps;
+        let grew = after.reserved_bytes[AGGREGATE].current as usize - reserved;
+        if short {
+            assert!(maps >= 275 && grew == 0, "short of memory: {maps} mmaps, grew {grew} bytes");
+        } else {
+            assert!(maps == 0 && grew > 0, "{maps} mmaps for a block the memory could grow for (grew {grew} bytes)");
+        }
+        fill(&big, 0xEE);
+        assert!(holds(&big, 0xEE));
+        for (i, x) in keep.iter().enumerate() {
+            assert!(holds(x, (i % 251) as u8 + 1), "block {i} lost its bytes");
+        }
+        a.check_invariants().unwrap();
+    }
+}

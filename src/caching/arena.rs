@@ -51,6 +51,12 @@ use crate::segment::Segment;
 /// are let go.
 pub(crate) const MAX_CACHED_RUNS: usize = 8192;
 
+/// The most runs (each one `mmap` and one kernel mapping) a stitched view is made of when
+/// the memory could grow instead: free memory split finer than that is left for blocks that
+/// fit its runs, and the block takes new units (see [`Arena::grow_plan`]). Under the allowed
+/// memory's limit a view may take more, since it then serves a request that would fail.
+pub(crate) const MAX_VIEW_RUNS: usize = 256;
+
 /// Blocks of at least this many units go to the arena; smaller ones are packed into the
 /// pools' segments. A block wastes less than a unit here, so at most a quarter of its size.
 /// (One unit would bound the waste only by the unit: a workload of blocks just over a unit
@@ -106,6 +112,11 @@ pub(crate) struct Plan {
 impl Plan {
     fn runs(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
         std::iter::once(self.first).chain(self.more.iter().copied())
+    }
+
+    /// How many runs (`mmap`s, for a stitched view) it takes.
+    pub(crate) fn run_count(&self) -> usize {
+        1 + self.more.len()
     }
 }
 
@@ -469,6 +480,21 @@ impl Arena {
         }
         let (s, _) = self.free.fit(n as u32)?;
         Some((Plan { first: (s, n as u32), more: Vec::new(), rebacked: 0, grown: 0 }, 0))
+    }
+
+    /// A block of `n` units made by growing: the free run at the end (if any) and new units
+    /// after it, one run (a home block), and what it adds to the reserved bytes.
+    pub(crate) fn grow_plan(&self, n: usize) -> (Plan, usize) {
+        let start = if self.len > 0 && self.free.is_free(self.len as u32 - 1) {
+            self.free.run_start(self.len as u32 - 1)
+        } else {
+            self.len as u32
+        };
+        let have = (self.len - start as usize).min(n);
+        let rebacked = if self.n_holes == 0 { 0 } else { count(&self.holes, start as usize, self.len) };
+        let grown = n - have;
+        let plan = Plan { first: (start, n as u32), more: Vec::new(), rebacked, grown };
+        (plan, (rebacked + grown) * self.unit)
     }
 
     /// The units a new view of `n` units would show, for [`Arena::make`], and what it would

@@ -131,7 +131,7 @@ impl FreeRuns {
     }
 
     /// The first unit of the free run that holds free unit `u`.
-    fn run_start(&self, u: u32) -> u32 {
+    pub(crate) fn run_start(&self, u: u32) -> u32 {
         let u = u as usize;
         let (mut w, mut b) = (u / 64, u % 64);
         loop {

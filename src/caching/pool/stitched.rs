@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use super::super::arena::{Arena, MIN_UNITS, Plan};
+use super::super::arena::{Arena, MAX_VIEW_RUNS, MIN_UNITS, Plan};
 use super::super::block::{BlockId, PoolKind, QueueKey};
 use super::super::expandable::{self, Reservation};
 use super::super::snapshot::{BlockSnapshot, BlockState, HistoryKind, SegmentSnapshot};
@@ -124,9 +124,17 @@ impl Pool {
             let (_, a) = self.arena_mut(si);
             a.units_for(p.rounded)
         };
-        let (plan, cost) = self.arena_mut(si).1.plan(n);
-        let cost = cost as u64;
+        let (mut plan, cost) = self.arena_mut(si).1.plan(n);
+        let mut cost = cost as u64;
         let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
+        if plan.run_count() > MAX_VIEW_RUNS {
+            // Free memory split into that many runs would cost as many `mmap`s and kernel
+            // mappings (a process has 65,530): grow instead, if the allowed memory holds it.
+            let (grow, grow_cost) = self.arena_mut(si).1.grow_plan(n);
+            if reserved + grow_cost as u64 <= self.allowed {
+                (plan, cost) = (grow, grow_cost as u64);
+            }
+        }
         if reserved + cost > self.allowed {
             p.cause = format!(
                 "; the stitched arena needs {cost} more bytes, and the allowed memory ({} bytes) would be exceeded",
