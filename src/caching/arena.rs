@@ -39,6 +39,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::bitmap::{bit, count, set, words};
 use super::block::BlockId;
@@ -50,6 +51,19 @@ use crate::segment::Segment;
 /// How many runs (kernel mappings) the cached views of one arena may hold before the oldest
 /// are let go.
 pub(crate) const MAX_CACHED_RUNS: usize = 8192;
+
+/// Kernel mappings the stitched views of all the process's arenas may hold together: half of
+/// Linux's default `vm.max_map_count` (65,530), the rest left to everything else (threads,
+/// heaps, libraries). A view that would take the count past it is not made.
+pub(crate) const MAX_MAPPED_RUNS: usize = 32_768;
+
+/// Runs mapped by the stitched views (live and cached) of every arena of the process.
+static MAPPED_RUNS: AtomicUsize = AtomicUsize::new(0);
+
+/// Runs the stitched views of every arena of the process map now.
+pub(crate) fn mapped_runs() -> usize {
+    MAPPED_RUNS.load(Ordering::Relaxed)
+}
 
 /// The most runs (each one `mmap` and one kernel mapping) a stitched view is made of when
 /// the memory could grow instead: free memory split finer than that is left for blocks that
@@ -161,6 +175,8 @@ pub(crate) struct Arena {
     cached: HashMap<usize, Vec<(u64, BlockId)>, FxBuild>,
     /// Runs the cached views hold.
     cached_runs: usize,
+    /// Runs all its stitched views (live and cached) map: its part of [`MAPPED_RUNS`].
+    mapped_runs: usize,
     /// Free address ranges below `va_top`: offset -> length.
     va_free: BTreeMap<usize, usize>,
     /// The same ranges by `(length, offset)`, for best fit.
@@ -195,6 +211,7 @@ impl Arena {
             views: HashMap::default(),
             cached: HashMap::default(),
             cached_runs: 0,
+            mapped_runs: 0,
             va_free: BTreeMap::new(),
             va_by_len: BTreeSet::new(),
             va_top: home_units * unit,
@@ -574,11 +591,14 @@ impl Arena {
             for (u, k) in plan.runs() {
                 let len = k as usize * self.unit;
                 if let Err(e) = seg.map_view(at, u as usize * self.unit, len) {
-                    // Nothing is handed out over the part mapped so far: give it back.
-                    if at > va {
-                        let _ = seg.unmap_view(va, at - va);
+                    // Nothing is handed out over the part mapped so far: give it back. If even
+                    // that fails, the range keeps showing units no block owns there, and its
+                    // address space is not used again.
+                    if at == va || seg.unmap_view(va, at - va).is_ok() {
+                        self.va_release(va, bytes);
+                    } else {
+                        log::warn!("dmabuf-rt: unmapping a stitched view that failed half-way failed too");
                     }
-                    self.va_release(va, bytes);
                     return Err(e);
                 }
                 at += len;
@@ -609,6 +629,8 @@ impl Arena {
         }
         let runs: Vec<(u32, u32)> = plan.runs().collect();
         let maps = runs.len();
+        self.mapped_runs += maps;
+        MAPPED_RUNS.fetch_add(maps, Ordering::Relaxed);
         self.clock += 1;
         let born = self.clock;
         let watch = first.0;
@@ -636,11 +658,14 @@ impl Arena {
         self.cached_runs -= v.runs.len();
         let bytes = v.n * self.unit;
         if seg.unmap_view(v.va, bytes).is_err() {
+            // Still mapped: still counted.
             // The range keeps showing units it no longer owns, unreachable (no block lies
             // there); its address space is not reused.
             log::warn!("dmabuf-rt: letting go of a stitched view failed; its address space is not reused");
             return (v.va, bytes);
         }
+        self.mapped_runs -= v.runs.len();
+        MAPPED_RUNS.fetch_sub(v.runs.len(), Ordering::Relaxed);
         self.va_release(v.va, bytes);
         (v.va, bytes)
     }
@@ -794,6 +819,13 @@ impl Arena {
             return Err("the cached lists do not match the cached views".into());
         }
         Ok(())
+    }
+}
+
+impl Drop for Arena {
+    /// Its views go with its reservation (unmapped with it).
+    fn drop(&mut self) {
+        MAPPED_RUNS.fetch_sub(self.mapped_runs, Ordering::Relaxed);
     }
 }
 

@@ -436,7 +436,8 @@ impl CachingAllocator {
         }
     }
 
-    /// Marks a raw allocation as used on `queue` (see [`Allocation::record_queue`]).
+    /// Marks the raw allocation that holds `ptr` (its start, or a byte of what it asked for) as
+    /// used on `queue` (see [`Allocation::record_queue`]).
     #[doc(alias = "record_stream_raw")]
     pub fn record_queue_raw(&self, ptr: *mut u8, queue: &Queue) -> Result<()> {
         self.lock().record_queue_raw(ptr as usize, queue).map_err(|why| Error::InvalidFree { ptr: ptr as usize, why })

@@ -14,6 +14,9 @@ use crate::queue::{Queue, QueueHandle};
 /// Why a free of a block already freed is refused.
 pub(crate) const DOUBLE_FREE: &str = "already freed (double free)";
 
+/// Why a free of an address inside a block (not its start) is refused.
+pub(crate) const INTERIOR_FREE: &str = "not the start of a block (a pointer into an allocation)";
+
 /// Why a free of an address in no block is refused.
 pub(crate) const FOREIGN_FREE: &str = "not a pointer this allocator handed out";
 
@@ -56,11 +59,7 @@ impl RawTable {
 
     /// Why a pointer that starts no block is not a live allocation.
     fn classify_foreign(&self, ptr: usize, blocks: &[Block]) -> &'static str {
-        if self.holding(ptr, blocks).is_some() {
-            "not the start of a block (a pointer into an allocation)"
-        } else {
-            FOREIGN_FREE
-        }
+        if self.holding(ptr, blocks).is_some() { INTERIOR_FREE } else { FOREIGN_FREE }
     }
 
     /// The block that holds `addr` (live, cached or freed alike), and its start.

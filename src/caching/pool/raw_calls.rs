@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::super::block::{BlockId, FreeMsg};
-use super::super::raw::{DOUBLE_FREE, FOREIGN_FREE, RawDeferred};
+use super::super::raw::{DOUBLE_FREE, FOREIGN_FREE, INTERIOR_FREE, RawDeferred};
 use super::super::snapshot::HistoryKind;
 use super::{Handed, Pool};
 use crate::queue::Queue;
@@ -31,6 +31,11 @@ impl Pool {
                 // remembers where one started until another starts there.
                 if why == FOREIGN_FREE && self.arena_freed_at(addr) {
                     return Err(DOUBLE_FREE);
+                }
+                if why == FOREIGN_FREE && self.arena_holds(addr) {
+                    // Inside an arena's memory, a freed block's (home blocks leave none behind):
+                    // as a pointer into a cached block of the pools is.
+                    return Err(INTERIOR_FREE);
                 }
                 return Err(why);
             }
@@ -61,9 +66,23 @@ impl Pool {
         self.apply(FreeMsg::Requested(id, waits));
     }
 
-    /// Records that `queue` uses the raw allocation at `addr`.
+    /// Records that `queue` uses the raw allocation that holds `addr` (its start, or a byte of
+    /// what it asked for).
     pub(crate) fn record_queue_raw(&mut self, addr: usize, queue: &Queue) -> std::result::Result<(), &'static str> {
-        let id = self.raw.live_raw_at(addr, &self.blocks)?;
+        let id = match self.raw.live_raw_at(addr, &self.blocks) {
+            Ok(id) => id,
+            Err(why) => match self.raw.holding(addr, &self.blocks) {
+                Some((start, id))
+                    if {
+                        let b = &self.blocks[id as usize];
+                        b.allocated && b.raw && b.requested > 0 && addr - start < b.requested
+                    } =>
+                {
+                    id
+                }
+                _ => return Err(why),
+            },
+        };
         self.raw.record_use(id, queue, &mut self.blocks);
         Ok(())
     }

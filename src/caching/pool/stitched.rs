@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use super::super::arena::{Arena, MAX_VIEW_RUNS, MIN_UNITS, Plan};
+use super::super::arena::{self, Arena, MAX_VIEW_RUNS, MIN_UNITS, Plan};
 use super::super::block::{BlockId, PoolKind, QueueKey};
 use super::super::expandable::{self, Reservation};
 use super::super::snapshot::{BlockSnapshot, BlockState, HistoryKind, SegmentSnapshot};
@@ -127,12 +127,30 @@ impl Pool {
         let (mut plan, cost) = self.arena_mut(si).1.plan(n);
         let mut cost = cost as u64;
         let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
-        if plan.run_count() > MAX_VIEW_RUNS {
+        let runs = plan.run_count();
+        if runs > 1 && arena::mapped_runs() + runs > arena::MAX_MAPPED_RUNS && !self.queue_busy(p.queue) {
+            // Over the process's budget of mappings for views: the oldest cached views go
+            // first (not while the queue has work in flight: it may use a block freed meanwhile).
+            let seg = Arc::clone(&self.segments[si as usize].as_ref().expect("live arena").seg);
+            while arena::mapped_runs() + runs > arena::MAX_MAPPED_RUNS {
+                let Some(v) = self.arena_mut(si).1.oldest_cached(0, 1).first().copied() else { break };
+                self.arena_evict(si, &seg, v);
+            }
+        }
+        if runs > MAX_VIEW_RUNS || (runs > 1 && arena::mapped_runs() + runs > arena::MAX_MAPPED_RUNS) {
             // Free memory split into that many runs would cost as many `mmap`s and kernel
             // mappings (a process has 65,530): grow instead, if the allowed memory holds it.
             let (grow, grow_cost) = self.arena_mut(si).1.grow_plan(n);
             if reserved + grow_cost as u64 <= self.allowed {
                 (plan, cost) = (grow, grow_cost as u64);
+            } else if arena::mapped_runs() + runs > arena::MAX_MAPPED_RUNS {
+                p.cause = format!(
+                    "; the free memory is split into {runs} runs of the stitched arena, and mapping them would take \
+                     the process's stitched views past {} kernel mappings",
+                    arena::MAX_MAPPED_RUNS
+                );
+                p.arena_over_allowed = true;
+                return false;
             }
         }
         if reserved + cost > self.allowed {
