@@ -602,10 +602,14 @@ fn empty_cache_during_concurrent_raw_frees() {
         let a = allocator(conf, 512 * MB as u64);
         let stop = Arc::new(AtomicBool::new(false));
         let threads = 3;
+        // The workers start once the cleaner has emptied the cache once (without it, fast
+        // workers could finish before the cleaner ran at all, and the race was not tested).
+        let started = Arc::new(Barrier::new(threads + 1));
         let hs: Vec<_> = (0..threads)
             .map(|t| {
-                let a = a.clone();
+                let (a, started) = (a.clone(), Arc::clone(&started));
                 std::thread::spawn(move || {
+                    started.wait();
                     let mut rng = Rng(0x0e3c_0000 + 7 * t as u64);
                     let mut raws: Vec<(*mut u8, usize, u8)> = Vec::new();
                     let mut objs = Vec::new();
@@ -643,11 +647,17 @@ fn empty_cache_during_concurrent_raw_frees() {
         let (a2, stop2) = (a.clone(), Arc::clone(&stop));
         let cleaner = std::thread::spawn(move || {
             let mut n = 0u64;
-            while !stop2.load(Ordering::Acquire) {
+            loop {
                 a2.empty_cache();
                 a2.check_invariants().unwrap_or_else(|e| panic!("after empty_cache {n}: {e}"));
                 assert_consistent(&a2.stats(), true);
                 n += 1;
+                if n == 1 {
+                    started.wait();
+                }
+                if stop2.load(Ordering::Acquire) {
+                    break;
+                }
             }
             n
         });
@@ -655,7 +665,8 @@ fn empty_cache_during_concurrent_raw_frees() {
             h.join().unwrap();
         }
         stop.store(true, Ordering::Release);
-        assert!(cleaner.join().unwrap() > 0);
+        // It emptied the cache at least once before the workers started (the barrier).
+        cleaner.join().unwrap();
         a.check_invariants().unwrap();
         a.empty_cache();
         let s = a.stats();
