@@ -119,6 +119,26 @@ fn raw_check(p: *mut u8, n: usize, tag: u32, what: &str) {
     }
 }
 
+/// Joins the workers, then stops and joins the thread disturbing them; a worker's panic is
+/// raised again here once the disturber has stopped (so that it cannot hang the test).
+fn join_then_stop(
+    workers: Vec<std::thread::JoinHandle<()>>,
+    stop: &AtomicBool,
+    disturber: std::thread::JoinHandle<()>,
+) {
+    let mut failed = None;
+    for w in workers {
+        if let Err(e) = w.join() {
+            failed.get_or_insert(e);
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    disturber.join().unwrap();
+    if let Some(e) = failed {
+        std::panic::resume_unwind(e);
+    }
+}
+
 fn arena_conf(unit_kb: usize) -> String {
     format!("expandable_segments:True,page_stitching:True,stitch_unit_kb:{unit_kb}")
 }
@@ -369,17 +389,7 @@ fn churn(conf: &str, capacity: u64, threads: usize, iters: usize, seed: u64) {
                 }
             })
         };
-        let mut failed = None;
-        for w in workers {
-            if let Err(e) = w.join() {
-                failed.get_or_insert(e);
-            }
-        }
-        stop.store(true, Ordering::Relaxed);
-        disturber.join().unwrap();
-        if let Some(e) = failed {
-            std::panic::resume_unwind(e);
-        }
+        join_then_stop(workers, &stop, disturber);
         for l in bin.lock().unwrap().iter() {
             check_alloc(&l.x, l.tag, "in the bin at the end");
         }
@@ -1402,17 +1412,7 @@ fn one_arena_shared_by_threads_home_blocks_and_views() {
             }
         })
     };
-    let mut failed = None;
-    for h in hs {
-        if let Err(e) = h.join() {
-            failed.get_or_insert(e);
-        }
-    }
-    stop.store(true, Ordering::Relaxed);
-    disturber.join().unwrap();
-    if let Some(e) = failed {
-        std::panic::resume_unwind(e);
-    }
+    join_then_stop(hs, &stop, disturber);
     for (p, n, tag) in bin.lock().unwrap().drain(..) {
         raw_check(p as *mut u8, n, tag, "the bin at the end");
         a.free_raw(p as *mut u8).unwrap();
