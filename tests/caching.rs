@@ -1185,16 +1185,8 @@ fn a_random_workload_on_the_stitched_pool_matches_its_model() {
 /// block reads back what was written into it.
 #[test]
 fn freed_units_between_live_blocks_serve_a_larger_block_without_new_memory() {
-    use dmabuf_rt::segment::Access;
     let a = alloc("expandable_segments:True", 1 << 30);
-    let write = |x: &dmabuf_rt::caching::Allocation, byte: u8| {
-        x.cpu_access(Access::Write).unwrap().fill(0, x.len(), byte).unwrap();
-    };
-    let all = |x: &dmabuf_rt::caching::Allocation, byte: u8| {
-        let mut v = vec![0u8; x.len()];
-        x.cpu_access(Access::Read).unwrap().read(0, &mut v).unwrap();
-        v.iter().all(|&b| b == byte)
-    };
+    let (write, all) = (fill_with, all_are);
     let blocks: Vec<_> = (0..4u8)
         .map(|i| {
             let x = a.allocate(MB, None).unwrap();
@@ -1272,15 +1264,7 @@ fn a_raw_free_after_the_other_queue_finished_is_still_requested_then_completed()
 /// way); every block keeps its bytes.
 #[test]
 fn a_block_that_would_take_too_many_runs_grows_unless_memory_is_short() {
-    use dmabuf_rt::segment::Access;
-    let fill = |x: &dmabuf_rt::caching::Allocation, byte: u8| {
-        x.cpu_access(Access::Write).unwrap().fill(0, x.len(), byte).unwrap();
-    };
-    let holds = |x: &dmabuf_rt::caching::Allocation, byte: u8| {
-        let mut v = vec![0u8; x.len()];
-        x.cpu_access(Access::Read).unwrap().read(0, &mut v).unwrap();
-        v.iter().all(|&b| b == byte)
-    };
+    let (fill, holds) = (fill_with, all_are);
     for short in [false, true] {
         let capacity = 64 * MB;
         let a = alloc("expandable_segments:True", capacity);
@@ -1317,4 +1301,16 @@ fn a_block_that_would_take_too_many_runs_grows_unless_memory_is_short() {
         }
         a.check_invariants().unwrap();
     }
+}
+
+/// Writes `byte` over all of `x`.
+fn fill_with(x: &dmabuf_rt::caching::Allocation, byte: u8) {
+    x.cpu_access(dmabuf_rt::segment::Access::Write).unwrap().fill(0, x.len(), byte).unwrap();
+}
+
+/// Whether every byte of `x` is `byte`.
+fn all_are(x: &dmabuf_rt::caching::Allocation, byte: u8) -> bool {
+    let mut v = vec![0u8; x.len()];
+    x.cpu_access(dmabuf_rt::segment::Access::Read).unwrap().read(0, &mut v).unwrap();
+    v.iter().all(|&b| b == byte)
 }
