@@ -536,10 +536,12 @@ fn a_deferred_raw_free_is_not_reused_before_the_other_queue_passes() {
     let qb = Queue::new().unwrap();
     let pending_p = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(AtomicBool::new(false));
+    let started = Arc::new(AtomicUsize::new(0));
     let n = 4096;
     let helpers: Vec<_> = (0..2)
         .map(|t| {
-            let (a, qa, pending_p, stop) = (a.clone(), Arc::clone(&qa), Arc::clone(&pending_p), Arc::clone(&stop));
+            let (a, qa, pending_p, stop, started) =
+                (a.clone(), Arc::clone(&qa), Arc::clone(&pending_p), Arc::clone(&stop), Arc::clone(&started));
             std::thread::spawn(move || {
                 let mut got = 0u64;
                 while !stop.load(Ordering::Acquire) {
@@ -550,11 +552,19 @@ fn a_deferred_raw_free_is_not_reused_before_the_other_queue_passes() {
                     assert_intact(x, n, 0x30 + t as u8, "a helper's block");
                     a.free_raw(x).unwrap();
                     got += 1;
+                    if got == 1 {
+                        started.fetch_add(1, Ordering::Release);
+                    }
                 }
                 got
             })
         })
         .collect();
+    // The helpers race the loop below from its first iteration: it starts once both have
+    // been served once (or one of them stopped, whose panic the join below re-raises).
+    while started.load(Ordering::Acquire) < 2 && !helpers.iter().any(|h| h.is_finished()) {
+        std::thread::yield_now();
+    }
     for it in 0..scaled(400) {
         let p = a.allocate_raw(n, Some(&qa)).unwrap();
         fill(p, n, 0xee);

@@ -123,19 +123,24 @@ impl Gate {
 fn destroying_streams_while_another_thread_synchronizes_the_device_neither_hangs_nor_fails() {
     let _g = setup();
     watchdog("stream_destroy racing device_synchronize", Duration::from_secs(60), || {
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let synced = std::sync::Arc::new(AtomicU64::new(0));
         let syncer = {
-            let stop = stop.clone();
+            let (stop, synced) = (stop.clone(), synced.clone());
             std::thread::spawn(move || {
-                let mut n = 0u64;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                while !stop.load(Ordering::Relaxed) {
                     let s = dmabuf_rt_device_synchronize(0);
                     assert_eq!(s, DMABUF_RT_OK, "device_synchronize: {}", last_error());
-                    n += 1;
+                    synced.fetch_add(1, Ordering::Release);
                 }
-                n
+                synced.load(Ordering::Acquire)
             })
         };
+        // The loop races a synchronizer that has already run (or stopped: the join re-raises).
+        while synced.load(Ordering::Acquire) == 0 && !syncer.is_finished() {
+            std::thread::yield_now();
+        }
         let p = device_alloc(0, 4096);
         let src = [7u8; 4096];
         for _ in 0..400 {
@@ -143,7 +148,7 @@ fn destroying_streams_while_another_thread_synchronizes_the_device_neither_hangs
             ok(memcpy((0, p), (0, src.as_ptr() as usize), 4096, DMABUF_RT_MEMCPY_HOST_TO_DEVICE, s));
             ok(dmabuf_rt_stream_destroy(s));
         }
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        stop.store(true, Ordering::Relaxed);
         assert!(syncer.join().unwrap() > 0);
         ok(dmabuf_rt_device_free(0, p as *mut c_void));
     });
