@@ -236,6 +236,20 @@ impl Mapping {
         Ok(())
     }
 
+    /// [`Mapping::populate`] for `len` bytes at `offset` (in bounds, else an error).
+    #[cfg(not(miri))]
+    pub(crate) fn populate_range(&self, offset: usize, len: usize) -> Result<()> {
+        use rustix::mm::Advice;
+        self.check(offset, len)?;
+        let page = rustix::param::page_size();
+        // madvise takes a page-aligned start; the pages around the range are ours too.
+        let start = offset - offset % page;
+        let advice = if self.writable { Advice::LinuxPopulateWrite } else { Advice::LinuxPopulateRead };
+        let at = self.ptr.as_ptr().wrapping_add(start).cast::<c_void>();
+        // SAFETY: as in `populate`, for pages of our own live mapping (checked in bounds).
+        unsafe { rustix::mm::madvise(at, offset + len - start, advice) }.map_err(Error::io_rustix("madvise(POPULATE)"))
+    }
+
     /// Locks the mapped pages in RAM (`mlock`), faulting them in.
     #[cfg(not(miri))]
     pub(crate) fn lock(&self) -> io::Result<()> {
@@ -307,6 +321,10 @@ mod miri_stand_in {
 
         pub(crate) fn populate(&self) -> io::Result<()> {
             Ok(())
+        }
+
+        pub(crate) fn populate_range(&self, offset: usize, len: usize) -> crate::error::Result<()> {
+            self.check(offset, len)
         }
 
         /// A punched range reads back as zeroes. A plain (non-atomic) bulk write, on purpose:

@@ -372,6 +372,17 @@ impl Segment {
         }
     }
 
+    /// The memfd holding the pages whatever the fd state: for a page-stitched arena, whose
+    /// units keep their memfd offsets while its mapping does not show them in order (the
+    /// caller names ranges of the memfd, as the arena knows them).
+    pub(crate) fn memfd_of_units(&self) -> Option<BorrowedFd<'_>> {
+        match (&self.backing, self.fd_kind) {
+            (Backing::Memfd(m), _) => Some(m.as_fd()),
+            (_, FdKind::Memfd) => Some(self.fd.as_fd()),
+            _ => None,
+        }
+    }
+
     /// The GEM handle on the creating DRM fd, for GEM segments.
     pub fn gem_handle(&self) -> Option<u32> {
         match (&self.backing, &self.origin) {

@@ -1235,6 +1235,47 @@ fn an_arena_block_shares_its_range_of_the_memfd() {
     drop(pad);
 }
 
+/// `fd_ranges` names where a block's bytes lie in its fd: one range for a home block, the
+/// memfd runs of a stitched view in address order. Read through the memfd (a home block of
+/// the same arena hands it out), the ranges concatenated are the block's bytes.
+#[test]
+fn fd_ranges_of_a_stitched_block_are_its_bytes_in_the_memfd() {
+    use dmabuf_rt::segment::Access;
+    use std::os::unix::fs::FileExt;
+    for (n, less) in [(16, 0), (9, 100), (12, 4095)] {
+        // Eight blocks of four units fill the allowed memory; every other one freed, a block of
+        // `n` units fits in no free run and the memfd may not grow: it is stitched.
+        let a = alloc("expandable_segments:True", 8 * 16 * KB);
+        let unit = a.config().stitch_unit;
+        let blocks: Vec<_> = (0..8).map(|_| a.allocate(4 * unit, None).unwrap()).collect();
+        let kept: Vec<_> = blocks.into_iter().skip(1).step_by(2).collect();
+        let size = n * unit - less;
+        let big = a.allocate(size, None).unwrap();
+        let data: Vec<u8> = (0..size).map(|i| (i * 13 + n + i / 4096) as u8).collect();
+        big.cpu_access(Access::Write).unwrap().write(0, &data).unwrap();
+        let ranges = big.fd_ranges();
+        assert!(ranges.len() > 1, "not stitched: {ranges:?}");
+        assert_eq!(ranges.iter().map(|r| r.1).sum::<usize>(), n * unit, "{ranges:?}");
+        let memfd = std::fs::File::from(kept[0].try_clone_fd().unwrap());
+        let mut back = Vec::new();
+        for &(off, len) in &ranges {
+            let mut v = vec![0u8; len];
+            memfd.read_exact_at(&mut v, off as u64).unwrap();
+            back.extend(v);
+        }
+        assert!(back[..size] == data[..], "the memfd ranges do not hold the block's bytes");
+        // No range is a kept block's; each kept block is one range, at its offset.
+        for k in &kept {
+            let (o, l) = k.fd_ranges()[0];
+            assert_eq!(k.fd_ranges(), vec![(k.offset(), 4 * unit)]);
+            assert!(ranges.iter().all(|&(ro, rl)| ro + rl <= o || o + l <= ro), "{ranges:?} overlaps ({o}, {l})");
+        }
+    }
+    let a = alloc("expandable_segments:True", 1 << 30);
+    let small = a.allocate(1000, None).unwrap();
+    assert_eq!(small.fd_ranges(), vec![(small.offset(), 1024)]);
+}
+
 /// A raw free of a block recorded on another queue whose work is already done completes at
 /// once, and the history still shows it requested, then completed (as PyTorch's trace does
 /// for a block used on other streams): the torch backend's trace must not depend on whether

@@ -444,3 +444,75 @@ fn pinned_host_memory_says_what_pins_it() {
         Err(e) => assert!(e.to_string().contains("RLIMIT_MEMLOCK"), "{e}"),
     }
 }
+
+/// A block of a page-stitched arena whose units lie in several runs of the memfd is still one
+/// dma-buf for a device (`UDMABUF_CREATE_LIST` over its runs): the dma-buf shows the block's
+/// bytes in order, a write through it lands in the block, and its neighbours are untouched. A
+/// home block is one range; a block smaller than a page is refused, saying why.
+#[test]
+fn a_stitched_arena_block_exports_as_one_dma_buf_over_its_runs() {
+    use dmabuf_rt::caching::{CachingAllocator, Config};
+    let _serial = common::serial();
+    let Some(udmabuf) = or_skip("stitched_block_udmabuf_export", Udmabuf::open()) else { return };
+    let fds = common::open_fds();
+    let allocator = |capacity: u64| {
+        CachingAllocator::builder(ShmemSource::new().reserve(false))
+            .config(Config::parse("").unwrap())
+            .capacity(capacity)
+            .build()
+            .unwrap()
+    };
+    // Room for eight blocks of four units, and no more: the memfd cannot grow past them.
+    let a = allocator(8 * 16 * 1024);
+    let unit = a.config().stitch_unit;
+    assert_eq!(unit, 4096, "the default unit changed: the capacity above assumes 4 KiB");
+    let fill = |x: &dmabuf_rt::caching::Allocation, tag: u8| {
+        x.cpu_access(Access::Write).unwrap().write(0, &pattern(x.len(), tag)).unwrap();
+    };
+    let bytes = |x: &dmabuf_rt::caching::Allocation| {
+        let mut v = vec![0; x.len()];
+        x.cpu_access(Access::Read).unwrap().read(0, &mut v).unwrap();
+        v
+    };
+    // Eight home blocks, every other one freed: a block of 16 units fits in no free run.
+    let blocks: Vec<_> = (0..8).map(|i| a.allocate(4 * unit, None).map(|x| (x, i as u8)).unwrap()).collect();
+    for (x, tag) in &blocks {
+        fill(x, *tag);
+    }
+    let kept: Vec<_> = blocks.into_iter().filter(|(_, tag)| tag % 2 == 1).collect();
+    let big = a.allocate(16 * unit, None).unwrap();
+    let ranges = big.fd_ranges();
+    assert!(ranges.len() > 1, "the block was not stitched: {ranges:?}");
+    fill(&big, 40);
+
+    let dmabuf = big.export_dma_buf(&udmabuf).unwrap();
+    assert!(dmabuf.is_dma_buf());
+    assert_eq!(dmabuf.len(), 16 * unit);
+    assert_eq!(read_all(&dmabuf), pattern(big.len(), 40), "the dma-buf does not show the block in order");
+    assert_eq!(read_via_memmap2(dmabuf.try_clone_fd().unwrap(), dmabuf.len()), pattern(big.len(), 40));
+    // A write through the dma-buf across the first run's end lands in the block.
+    let at = ranges[0].1 - 8;
+    dmabuf.cpu_access(Access::Write).unwrap().write(at, b"across two runs!").unwrap();
+    let mut want = pattern(big.len(), 40);
+    want[at..at + 16].copy_from_slice(b"across two runs!");
+    assert_eq!(bytes(&big), want, "a write through the dma-buf did not land in the block");
+    for (x, tag) in &kept {
+        assert_eq!(bytes(x), pattern(x.len(), *tag), "a neighbour changed");
+    }
+
+    // A home block: one range, its bytes.
+    let home = &kept[0].0;
+    assert_eq!(home.fd_ranges(), vec![(home.offset(), 4 * unit)]);
+    let d2 = home.export_dma_buf(&udmabuf).unwrap();
+    assert_eq!(read_all(&d2), pattern(home.len(), kept[0].1));
+
+    // A pool block smaller than a page.
+    let pools = allocator(1 << 30);
+    let small = pools.allocate(512, None).unwrap();
+    let e = small.export_dma_buf(&udmabuf).unwrap_err();
+    assert!(e.to_string().contains("whole pages"), "{e}");
+    drop((small, d2, dmabuf, big, kept));
+    a.empty_cache();
+    drop((a, pools));
+    assert_eq!(common::open_fds(), fds, "fds leaked");
+}

@@ -13,6 +13,7 @@ use super::shared::{self, AllocatorShared};
 use crate::error::Result;
 use crate::queue::{Mem, Queue, QueueId};
 use crate::segment::{Access, Segment};
+use crate::source::Udmabuf;
 use crate::view::CpuView;
 
 /// Memory from a [`CachingAllocator`](super::CachingAllocator). Dropping it frees it
@@ -87,6 +88,37 @@ impl Allocation {
             return self.seg().dup_fd();
         }
         self.seg().try_clone_fd()
+    }
+
+    /// The ranges `(offset, len)` of the block's fd that hold its bytes, in address order:
+    /// one (`offset()`, the block's whole size) for a pooled block or a home block of a
+    /// page-stitched arena, one per run of the arena's memfd for a stitched view. The sizes
+    /// are the block's (rounded) size, at least [`Allocation::len`].
+    pub fn fd_ranges(&self) -> Vec<(usize, usize)> {
+        self.lock_pool().fd_ranges(self.id)
+    }
+
+    /// One dma-buf over exactly this block's pages, through udmabuf (`UDMABUF_CREATE_LIST`),
+    /// for a device that takes one buffer: a stitched block of a page-stitched arena stays one
+    /// dma-buf although its memfd pages lie in several runs. Its length is the block's size
+    /// rounded to its units (the first [`Allocation::len`] bytes are the block's).
+    ///
+    /// The dma-buf pins the pages: it shows what the block holds while the block is live, and
+    /// whatever the allocator puts there after the block is freed, so keep the `Allocation`
+    /// for as long as a device uses it. Refused, saying why, for a block of a dma-buf segment
+    /// (heap and GEM sources: share [`Allocation::try_clone_fd`] with `offset()` instead),
+    /// for a block smaller than or not aligned to a page, past udmabuf's `list_limit` runs or
+    /// its `size_limit_mb`, and where `/dev/udmabuf` is missing ([`Udmabuf::open`]).
+    pub fn export_dma_buf(&self, udmabuf: &Udmabuf) -> Result<Segment> {
+        if self.seg().is_dma_buf() {
+            return Err(crate::error::Error::Unsupported {
+                what: "the block already lies in a dma-buf (a heap or GEM segment): share try_clone_fd() with \
+                       offset() and len()"
+                    .into(),
+            });
+        }
+        let ranges = self.fd_ranges();
+        udmabuf.export_fd_ranges(self.seg(), &ranges)
     }
 
     fn lock_pool(&self) -> std::sync::MutexGuard<'_, super::pool::Pool> {

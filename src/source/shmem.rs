@@ -219,6 +219,62 @@ impl Udmabuf {
     }
 }
 
+impl Udmabuf {
+    /// Exports byte ranges `(offset, len)` of a memfd segment's fd as one dma-buf over those
+    /// pages, in order (`UDMABUF_CREATE_LIST`): a block of a caching allocator, including a
+    /// page-stitched one whose units lie in several runs of its arena's memfd
+    /// ([`Allocation::export_dma_buf`](crate::caching::Allocation::export_dma_buf)). The
+    /// ranges are whole pages of the fd that the segment's mapping shows at the same offsets
+    /// (an arena's home region does), which the caller has checked; their pages are faulted in
+    /// first, as in [`Udmabuf::export`].
+    pub(crate) fn export_fd_ranges(&self, seg: &Segment, ranges: &[(usize, usize)]) -> Result<Segment> {
+        let memfd = seg
+            .memfd_of_units()
+            .ok_or_else(|| Error::Unsupported { what: "udmabuf can only export memfd-backed segments".into() })?;
+        if !seg.is_writable() {
+            return Err(Error::Unsupported {
+                what: "udmabuf cannot export a memfd sealed against writes or opened read-only".into(),
+            });
+        }
+        let page = super::page_size();
+        if let Some(&(off, len)) = ranges.iter().find(|&&(off, len)| off % page != 0 || len % page != 0 || len == 0) {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "udmabuf maps whole pages: the range of {len} bytes at offset {off} of the memfd is not page-aligned \
+                     (blocks of at least one page from a pool, and every block of a page-stitched arena, are)"
+                ),
+            });
+        }
+        let limit = Self::list_limit();
+        if ranges.len() as u64 > limit {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "udmabuf takes at most {limit} ranges per buffer (its list_limit parameter); the block lies in {} \
+                     runs of its memfd",
+                    ranges.len()
+                ),
+            });
+        }
+        let total: usize = ranges.iter().map(|&(_, len)| len).sum();
+        self.check_limit(total as u64)?;
+        let m = seg.mapping().ok_or_else(|| Error::Unsupported { what: "the segment is not mapped".into() })?;
+        for &(off, len) in ranges {
+            m.populate_range(off, len)?;
+        }
+        let list: Vec<_> = ranges
+            .iter()
+            .map(|&(off, len)| sys::udmabuf::Range { memfd, offset: off as u64, size: len as u64 })
+            .collect();
+        let dmabuf = sys::udmabuf::create_list(self.dev.as_fd(), &list).map_err(alloc_error(
+            total,
+            "udmabuf".into(),
+            "UDMABUF_CREATE_LIST",
+        ))?;
+        let keep = memfd.try_clone_to_owned().map_err(Error::io("dup memfd"))?;
+        Segment::new(dmabuf, total, FdKind::DmaBuf, seg.kind(), Origin::Udmabuf, Backing::Memfd(keep), true)
+    }
+}
+
 /// Faults in every page of a memfd segment through its mapping.
 fn populate(seg: &Segment) -> std::io::Result<()> {
     match seg.mapping() {

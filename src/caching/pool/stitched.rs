@@ -401,6 +401,21 @@ impl Pool {
         out
     }
 
+    /// The ranges `(offset, len)` of block `id`'s segment fd that hold its bytes, in address
+    /// order: one for a pooled or home block (its whole size), one per run of units for a
+    /// stitched view.
+    pub(crate) fn fd_ranges(&self, id: BlockId) -> Vec<(usize, usize)> {
+        let b = &self.blocks[id as usize];
+        let Some(a) = self.segments[b.seg as usize].as_ref().and_then(|e| e.arena.as_ref()) else {
+            return vec![(b.offset, b.size)];
+        };
+        if a.is_home(b.offset) {
+            return vec![(b.offset, b.size)];
+        }
+        let v = a.view(id).expect("an arena block has a view");
+        v.runs().iter().map(|&(u, k)| (u as usize * a.unit(), k as usize * a.unit())).collect()
+    }
+
     /// Where block `id` starts in its segment's fd: its offset, or for a block of an arena the
     /// memfd offset of its view's one run of units (an error if it shows several).
     pub(crate) fn fd_offset(&self, id: BlockId) -> crate::error::Result<usize> {
