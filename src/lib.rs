@@ -46,6 +46,7 @@ pub mod device;
 pub mod discovery;
 pub mod error;
 pub mod ffi;
+pub mod ipc;
 pub mod mapping;
 mod node;
 pub mod queue;

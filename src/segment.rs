@@ -101,6 +101,15 @@ pub struct Segment {
     /// [`FD_STITCHED`]; the two last exclude each other (an fd handed out names pages by their
     /// offsets, which stitching would move).
     fd_state: std::sync::atomic::AtomicU8,
+    /// Unique among the segments this process ever made ([`Segment::serial`]).
+    serial: u64,
+}
+
+/// The next [`Segment::serial`].
+static NEXT_SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn next_serial() -> u64 {
+    NEXT_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 impl fmt::Debug for Segment {
@@ -127,7 +136,17 @@ impl Segment {
         writable: bool,
     ) -> Result<Self> {
         let mapping = Mapping::map_shared(fd.as_fd(), 0, len, writable).map_err(Error::io("mmap segment"))?;
-        Ok(Self { mapping: Some(mapping), backing, fd, len, fd_kind, kind, origin, fd_state: Default::default() })
+        Ok(Self {
+            mapping: Some(mapping),
+            backing,
+            fd,
+            len,
+            fd_kind,
+            kind,
+            origin,
+            fd_state: Default::default(),
+            serial: next_serial(),
+        })
     }
 
     /// An expandable segment: a memfd of `len` bytes (sparse) behind a reservation of the same
@@ -143,7 +162,14 @@ impl Segment {
             kind,
             origin,
             fd_state: Default::default(),
+            serial: next_serial(),
         })
+    }
+
+    /// A number no other segment of this process has had or will have: names the segment to
+    /// a peer it is shared with ([`crate::ipc`]) across its whole life.
+    pub fn serial(&self) -> u64 {
+        self.serial
     }
 
     /// Maps `[from, to)` of an expandable segment's memfd into its reservation; `from` must be

@@ -121,6 +121,13 @@ impl Allocation {
         udmabuf.export_fd_ranges(self.seg(), &ranges)
     }
 
+    /// Holds the block for sharing with another process ([`crate::ipc`]).
+    pub(crate) fn export(&self) -> Result<super::export::Exported> {
+        let mut pool = self.lock_pool();
+        pool.drain(&self.inner.frees);
+        super::export::export_block(&self.inner, &mut pool, self.id, self.as_ptr() as usize)
+    }
+
     fn lock_pool(&self) -> std::sync::MutexGuard<'_, super::pool::Pool> {
         self.inner.pool.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -72,6 +72,8 @@ mod bitmap;
 mod block;
 pub mod config;
 mod expandable;
+mod export;
+pub(crate) use export::{ExportHold, Exported};
 pub mod free_list;
 mod free_runs;
 mod host;
@@ -370,6 +372,20 @@ impl CachingAllocator {
         // (Frees applied since the fast path's look are found there too: `Pool::allocate`
         // tries the quick cache first.)
         self.allocate_slow(size, queue, |mut pool, b| pool.hand_out_raw(b) as *mut u8)
+    }
+
+    /// Holds the raw allocation at `ptr` (its start) for sharing with another process
+    /// ([`crate::ipc`]).
+    pub(crate) fn export_raw(&self, ptr: *mut u8) -> Result<export::Exported> {
+        let mut pool = self.lock();
+        let refused = |why: &str| Error::UnknownPointer {
+            what: "the block to share",
+            ptr: ptr as usize,
+            expected: "the start of a live allocation of this allocator",
+            why: why.to_string(),
+        };
+        let id = pool.live_raw_id(ptr as usize).map_err(refused)?;
+        export::export_block(&self.inner, &mut pool, id, ptr as usize)
     }
 
     /// Frees a pointer from [`CachingAllocator::allocate_raw`]. The free is checked against

@@ -30,6 +30,8 @@ mod free_path;
 mod free_set;
 mod growth;
 mod invariants;
+mod limbo;
+pub(crate) use limbo::NOT_LIVE;
 mod raw_calls;
 mod release;
 mod stitched;
@@ -172,6 +174,9 @@ pub(crate) struct Pool {
     source_error: Option<Error>,
     /// Queues that are gone but still have segments with blocks in use.
     gone: std::collections::HashSet<QueueKey>,
+    /// Blocks shared with other processes ([`crate::ipc`]): their holds, and whether their
+    /// free came meanwhile (limbo: see `limbo.rs`).
+    held: HashMap<BlockId, limbo::Held>,
 }
 
 /// How many freed blocks the quick cache holds before it is flushed into the pools.
@@ -196,6 +201,7 @@ impl Pool {
             history: History::new(),
             nodes: Vec::new(),
             deferred_waits: HashMap::new(),
+            held: HashMap::new(),
             scratch: Vec::new(),
             queues: HashMap::default(),
             raw: RawTable::default(),

@@ -419,6 +419,10 @@ pub struct DeviceStats {
     /// being handed out, two remaps per run of chunks moved at once; no memory is taken from
     /// the source or given back.
     pub num_remaps: i64,
+    /// Bytes of blocks freed here while another process still holds them (shared through
+    /// [`crate::ipc`]): they wait in limbo, counted as active, until the last importer
+    /// releases them; `empty_cache` cannot return them.
+    pub limbo_bytes: Stat,
     /// Allocations at least `max_split_size`.
     pub oversize_allocations: Stat,
     /// Segments at least `max_split_size`.

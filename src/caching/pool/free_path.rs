@@ -51,6 +51,9 @@ impl Pool {
     pub(super) fn apply(&mut self, m: FreeMsg) {
         match m {
             FreeMsg::Free(id) => {
+                if self.free_into_limbo(id) {
+                    return;
+                }
                 self.free_now(id);
                 self.after_free(id);
             }
@@ -73,6 +76,9 @@ impl Pool {
                         return;
                     }
                     self.deferred_waits.remove(&id);
+                }
+                if self.passed_into_limbo(id) {
+                    return;
                 }
                 let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
                 self.stats.pending_end(pool, size);
@@ -175,8 +181,11 @@ impl Pool {
     #[inline(always)]
     pub(crate) fn quick_free_raw(&mut self, addr: usize) -> bool {
         let id = self.raw.addrs.get_or_invalid(addr);
-        let quick_ok =
-            !self.history.record_all && !self.config.no_caching && self.quick.len() < QUICK_MAX && self.gone.is_empty();
+        let quick_ok = !self.history.record_all
+            && !self.config.no_caching
+            && self.quick.len() < QUICK_MAX
+            && self.gone.is_empty()
+            && self.held.is_empty();
         let (max_split, misses) = (self.config.max_split_size, self.misses);
         // An address that starts no block gives an id past the table.
         let Some(b) = self.blocks.get_mut(id as usize) else { return false };

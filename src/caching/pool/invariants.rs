@@ -265,6 +265,7 @@ impl Pool {
             return Err(format!("pending frees: stats say {have_pend:?}, the blocks {pend:?}"));
         }
         self.raw.check(&self.blocks, &dead)?;
+        self.check_limbo()?;
         Ok(())
     }
 }

@@ -27,6 +27,9 @@ impl Pool {
             Ok(id) => id,
             Err(why) => {
                 self.history.log_always(HistoryKind::InvalidFree, addr, 0, 0);
+                if self.raw.addrs.get(addr).is_some_and(|id| self.in_limbo(id)) {
+                    return Err(super::limbo::LIMBO_FREE);
+                }
                 // A home block of an arena leaves no block behind when freed; the arena
                 // remembers where one started until another starts there.
                 if why == FOREIGN_FREE && self.arena_freed_at(addr) {

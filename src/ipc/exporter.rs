@@ -1,0 +1,183 @@
+//! [`IpcExporter`]: this process's side of sharing blocks of a caching allocator with one peer.
+//!
+//! Each block exported is held ([`ExportHold`](crate::caching)): a free of it here puts it in
+//! limbo instead of reusing it, until the peer releases it (a RELEASE on the channel), hangs up
+//! or dies (the kernel closes its end: the reader thread sees end of file), or this exporter is
+//! dropped. A segment's fd goes to the peer once; later blocks of it are offsets only.
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::AsFd;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use super::handle::IpcHandle;
+use super::wire::{MAX_PACKET, MAX_RUNS, Msg};
+use crate::caching::{Allocation, CachingAllocator};
+use crate::error::{Error, Result};
+use crate::queue::Queue;
+use crate::share::Channel;
+
+/// Shares blocks of caching allocators with the process at the other end of a [`Channel`].
+/// `Send + Sync`: several threads may export at once.
+pub struct IpcExporter {
+    shared: Arc<Shared>,
+    reader: Option<JoinHandle<()>>,
+}
+
+struct Shared {
+    channel: Channel,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Serials of the segments whose fd the peer has.
+    sent: HashSet<u64>,
+    /// Holds of the exports the peer has not released.
+    held: HashMap<u64, crate::caching::ExportHold>,
+    next_export: u64,
+    /// The peer hung up (or broke the protocol): every hold was released.
+    gone: Option<String>,
+}
+
+impl std::fmt::Debug for IpcExporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IpcExporter").field("channel", &self.shared.channel.name()).field("held", &self.held()).finish()
+    }
+}
+
+impl IpcExporter {
+    /// An exporter on `channel` (one end of a connected pair; the peer makes an
+    /// [`IpcImporter`](super::IpcImporter) on the other). Starts the thread that reads the
+    /// peer's releases.
+    pub fn new(channel: Channel) -> Result<Self> {
+        let shared = Arc::new(Shared { channel, state: Mutex::new(State { next_export: 1, ..Default::default() }) });
+        let reader = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("dmabuf-rt-ipc".into())
+                .spawn(move || shared.read_releases())
+                .map_err(Error::io("spawn the IPC release reader"))?
+        };
+        Ok(Self { shared, reader: Some(reader) })
+    }
+
+    /// Shares `block` with the peer and returns its handle. If `after` is given, the work
+    /// queued on it so far finishes first (the peer never reads what this process's queue is
+    /// still writing). The block is held until the peer releases it: freed here meanwhile, it
+    /// waits in limbo (`DeviceStats::limbo_bytes`) and is not reused.
+    pub fn export(&self, block: &Allocation, after: Option<&Queue>) -> Result<IpcHandle> {
+        self.send(block.export()?, after)
+    }
+
+    /// [`IpcExporter::export`] for a raw allocation of `allocator` (the start of a live block).
+    pub fn export_raw(&self, allocator: &CachingAllocator, ptr: *mut u8, after: Option<&Queue>) -> Result<IpcHandle> {
+        self.send(allocator.export_raw(ptr)?, after)
+    }
+
+    /// Exports the peer has not released yet.
+    pub fn held(&self) -> usize {
+        self.shared.lock().held.len()
+    }
+
+    /// Why the peer is gone (it hung up, died or broke the protocol), if it is.
+    pub fn peer_gone(&self) -> Option<String> {
+        self.shared.lock().gone.clone()
+    }
+
+    /// The channel (to count what was sent).
+    pub fn channel(&self) -> &Channel {
+        &self.shared.channel
+    }
+
+    fn send(&self, e: crate::caching::Exported, after: Option<&Queue>) -> Result<IpcHandle> {
+        if e.ranges.len() > MAX_RUNS {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "the block lies in {} runs of its arena's memfd, more than a share carries ({MAX_RUNS})",
+                    e.ranges.len()
+                ),
+            });
+        }
+        if let Some(q) = after {
+            q.record()?.synchronize(None)?;
+        }
+        let serial = e.segment.serial();
+        let mut st = self.shared.lock();
+        if let Some(why) = &st.gone {
+            return Err(Error::PeerGone { channel: format!("{} ({why})", self.shared.channel.name()) });
+        }
+        if !st.sent.contains(&serial) {
+            let fd = e.fd()?;
+            let msg = Msg::Segment { kind: e.segment.kind(), serial };
+            self.shared.channel.send_bytes(&msg.encode(), &[fd.as_fd()])?;
+            st.sent.insert(serial);
+        }
+        let export = st.next_export;
+        let ranges: Vec<(u64, u64)> = e.ranges.iter().map(|&(o, l)| (o as u64, l as u64)).collect();
+        let msg = Msg::Share { export, serial, len: e.len as u64, ranges };
+        self.shared.channel.send_bytes(&msg.encode(), &[])?;
+        st.next_export += 1;
+        st.held.insert(export, e.hold);
+        Ok(IpcHandle {
+            pid: std::process::id(),
+            export,
+            segment: serial,
+            offset: e.ranges[0].0 as u64,
+            len: e.len as u64,
+        })
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The reader thread: applies the peer's releases until it hangs up, then releases the rest.
+    fn read_releases(&self) {
+        let mut buf = vec![0u8; MAX_PACKET];
+        let why = loop {
+            match self.channel.recv_bytes(&mut buf) {
+                Ok((n, fds)) => {
+                    drop(fds);
+                    match Msg::decode(&buf[..n]) {
+                        Ok(Msg::Release { export }) => {
+                            let hold = self.lock().held.remove(&export);
+                            if hold.is_none() {
+                                log::warn!(
+                                    "{}: the peer released export {export}, which it does not hold (ignored)",
+                                    self.channel.name()
+                                );
+                            }
+                            drop(hold);
+                        }
+                        Ok(other) => break format!("the peer sent {other:?}, which only an exporter sends"),
+                        Err(why) => break format!("the peer broke the protocol: {why}"),
+                    }
+                }
+                Err(Error::PeerGone { .. }) => break "the peer hung up".to_string(),
+                Err(e) => break format!("reading the peer's releases failed: {e}"),
+            }
+        };
+        log::debug!("{}: {why}; releasing what it held", self.channel.name());
+        let held = {
+            let mut st = self.lock();
+            st.gone = Some(why);
+            std::mem::take(&mut st.held)
+        };
+        // Dropped outside the state lock (each release takes the allocator's lock).
+        drop(held);
+    }
+}
+
+impl Drop for IpcExporter {
+    /// Hangs up (the peer sees end of file) and releases every hold: blocks this process freed
+    /// meanwhile are reused from then on, so drop the exporter only once the peer is done.
+    fn drop(&mut self) {
+        let _ = rustix::net::shutdown(self.shared.channel.as_fd(), rustix::net::Shutdown::Both);
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+    }
+}

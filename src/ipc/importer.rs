@@ -1,0 +1,299 @@
+//! [`IpcImporter`]: this process's side of blocks another process shares with it. Each of the
+//! exporter's segments arrives once (its fd, mapped once, kept while the importer lives); a
+//! block is then offsets into it ([`ImportedBlock`]), or for a page-stitched block of several
+//! runs a view of its own mapping them in order. Dropping an [`ImportedBlock`] releases it to
+//! the exporter.
+
+use std::collections::HashMap;
+use std::os::fd::AsFd;
+use std::sync::{Arc, Mutex};
+
+use super::handle::IpcHandle;
+use super::wire::{MAX_PACKET, Msg};
+use crate::error::{Error, Result};
+use crate::mapping::Mapping;
+use crate::segment::{Access, Segment};
+use crate::share::{Channel, Expect};
+use crate::view::CpuView;
+
+/// Opens blocks the process at the other end of a [`Channel`] exports with an
+/// [`IpcExporter`](super::IpcExporter). `Send + Sync`.
+pub struct IpcImporter {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    channel: Channel,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// The exporter's segments by serial.
+    segments: HashMap<u64, Arc<Segment>>,
+    /// Shares received and not opened yet.
+    shares: HashMap<u64, Share>,
+    /// The exporter hung up: its holds are gone, so what it shared may be reused there.
+    gone: Option<String>,
+}
+
+struct Share {
+    serial: u64,
+    len: usize,
+    ranges: Vec<(usize, usize)>,
+}
+
+impl std::fmt::Debug for IpcImporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let st = self.shared.lock();
+        f.debug_struct("IpcImporter")
+            .field("channel", &self.shared.channel.name())
+            .field("segments", &st.segments.len())
+            .field("unopened", &st.shares.len())
+            .finish()
+    }
+}
+
+impl IpcImporter {
+    /// An importer on `channel` (the other end's process exports with an `IpcExporter`).
+    pub fn new(channel: Channel) -> Self {
+        Self { shared: Arc::new(Shared { channel, state: Mutex::new(State::default()) }) }
+    }
+
+    /// Opens the block `handle` names. Its export must have arrived on this channel already
+    /// (the exporter sends it before returning the handle), so this never waits for the peer.
+    /// Refused, saying why: a handle this channel carried no export for (forged, from another
+    /// exporter, or already opened), one whose segment, offset or length disagree with the
+    /// export (forged), or after the exporter hung up (its holds are gone). Everything the
+    /// exporter sent is checked first: an fd that is not a sealed memfd or a dma-buf, ranges
+    /// outside the segment or not page-aligned, a length past the ranges.
+    pub fn open(&self, handle: &IpcHandle) -> Result<ImportedBlock> {
+        let mut st = self.shared.lock();
+        self.shared.pump(&mut st)?;
+        let Some(share) = st.shares.get(&handle.export) else {
+            if let Some(why) = &st.gone {
+                return Err(Error::PeerGone { channel: format!("{} ({why})", self.shared.channel.name()) });
+            }
+            return Err(Error::InvalidArgument {
+                what: format!(
+                    "IPC handle: no export {} arrived on channel {} (forged, meant for another importer, or \
+                     already opened)",
+                    handle.export,
+                    self.shared.channel.name()
+                ),
+            });
+        };
+        if share.serial != handle.segment || share.ranges[0].0 as u64 != handle.offset || share.len as u64 != handle.len
+        {
+            return Err(Error::InvalidArgument {
+                what: format!(
+                    "IPC handle of export {}: segment {} offset {} length {} do not match the export (segment {}, \
+                     offset {}, length {}): forged or corrupted",
+                    handle.export,
+                    handle.segment,
+                    handle.offset,
+                    handle.len,
+                    share.serial,
+                    share.ranges[0].0,
+                    share.len
+                ),
+            });
+        }
+        if let Some(why) = &st.gone {
+            return Err(Error::PeerGone { channel: format!("{} ({why})", self.shared.channel.name()) });
+        }
+        let share = st.shares.remove(&handle.export).expect("found above");
+        let seg = Arc::clone(&st.segments[&share.serial]);
+        drop(st);
+        let place = match share.ranges[..] {
+            [(offset, _)] => Place::Range { seg, offset },
+            _ => Place::View { view: stitch(&seg, &share.ranges)?, _seg: seg },
+        };
+        Ok(ImportedBlock { importer: Arc::clone(&self.shared), export: handle.export, len: share.len, place })
+    }
+
+    /// Segments of the exporter this importer holds (one fd and one mapping each).
+    pub fn segments(&self) -> usize {
+        self.shared.lock().segments.len()
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes in every packet already waiting on the channel (never blocks).
+    fn pump(&self, st: &mut State) -> Result<()> {
+        let mut buf = vec![0u8; MAX_PACKET];
+        while st.gone.is_none() && readable(&self.channel)? {
+            let (n, mut fds) = match self.channel.recv_bytes(&mut buf) {
+                Ok(got) => got,
+                Err(Error::PeerGone { .. }) => {
+                    st.gone = Some("the exporter hung up".into());
+                    break;
+                }
+                Err(e) => return Err(e),
+            };
+            let msg = Msg::decode(&buf[..n]).map_err(|why| self.channel.protocol_error(why))?;
+            let fd = fds.pop();
+            if !fds.is_empty() || fd.is_some() != matches!(msg, Msg::Segment { .. }) {
+                return Err(self.channel.protocol_error(format!("{msg:?} came with {} fds", fds.len() + 1)));
+            }
+            match msg {
+                Msg::Segment { kind, serial } => {
+                    let fd = fd.expect("checked above");
+                    if st.segments.contains_key(&serial) {
+                        return Err(self.channel.protocol_error(format!("segment {serial} sent twice")));
+                    }
+                    let seg = Expect::new(kind).import(&fd, &format_args!("segment {serial}"), self.channel.name())?;
+                    st.segments.insert(serial, Arc::new(seg));
+                }
+                Msg::Share { export, serial, len, ranges } => {
+                    let share = self.check_share(st, export, serial, len, ranges)?;
+                    st.shares.insert(export, share);
+                }
+                Msg::Release { .. } => return Err(self.channel.protocol_error("a release from the exporter")),
+            }
+        }
+        Ok(())
+    }
+
+    fn check_share(&self, st: &State, export: u64, serial: u64, len: u64, ranges: Vec<(u64, u64)>) -> Result<Share> {
+        let bad = |why: String| self.channel.protocol_error(format!("export {export}: {why}"));
+        let seg = st.segments.get(&serial).ok_or_else(|| bad(format!("names segment {serial}, never sent")))?;
+        if st.shares.contains_key(&export) {
+            return Err(bad("sent twice".into()));
+        }
+        let size = seg.len() as u64;
+        let page = crate::source::page_size() as u64;
+        let mut total = 0u64;
+        for &(off, l) in &ranges {
+            if l == 0 || off.checked_add(l).is_none_or(|end| end > size) {
+                return Err(bad(format!("range {off}+{l} outside the {size}-byte segment {serial}")));
+            }
+            if ranges.len() > 1 && (off % page != 0 || l % page != 0) {
+                return Err(bad(format!("range {off}+{l} of a stitched block is not whole pages")));
+            }
+            total += l;
+        }
+        if len == 0 || len > total {
+            return Err(bad(format!("{len} bytes in ranges of {total}")));
+        }
+        // Both fit in usize: they lie inside a mapped segment.
+        Ok(Share {
+            serial,
+            len: len as usize,
+            ranges: ranges.into_iter().map(|(o, l)| (o as usize, l as usize)).collect(),
+        })
+    }
+}
+
+/// Whether a packet waits on the channel (or it hung up): a poll that does not wait.
+fn readable(channel: &Channel) -> Result<bool> {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    let fd = channel.as_fd();
+    let mut fds = [PollFd::new(&fd, PollFlags::IN)];
+    let n =
+        poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).map_err(Error::io_rustix("poll an IPC channel"))?;
+    Ok(n > 0)
+}
+
+/// A view of `ranges` of `seg`'s fd, in order, in a reservation of its own.
+#[cfg(not(miri))]
+fn stitch(seg: &Segment, ranges: &[(usize, usize)]) -> Result<Mapping> {
+    let total = ranges.iter().map(|r| r.1).sum();
+    let view = Mapping::reserve(total).map_err(Error::io("reserve address space for an imported block"))?;
+    let mut at = 0;
+    for &(off, len) in ranges {
+        view.map_at(seg.as_fd(), at, off as u64, len).map_err(Error::io("mmap(MAP_FIXED) of an imported block"))?;
+        at += len;
+    }
+    Ok(view)
+}
+
+#[cfg(miri)]
+fn stitch(_: &Segment, _: &[(usize, usize)]) -> Result<Mapping> {
+    Err(Error::Unsupported { what: "stitched views under Miri".into() })
+}
+
+enum Place {
+    /// Bytes `[offset, offset + len)` of the segment's mapping.
+    Range { seg: Arc<Segment>, offset: usize },
+    /// A view of its own (the segment kept for its fd).
+    View { view: Mapping, _seg: Arc<Segment> },
+}
+
+/// A block another process shared, open in this one. Dropping it releases it to the exporter.
+pub struct ImportedBlock {
+    importer: Arc<Shared>,
+    export: u64,
+    len: usize,
+    place: Place,
+}
+
+impl std::fmt::Debug for ImportedBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImportedBlock").field("export", &self.export).field("len", &self.len).finish()
+    }
+}
+
+impl ImportedBlock {
+    /// Bytes of the block (what the exporter's caller asked for).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false (blocks are never empty).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The export's number on its channel.
+    pub fn export(&self) -> u64 {
+        self.export
+    }
+
+    /// Where the block starts in this process (for code that follows the crate's
+    /// shared-memory access rule: another process writes these bytes too).
+    pub fn as_ptr(&self) -> *mut u8 {
+        match &self.place {
+            Place::Range { seg, offset } => {
+                seg.mapping().map_or(std::ptr::null_mut(), |m| m.as_ptr().wrapping_add(*offset))
+            }
+            Place::View { view, .. } => view.as_ptr(),
+        }
+    }
+
+    /// Copies `dst.len()` bytes at `offset` of the block out (bounded to the block).
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check(offset, dst.len())?;
+        match &self.place {
+            Place::Range { seg, offset: at } => CpuView::new(seg, at + offset, dst.len(), Access::Read)?.read(0, dst),
+            Place::View { view, .. } => view.read(offset, dst),
+        }
+    }
+
+    /// Copies `src` in at `offset` of the block (bounded to the block).
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check(offset, src.len())?;
+        match &self.place {
+            Place::Range { seg, offset: at } => CpuView::new(seg, at + offset, src.len(), Access::Write)?.write(0, src),
+            Place::View { view, .. } => view.write(offset, src),
+        }
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::OutOfBounds { offset, len, size: self.len }),
+        }
+    }
+}
+
+impl Drop for ImportedBlock {
+    /// Releases the block to the exporter (if it is still there to hear it).
+    fn drop(&mut self) {
+        let _ = self.importer.channel.send_bytes(&Msg::Release { export: self.export }.encode(), &[]);
+    }
+}

@@ -1,0 +1,41 @@
+//! Sharing blocks of a caching allocator between processes: IPC handles in the style of
+//! `cudaIpcGetMemHandle` / `cudaIpcOpenMemHandle`, honest about fds.
+//!
+//! ```text
+//!  producer                                          consumer
+//!  IpcExporter::export(&block)  -- SEGMENT + fd (once per segment) -->  IpcImporter
+//!    (holds the block)          -- SHARE export, ranges ------------->    (maps each segment once)
+//!    returns IpcHandle (64 bytes) ... sent by any means ... ------------> IpcImporter::open(&handle)
+//!  hold released <-------------------------- RELEASE export ---------  drop(ImportedBlock)
+//!  hold released <-------------------------- end of file ------------  consumer exits or is killed
+//! ```
+//!
+//! - A segment's fd goes to a peer once; every later block of it is offsets only, so a process
+//!   sharing 10,000 tensors holds as many fds as segments, not tensors.
+//! - Limbo: a block shared with a peer is held until the peer releases it. Freed by its
+//!   producer meanwhile, it is not reused: it waits in limbo (`DeviceStats::limbo_bytes`), and
+//!   `empty_cache` cannot return it. A consumer that exits or is killed releases what it held
+//!   (the kernel closes its end of the socket: the exporter's reader thread sees end of file).
+//! - Pending work: `export(block, Some(queue))` waits for what the producer's queue has
+//!   queued so far before the share is sent, so the consumer never reads bytes still being
+//!   written.
+//! - Bad input: a handle with no export on the channel, or whose segment, offset or length
+//!   disagree with the export, is refused ([`Error::InvalidArgument`](crate::Error)); an fd
+//!   that is not a sealed memfd or a dma-buf, ranges outside their segment, and any malformed
+//!   packet are the peer's [`Error::Protocol`](crate::Error::Protocol).
+//!
+//! The channel is a [`Channel`](crate::share::Channel) pair: one end handed to the other
+//! process (inherited over `fork`/`exec`, or sent over another socket).
+//!
+//! - [`IpcHandle`] (`handle.rs`), the protocol's packets (`wire.rs`), [`IpcExporter`]
+//!   (`exporter.rs`), [`IpcImporter`] and [`ImportedBlock`] (`importer.rs`).
+
+mod exporter;
+mod handle;
+mod importer;
+mod wire;
+
+pub use exporter::IpcExporter;
+pub use handle::{HANDLE_BYTES, IpcHandle};
+pub use importer::{ImportedBlock, IpcImporter};
+pub use wire::MAX_RUNS;

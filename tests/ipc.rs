@@ -1,0 +1,492 @@
+//! `dmabuf_rt::ipc`: blocks of a caching allocator shared with other processes, held in limbo
+//! while an importer holds them, released when it lets go, exits or is killed; and every bad
+//! handle and malformed packet refused.
+//!
+//! Cross-process cases re-execute this test binary (`child_entry` alone, `IPC_TEST_CHILD=<role>`
+//! in its environment) with its end of the IPC channel as stdin; a second channel for control
+//! (handles one way, answers the other) crosses as the first packet of the first.
+
+use std::os::fd::AsFd;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dmabuf_rt::caching::stats::AGGREGATE;
+use dmabuf_rt::caching::{Allocation, CachingAllocator, Config};
+use dmabuf_rt::ipc::{HANDLE_BYTES, IpcExporter, IpcHandle, IpcImporter};
+use dmabuf_rt::queue::{HostBuffer, Queue};
+use dmabuf_rt::segment::Access;
+use dmabuf_rt::share::Channel;
+use dmabuf_rt::source::ShmemSource;
+use dmabuf_rt::{Error, Segment};
+
+const ROLE_ENV: &str = "IPC_TEST_CHILD";
+const KB: usize = 1 << 10;
+const MB: usize = 1 << 20;
+
+fn allocator(capacity: u64) -> CachingAllocator {
+    CachingAllocator::builder(ShmemSource::new().reserve(false))
+        .config(Config::parse("").unwrap())
+        .capacity(capacity)
+        .build()
+        .unwrap()
+}
+
+fn pat(tag: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(29) ^ tag ^ ((i >> 12) as u8)).collect()
+}
+
+fn fill(x: &Allocation, tag: u8) {
+    x.cpu_access(Access::Write).unwrap().write(0, &pat(tag, x.len())).unwrap();
+}
+
+fn limbo(a: &CachingAllocator) -> i64 {
+    a.stats().limbo_bytes.current
+}
+
+/// Waits (bounded) until `done` holds: releases travel through the exporter's reader thread.
+#[track_caller]
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(30), "never happened: {what}");
+        std::thread::yield_now();
+    }
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The child side.
+
+/// Control messages: a handle, or a command with a number.
+type Ctl = [u8; HANDLE_BYTES + 8];
+
+fn ctl(cmd: u64, h: Option<&IpcHandle>) -> Ctl {
+    let mut m = [0u8; HANDLE_BYTES + 8];
+    m[..8].copy_from_slice(&cmd.to_le_bytes());
+    if let Some(h) = h {
+        m[8..].copy_from_slice(&h.to_bytes());
+    }
+    m
+}
+
+fn cmd_of(m: &Ctl) -> (u64, Option<IpcHandle>) {
+    let cmd = u64::from_le_bytes(m[..8].try_into().unwrap());
+    (cmd, IpcHandle::from_bytes(&m[8..]).ok())
+}
+
+const HANDLE: u64 = 1;
+const VERIFY: u64 = 2;
+const RELEASE: u64 = 3;
+const COUNT_FDS: u64 = 4;
+const EXIT: u64 = 5;
+
+/// The child: opens the handles it is sent, verifies their bytes (each block's tag is its
+/// handle's export number), releases them, counts its fds, on command.
+#[test]
+fn child_entry() {
+    let Ok(_role) = std::env::var(ROLE_ENV) else { return };
+    let fd = std::io::stdin().as_fd().try_clone_to_owned().unwrap();
+    let ipc = Channel::from_fd(fd, "child ipc").unwrap();
+    let control = ipc.recv::<[u8; 1]>().unwrap().fd.expect("the control channel's fd");
+    let control = Channel::from_fd(control, "child control").unwrap();
+    let fds_at_start = open_fds();
+    let importer = IpcImporter::new(ipc);
+    let mut open = Vec::new();
+    loop {
+        let m = control.recv::<Ctl>().unwrap().msg;
+        let (cmd, h) = cmd_of(&m);
+        let answer = match cmd {
+            HANDLE => {
+                open.push(importer.open(&h.unwrap()).unwrap());
+                0
+            }
+            VERIFY => {
+                let mut bad = 0u64;
+                for b in &open {
+                    let mut v = vec![0u8; b.len()];
+                    b.read(0, &mut v).unwrap();
+                    if v != pat(b.export() as u8, b.len()) {
+                        bad += 1;
+                    }
+                }
+                bad
+            }
+            RELEASE => {
+                open.clear();
+                0
+            }
+            COUNT_FDS => (open_fds() - fds_at_start) as u64 * 1_000_000 + importer.segments() as u64,
+            _ => std::process::exit(0),
+        };
+        control.send(&ctl(answer, None)).unwrap();
+    }
+}
+
+struct Consumer {
+    child: Child,
+    control: Channel,
+}
+
+impl Consumer {
+    fn ask(&self, cmd: u64, h: Option<&IpcHandle>) -> u64 {
+        self.control.send(&ctl(cmd, h)).unwrap();
+        cmd_of(&self.control.recv::<Ctl>().unwrap().msg).0
+    }
+
+    fn exit(mut self) {
+        self.control.send(&ctl(EXIT, None)).unwrap();
+        assert!(self.child.wait().unwrap().success());
+    }
+}
+
+/// An exporter to a new child process, and the child.
+fn consumer() -> (IpcExporter, Consumer) {
+    let (mine, theirs) = Channel::pair("producer<->consumer").unwrap();
+    let (control, control_theirs) = Channel::pair("control").unwrap();
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args(["child_entry", "--exact", "--nocapture", "--test-threads=1"])
+        .env(ROLE_ENV, "consumer")
+        .stdin(Stdio::from(theirs.into_fd()))
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    // The control channel crosses first, over the IPC channel.
+    mine.send_with_fd(&[0u8; 1], control_theirs.as_fd()).unwrap();
+    drop(control_theirs);
+    (IpcExporter::new(mine).unwrap(), Consumer { child, control })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Two processes.
+
+/// Blocks of every kind (a pool block, home blocks, a stitched view) shared, then freed by the
+/// producer at once; the producer allocates and writes new blocks in a loop while the consumer
+/// reads the old ones, which keep their bytes; limbo bytes go back to 0 once it releases them.
+#[test]
+fn shared_blocks_freed_at_once_keep_their_bytes_while_the_producer_churns() {
+    let a = allocator(64 * MB as u64);
+    let (exp, c) = consumer();
+    let sizes = [4 * KB, 16 * KB, 100 * KB + 7, 3 * MB + 5];
+    let mut shared = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        let x = a.allocate(n, None).unwrap();
+        shared.push((x, i));
+    }
+    let mut handles = Vec::new();
+    for (x, _) in &shared {
+        let h = exp.export(x, None).unwrap();
+        fill(x, h.export as u8);
+        handles.push(h);
+    }
+    for h in &handles {
+        assert_eq!(c.ask(HANDLE, Some(h)), 0);
+    }
+    assert_eq!(c.ask(VERIFY, None), 0, "the consumer does not see the producer's bytes");
+    let in_use: i64 = shared.iter().map(|(x, _)| x.len() as i64).sum();
+    drop(shared);
+    assert!(limbo(&a) >= in_use, "limbo {} < {in_use}", limbo(&a));
+    a.check_invariants().unwrap();
+    // The producer churns: same sizes, new bytes, while the consumer reads.
+    let churn = |rounds: usize| {
+        for r in 0..rounds {
+            let xs: Vec<_> = sizes.iter().map(|&n| a.allocate(n, None).unwrap()).collect();
+            for x in &xs {
+                fill(x, 0xA0 ^ r as u8);
+            }
+        }
+    };
+    churn(50);
+    assert_eq!(c.ask(VERIFY, None), 0, "a block in limbo was reused");
+    std::thread::scope(|s| {
+        let reader = s.spawn(|| (0..20).map(|_| c.ask(VERIFY, None)).sum::<u64>());
+        churn(100);
+        assert_eq!(reader.join().unwrap(), 0, "a block in limbo was reused while the consumer read it");
+    });
+    a.check_invariants().unwrap();
+    assert_eq!(exp.held(), handles.len());
+    assert_eq!(c.ask(RELEASE, None), 0);
+    wait_until("the releases", || exp.held() == 0 && limbo(&a) == 0);
+    a.check_invariants().unwrap();
+    let s = a.stats();
+    assert_eq!(s.allocated_bytes[AGGREGATE].current, 0);
+    assert_eq!(s.active_bytes[AGGREGATE].current, 0, "a released block stayed active");
+    // (The first fd sent is the control channel's.)
+    assert_eq!(exp.channel().fds_sent() - 1, 2, "one arena memfd and one pool segment (and no fd per block)");
+    c.exit();
+}
+
+/// A consumer killed with SIGKILL while it holds blocks the producer freed: the kernel closes
+/// its end of the socket and the producer's exporter releases everything.
+#[test]
+fn a_consumer_killed_while_holding_blocks_releases_them() {
+    let a = allocator(64 * MB as u64);
+    let (exp, mut c) = consumer();
+    let xs: Vec<_> = [8 * KB, 64 * KB, 2 * MB].iter().map(|&n| a.allocate(n, None).unwrap()).collect();
+    for x in &xs {
+        let h = exp.export(x, None).unwrap();
+        fill(x, h.export as u8);
+        assert_eq!(c.ask(HANDLE, Some(&h)), 0);
+    }
+    assert_eq!(c.ask(VERIFY, None), 0);
+    drop(xs);
+    assert!(limbo(&a) > 0);
+    c.child.kill().unwrap();
+    c.child.wait().unwrap();
+    wait_until("the dead consumer's releases", || exp.held() == 0 && limbo(&a) == 0);
+    assert!(exp.peer_gone().is_some());
+    a.check_invariants().unwrap();
+    // Its memory is reusable, and a further export says the peer is gone.
+    let x = a.allocate(8 * KB, None).unwrap();
+    assert!(matches!(exp.export(&x, None), Err(Error::PeerGone { .. })));
+    a.empty_cache();
+    assert_eq!(a.stats().active_bytes[AGGREGATE].current, x.len().next_multiple_of(512) as i64);
+}
+
+/// 10,000 blocks shared: the consumer's fds grow by the segments it was sent, not the blocks.
+#[test]
+fn ten_thousand_shared_blocks_cost_an_fd_per_segment_not_per_block() {
+    let a = allocator(256 * MB as u64);
+    let (exp, c) = consumer();
+    let xs: Vec<_> = (0..10_000).map(|i| a.allocate(1024 + (i % 7) * 512, None).unwrap()).collect();
+    for x in &xs {
+        let h = exp.export(x, None).unwrap();
+        assert_eq!(c.ask(HANDLE, Some(&h)), 0);
+    }
+    let answer = c.ask(COUNT_FDS, None);
+    let (fds, segments) = (answer / 1_000_000, answer % 1_000_000);
+    // (The first fd sent is the control channel's.)
+    let sent = exp.channel().fds_sent() - 1;
+    println!("10,000 blocks: the consumer holds {fds} more fds, {segments} segments; the producer sent {sent}");
+    assert!(segments >= 1 && fds <= segments, "{fds} fds for {segments} segments");
+    assert_eq!(sent, segments);
+    assert!(segments < 20, "{segments} segments for 10,000 small blocks");
+    drop(xs);
+    assert_eq!(c.ask(RELEASE, None), 0);
+    wait_until("the releases", || exp.held() == 0 && limbo(&a) == 0);
+    c.exit();
+}
+
+// ---------------------------------------------------------------------------------------------
+// One process, two channel ends.
+
+fn pair() -> (IpcExporter, IpcImporter) {
+    let (a, b) = Channel::pair("ipc").unwrap();
+    (IpcExporter::new(a).unwrap(), IpcImporter::new(b))
+}
+
+/// While held, a freed block's address is not handed out again; after the release it is.
+#[test]
+fn a_freed_shared_block_is_not_reused_until_released() {
+    let a = allocator(64 * MB as u64);
+    let (exp, imp) = pair();
+    for n in [2 * KB, 40 * KB, 4 * MB] {
+        let x = a.allocate(n, None).unwrap();
+        fill(&x, 7);
+        let h = exp.export(&x, None).unwrap();
+        let got = imp.open(&h).unwrap();
+        let addr = x.as_ptr();
+        drop(x);
+        assert_eq!(limbo(&a), n.next_multiple_of(if n >= 16 * KB { 4096 } else { 512 }) as i64);
+        let again: Vec<_> = (0..8).map(|_| a.allocate(n, None).unwrap()).collect();
+        assert!(again.iter().all(|y| y.as_ptr() != addr), "{n}: the block in limbo was handed out");
+        for y in &again {
+            fill(y, 9);
+        }
+        let mut v = vec![0; n];
+        got.read(0, &mut v).unwrap();
+        assert!(v == pat(7, n), "{n}: the imported block changed");
+        // The import is bounded to the block.
+        assert!(matches!(got.read(n - 1, &mut [0; 2]), Err(Error::OutOfBounds { .. })));
+        assert!(matches!(got.write(n, &[1]), Err(Error::OutOfBounds { .. })));
+        a.check_invariants().unwrap();
+        drop(got);
+        wait_until("the release", || limbo(&a) == 0 && exp.held() == 0);
+        a.check_invariants().unwrap();
+    }
+}
+
+/// Writes on either side are seen on the other; a stitched block reads in order.
+#[test]
+fn writes_are_seen_on_both_sides_and_a_stitched_block_reads_in_order() {
+    let a = allocator((8 * 32 * KB) as u64);
+    let pads: Vec<_> = (0..8).map(|_| a.allocate(32 * KB, None).unwrap()).collect();
+    let kept: Vec<_> = pads.into_iter().skip(1).step_by(2).collect();
+    let big = a.allocate(100 * KB, None).unwrap();
+    assert!(big.fd_ranges().len() > 1, "not stitched: {:?}", big.fd_ranges());
+    let (exp, imp) = pair();
+    fill(&big, 3);
+    let h = exp.export(&big, None).unwrap();
+    let got = imp.open(&h).unwrap();
+    let mut v = vec![0; big.len()];
+    got.read(0, &mut v).unwrap();
+    assert!(v == pat(3, big.len()), "the stitched import does not show the block in order");
+    got.write(32 * KB - 4, b"from the importer").unwrap();
+    let mut w = [0u8; 17];
+    big.cpu_access(Access::Read).unwrap().read(32 * KB - 4, &mut w).unwrap();
+    assert_eq!(&w, b"from the importer");
+    // A kept neighbour's import is one range.
+    let hk = exp.export(&kept[0], None).unwrap();
+    assert_eq!(hk.offset as usize, kept[0].offset());
+    drop((got, imp));
+    wait_until("the importer hung up", || exp.held() == 0);
+}
+
+/// Work queued on the producer's queue before the export is done before the share is sent.
+#[test]
+fn an_export_after_queued_work_shows_its_result() {
+    let a = allocator(64 * MB as u64);
+    let q = Queue::new().unwrap();
+    let (exp, imp) = pair();
+    let x = a.allocate(8 * MB, Some(&q)).unwrap();
+    let src = HostBuffer::new(8 * MB).unwrap();
+    src.write(0, &pat(5, 8 * MB)).unwrap();
+    q.copy(x.mem(), &src).unwrap();
+    let h = exp.export(&x, Some(&q)).unwrap();
+    let got = imp.open(&h).unwrap();
+    let mut v = vec![0; 8 * MB];
+    got.read(0, &mut v).unwrap();
+    assert!(v == pat(5, 8 * MB), "the importer read before the queued copy finished");
+}
+
+/// Raw allocations: exported by pointer; a second free of one in limbo names the limbo.
+#[test]
+fn raw_blocks_are_shared_and_a_second_free_in_limbo_is_refused() {
+    let a = allocator(64 * MB as u64);
+    let (exp, imp) = pair();
+    let p = a.allocate_raw(64 * KB, None).unwrap();
+    let h = exp.export_raw(&a, p, None).unwrap();
+    let got = imp.open(&h).unwrap();
+    a.free_raw(p).unwrap();
+    let e = a.free_raw(p).unwrap_err();
+    assert!(e.to_string().contains("limbo"), "{e}");
+    assert!(matches!(exp.export_raw(&a, p, None), Err(Error::UnknownPointer { .. })));
+    assert!(matches!(exp.export_raw(&a, p.wrapping_add(4096), None), Err(Error::UnknownPointer { .. })));
+    drop(got);
+    wait_until("the release", || limbo(&a) == 0);
+    a.check_invariants().unwrap();
+}
+
+/// Forged handles (export, segment, offset, length), a handle opened twice, garbage bytes:
+/// refused with the cause, from several threads at once, and the real handle still opens.
+#[test]
+fn forged_and_stale_handles_are_refused_from_many_threads() {
+    let a = allocator(64 * MB as u64);
+    let (exp, imp) = pair();
+    let imp = Arc::new(imp);
+    let xs: Vec<_> = (0..16).map(|i| a.allocate(20 * KB + i * 4096, None).unwrap()).collect();
+    let hs: Vec<_> = xs.iter().map(|x| exp.export(x, None).unwrap()).collect();
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let (imp, hs) = (Arc::clone(&imp), &hs);
+            s.spawn(move || {
+                for (i, h) in hs.iter().enumerate() {
+                    for forged in [
+                        IpcHandle { export: h.export + 1000, ..*h },
+                        IpcHandle { offset: h.offset + 4096, ..*h },
+                        IpcHandle { len: h.len + 1, ..*h },
+                        IpcHandle { segment: h.segment + 1, ..*h },
+                    ] {
+                        let e = imp.open(&forged).unwrap_err();
+                        assert!(matches!(e, Error::InvalidArgument { .. }), "thread {t}, handle {i}: {e}");
+                    }
+                    let mut b = h.to_bytes();
+                    b[t] ^= 0x40;
+                    assert!(IpcHandle::from_bytes(&b).is_err());
+                }
+            });
+        }
+    });
+    // Each real handle opens exactly once, whichever thread gets there first.
+    let opened: Vec<_> = std::thread::scope(|s| {
+        let hs = &hs;
+        let workers: Vec<_> = (0..4)
+            .map(|_| {
+                let imp = Arc::clone(&imp);
+                s.spawn(move || hs.iter().filter_map(|h| imp.open(h).ok()).collect::<Vec<_>>())
+            })
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().unwrap()).collect()
+    });
+    assert_eq!(opened.len(), hs.len(), "each handle opened exactly once");
+    let e = imp.open(&hs[0]).unwrap_err();
+    assert!(e.to_string().contains("already opened"), "{e}");
+    drop(opened);
+    drop(xs);
+    wait_until("the releases", || exp.held() == 0 && limbo(&a) == 0);
+    a.check_invariants().unwrap();
+}
+
+/// What a hostile exporter sends: an fd that is not a sealed memfd or a dma-buf, a share of a
+/// segment never sent, ranges outside the segment, a length past them, garbage. Each is the
+/// peer's protocol error, saying what; nothing panics and no fd leaks.
+#[test]
+fn a_hostile_exporter_is_refused_with_the_cause() {
+    let before = open_fds();
+    let le = |v: &[u64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let segment_msg = |serial: u64| [le(&[1 | (2 << 32)]), le(&[serial])].concat();
+    let share = |export: u64, serial: u64, len: u64, ranges: &[(u64, u64)]| {
+        let mut m = le(&[2 | ((ranges.len() as u64) << 32), export, serial, len]);
+        for &(o, l) in ranges {
+            m.extend(le(&[o, l]));
+        }
+        m
+    };
+    let h = |export, segment, offset, len| IpcHandle { pid: 1, export, segment, offset, len };
+    let memfd = ShmemSource::new();
+    let seg: Segment = dmabuf_rt::MemorySource::create_segment(&memfd, 64 * KB).unwrap();
+    let (pipe_r, _pipe_w) = rustix::pipe::pipe().unwrap();
+    let cases: Vec<(Vec<u8>, Option<std::os::fd::BorrowedFd<'_>>, &str)> = vec![
+        (segment_msg(1), Some(pipe_r.as_fd()), "segment 1"),
+        (share(1, 99, 10, &[(0, 4096)]), None, "never sent"),
+        (b"garbage!".to_vec(), None, "unknown message tag"),
+        (segment_msg(1), None, "came with"),
+    ];
+    for (bytes, fd, want) in cases {
+        let (a, b) = Channel::pair("hostile").unwrap();
+        let imp = IpcImporter::new(b);
+        a.send_bytes(&bytes, fd.as_slice()).unwrap();
+        let e = imp.open(&h(1, 1, 0, 10)).unwrap_err();
+        assert!(matches!(e, Error::Protocol { .. }) && e.to_string().contains(want), "{want}: {e}");
+    }
+    for (ranges, len, want) in [
+        (vec![(60 * KB as u64, 8192)], 10, "outside"),
+        (vec![(u64::MAX - 10, 20)], 10, "outside"),
+        (vec![(0, 4096)], 5000, "5000 bytes in ranges of 4096"),
+        (vec![(0, 4096), (100, 4096)], 10, "not whole pages"),
+    ] {
+        let (a, b) = Channel::pair("hostile").unwrap();
+        let imp = IpcImporter::new(b);
+        a.send_bytes(&segment_msg(7), &[seg.as_fd()]).unwrap();
+        a.send_bytes(&share(1, 7, len, &ranges), &[]).unwrap();
+        let e = imp.open(&h(1, 7, ranges[0].0, len)).unwrap_err();
+        assert!(e.to_string().contains(want), "{want}: {e}");
+    }
+    drop(seg);
+    assert_eq!(open_fds(), before + 2, "fds leaked (the pipe's two ends are still open)");
+}
+
+/// The exporter dropped: the importer's unopened shares are refused (their holds are gone).
+/// The importer dropped: the exporter releases everything it held.
+#[test]
+fn either_side_hanging_up_releases_the_holds() {
+    let a = allocator(64 * MB as u64);
+    let x = a.allocate(64 * KB, None).unwrap();
+    let (exp, imp) = pair();
+    let h = exp.export(&x, None).unwrap();
+    drop(exp);
+    let e = imp.open(&h).unwrap_err();
+    assert!(matches!(e, Error::PeerGone { .. }), "{e}");
+    let (exp, imp) = pair();
+    let h2 = exp.export(&x, None).unwrap();
+    let _got = imp.open(&h2).unwrap();
+    drop(x);
+    assert!(limbo(&a) > 0);
+    drop(_got);
+    drop(imp);
+    wait_until("the releases", || exp.held() == 0 && limbo(&a) == 0);
+    a.check_invariants().unwrap();
+}
