@@ -429,7 +429,7 @@ fn a_hostile_exporter_is_refused_with_the_cause() {
     let le = |v: &[u64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let segment_msg = |serial: u64| [le(&[1 | (2 << 32)]), le(&[serial])].concat();
     let share = |export: u64, serial: u64, len: u64, ranges: &[(u64, u64)]| {
-        let mut m = le(&[2 | ((ranges.len() as u64) << 32), export, serial, len]);
+        let mut m = le(&[2 | ((ranges.len() as u64) << 32), export, serial, len, 1]);
         for &(o, l) in ranges {
             m.extend(le(&[o, l]));
         }

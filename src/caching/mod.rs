@@ -417,7 +417,10 @@ impl CachingAllocator {
             return Err(Error::InvalidFree { ptr: 0, why: "null pointer" });
         }
         let pool = self.lock();
-        let (_, _, held) = pool.raw_block(ptr as usize).map_err(|why| Error::InvalidFree { ptr: ptr as usize, why })?;
+        let Ok((_, _, held)) = pool.raw_block(ptr as usize) else {
+            // Not a live raw block: refused as `free_raw` refuses it (it says why).
+            return self.free_raw_slow(pool, ptr);
+        };
         if held != size {
             return Err(Error::SizeMismatch { dst: held, src: size });
         }

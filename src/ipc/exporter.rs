@@ -26,6 +26,11 @@ pub struct IpcExporter {
 
 struct Shared {
     channel: Channel,
+    /// Held across the sends of one export (a segment's fd goes before the first share that
+    /// names it); never by the reader thread, so a send blocked on a full socket does not
+    /// stop releases.
+    send_lock: Mutex<()>,
+    /// Held briefly, never across a send.
     state: Mutex<State>,
 }
 
@@ -51,7 +56,11 @@ impl IpcExporter {
     /// [`IpcImporter`](super::IpcImporter) on the other). Starts the thread that reads the
     /// peer's releases.
     pub fn new(channel: Channel) -> Result<Self> {
-        let shared = Arc::new(Shared { channel, state: Mutex::new(State { next_export: 1, ..Default::default() }) });
+        let shared = Arc::new(Shared {
+            channel,
+            send_lock: Mutex::new(()),
+            state: Mutex::new(State { next_export: 1, ..Default::default() }),
+        });
         let reader = {
             let shared = Arc::clone(&shared);
             std::thread::Builder::new()
@@ -103,29 +112,45 @@ impl IpcExporter {
             q.record()?.synchronize(None)?;
         }
         let serial = e.segment.serial();
-        let mut st = self.shared.lock();
-        if let Some(why) = &st.gone {
-            return Err(Error::PeerGone { channel: format!("{} ({why})", self.shared.channel.name()) });
-        }
-        if !st.sent.contains(&serial) {
+        let gone = |why: &str| Error::PeerGone { channel: format!("{} ({why})", self.shared.channel.name()) };
+        let _sending = self.shared.send_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let need_segment = {
+            let st = self.shared.lock();
+            if let Some(why) = &st.gone {
+                return Err(gone(why));
+            }
+            !st.sent.contains(&serial)
+        };
+        if need_segment {
             let fd = e.fd()?;
             let msg = Msg::Segment { kind: e.segment.kind(), serial };
             self.shared.channel.send_bytes(&msg.encode(), &[fd.as_fd()])?;
-            st.sent.insert(serial);
+            self.shared.lock().sent.insert(serial);
         }
-        let export = st.next_export;
+        let first = e.ranges[0].0 as u64;
         let ranges: Vec<(u64, u64)> = e.ranges.iter().map(|&(o, l)| (o as u64, l as u64)).collect();
-        let msg = Msg::Share { export, serial, len: e.len as u64, ranges };
-        self.shared.channel.send_bytes(&msg.encode(), &[])?;
-        st.next_export += 1;
-        st.held.insert(export, e.hold);
-        Ok(IpcHandle {
-            pid: std::process::id(),
-            export,
-            segment: serial,
-            offset: e.ranges[0].0 as u64,
-            len: e.len as u64,
-        })
+        let pid = std::process::id();
+        let (len, hold) = (e.len as u64, e.hold);
+        // Held before the share goes (the peer may release it at once), taken back if it fails.
+        let export = {
+            let mut st = self.shared.lock();
+            if let Some(why) = st.gone.clone() {
+                drop(st);
+                drop(hold);
+                return Err(gone(&why));
+            }
+            let export = st.next_export;
+            st.next_export += 1;
+            st.held.insert(export, hold);
+            export
+        };
+        let msg = Msg::Share { export, serial, len, pid: u64::from(pid), ranges };
+        if let Err(err) = self.shared.channel.send_bytes(&msg.encode(), &[]) {
+            let hold = self.shared.lock().held.remove(&export);
+            drop(hold);
+            return Err(err);
+        }
+        Ok(IpcHandle { pid, export, segment: serial, offset: first, len })
     }
 }
 

@@ -38,6 +38,7 @@ struct State {
 }
 
 struct Share {
+    pid: u64,
     serial: u64,
     len: usize,
     ranges: Vec<(usize, usize)>,
@@ -83,16 +84,21 @@ impl IpcImporter {
                 ),
             });
         };
-        if share.serial != handle.segment || share.ranges[0].0 as u64 != handle.offset || share.len as u64 != handle.len
+        if share.pid != u64::from(handle.pid)
+            || share.serial != handle.segment
+            || share.ranges[0].0 as u64 != handle.offset
+            || share.len as u64 != handle.len
         {
             return Err(Error::InvalidArgument {
                 what: format!(
-                    "IPC handle of export {}: segment {} offset {} length {} do not match the export (segment {}, \
-                     offset {}, length {}): forged or corrupted",
+                    "IPC handle of export {}: process {} segment {} offset {} length {} do not match the export \
+                     (process {}, segment {}, offset {}, length {}): forged, corrupted, or another exporter's",
                     handle.export,
+                    handle.pid,
                     handle.segment,
                     handle.offset,
                     handle.len,
+                    share.pid,
                     share.serial,
                     share.ranges[0].0,
                     share.len
@@ -149,8 +155,9 @@ impl Shared {
                     let seg = Expect::new(kind).import(&fd, &format_args!("segment {serial}"), self.channel.name())?;
                     st.segments.insert(serial, Arc::new(seg));
                 }
-                Msg::Share { export, serial, len, ranges } => {
+                Msg::Share { export, serial, len, pid, ranges } => {
                     let share = self.check_share(st, export, serial, len, ranges)?;
+                    let share = Share { pid, ..share };
                     st.shares.insert(export, share);
                 }
                 Msg::Release { .. } => return Err(self.channel.protocol_error("a release from the exporter")),
@@ -182,6 +189,7 @@ impl Shared {
         }
         // Both fit in usize: they lie inside a mapped segment.
         Ok(Share {
+            pid: 0,
             serial,
             len: len as usize,
             ranges: ranges.into_iter().map(|(o, l)| (o as usize, l as usize)).collect(),

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! exporter -> importer   SEGMENT  tag=1 kind:u32 serial:u64            + the segment's fd
-//!                        SHARE    tag=2 nruns:u32 export:u64 serial:u64 len:u64
+//!                        SHARE    tag=2 nruns:u32 export:u64 serial:u64 len:u64 pid:u64
 //!                                 then nruns x (offset:u64, len:u64)    (fd ranges, in order)
 //! importer -> exporter   RELEASE  tag=3 0:u32 export:u64
 //! ```
@@ -23,15 +23,18 @@ const SHARE: u32 = 2;
 const RELEASE: u32 = 3;
 
 /// The largest packet: a SHARE with [`MAX_RUNS`] ranges.
-pub(crate) const MAX_PACKET: usize = 32 + 16 * MAX_RUNS;
+pub(crate) const MAX_PACKET: usize = SHARE_HEADER + 16 * MAX_RUNS;
+
+/// Bytes of a SHARE before its ranges.
+const SHARE_HEADER: usize = 40;
 
 /// A message of the protocol.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Msg {
     /// The next fd is segment `serial` of the exporter, of `kind`.
     Segment { kind: SegmentKind, serial: u64 },
-    /// Export `export`: `len` bytes at `ranges` of segment `serial`'s fd.
-    Share { export: u64, serial: u64, len: u64, ranges: Vec<(u64, u64)> },
+    /// Export `export` of process `pid`: `len` bytes at `ranges` of segment `serial`'s fd.
+    Share { export: u64, serial: u64, len: u64, pid: u64, ranges: Vec<(u64, u64)> },
     /// The importer let go of export `export`.
     Release { export: u64 },
 }
@@ -63,10 +66,10 @@ impl Msg {
                 put32(&mut out, kind_code(*kind));
                 out.extend_from_slice(&serial.to_le_bytes());
             }
-            Msg::Share { export, serial, len, ranges } => {
+            Msg::Share { export, serial, len, pid, ranges } => {
                 put32(&mut out, SHARE);
                 put32(&mut out, ranges.len() as u32);
-                for v in [*export, *serial, *len] {
+                for v in [*export, *serial, *len, *pid] {
                     out.extend_from_slice(&v.to_le_bytes());
                 }
                 for &(off, l) in ranges {
@@ -106,11 +109,14 @@ impl Msg {
                 if n == 0 || n > MAX_RUNS {
                     return Err(format!("a share of {n} ranges (1 to {MAX_RUNS})"));
                 }
-                if b.len() != 32 + 16 * n {
-                    return Err(format!("a share of {n} ranges in {} bytes, not {}", b.len(), 32 + 16 * n));
+                let want = SHARE_HEADER + 16 * n;
+                if b.len() != want {
+                    return Err(format!("a share of {n} ranges in {} bytes, not {want}", b.len()));
                 }
-                let ranges = (0..n).map(|i| (u64_at(b, 32 + 16 * i), u64_at(b, 40 + 16 * i))).collect();
-                Ok(Msg::Share { export: u64_at(b, 8), serial: u64_at(b, 16), len: u64_at(b, 24), ranges })
+                let at = |i: usize| SHARE_HEADER + 16 * i;
+                let ranges = (0..n).map(|i| (u64_at(b, at(i)), u64_at(b, at(i) + 8))).collect();
+                let (export, serial, len, pid) = (u64_at(b, 8), u64_at(b, 16), u64_at(b, 24), u64_at(b, 32));
+                Ok(Msg::Share { export, serial, len, pid, ranges })
             }
             t => Err(format!("unknown message tag {t}")),
         }
@@ -129,18 +135,18 @@ mod tests {
     fn messages_round_trip_and_bad_packets_are_refused() {
         let msgs = [
             Msg::Segment { kind: SegmentKind::Unified, serial: 7 },
-            Msg::Share { export: 3, serial: 7, len: 5000, ranges: vec![(4096, 8192), (0, 4096)] },
+            Msg::Share { export: 3, serial: 7, len: 5000, pid: 42, ranges: vec![(4096, 8192), (0, 4096)] },
             Msg::Release { export: u64::MAX },
         ];
         for m in &msgs {
             assert_eq!(Msg::decode(&m.encode()).unwrap(), *m);
         }
         let share = msgs[1].encode();
-        assert!(Msg::decode(&share[..share.len() - 1]).unwrap_err().contains("not 64"));
+        assert!(Msg::decode(&share[..share.len() - 1]).unwrap_err().contains("not 72"));
         assert!(Msg::decode(&share[..7]).unwrap_err().contains("shorter"));
         let mut none = share.clone();
         none[4..8].copy_from_slice(&0u32.to_le_bytes());
-        assert!(Msg::decode(&none[..32]).unwrap_err().contains("0 ranges"));
+        assert!(Msg::decode(&none[..40]).unwrap_err().contains("0 ranges"));
         let mut bad = msgs[0].encode();
         bad[4] = 9;
         assert!(Msg::decode(&bad).unwrap_err().contains("unknown kind"));
