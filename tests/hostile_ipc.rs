@@ -685,3 +685,34 @@ fn history_and_stat_resets_with_a_block_in_limbo() {
     assert_eq!(s.limbo_bytes.current, 0);
     assert_eq!(s.active_bytes[AGGREGATE].current, 0);
 }
+
+/// The producer churns segments (allocate, share, release, free, `empty_cache`): the
+/// importer kept the fd and mapping of every segment it was ever sent, so its fds and
+/// mappings grew without bound, and the pages of segments the producer released stayed in
+/// memory (its `empty_cache` gave nothing back while the consumer lived). Now the exporter
+/// says GONE for each segment its allocator let go, and the importer closes its copy.
+#[test]
+fn an_importer_does_not_keep_every_released_segment_forever() {
+    let a = CachingAllocator::builder(ShmemSource::new().reserve(false))
+        .config(Config::parse("expandable_segments:False,page_stitching:False").unwrap())
+        .capacity(64 * MB as u64)
+        .build()
+        .unwrap();
+    let (exp, imp) = pair();
+    for r in 0..24u8 {
+        let x = a.allocate(4 * MB, None).unwrap();
+        fill(&x, r);
+        let g = imp.open(&exp.export(&x, None).unwrap()).unwrap();
+        drop(g);
+        drop(x);
+        wait_until("the release", || exp.held() == 0 && limbo(&a) == 0);
+        a.empty_cache();
+        assert_eq!(a.stats().reserved_bytes[AGGREGATE].current, 0, "round {r}");
+    }
+    imp.poll().unwrap();
+    assert!(
+        imp.segments() <= 2,
+        "the importer holds {} segments (an fd and a 4 MB mapping each) the producer released",
+        imp.segments()
+    );
+}

@@ -5,9 +5,9 @@
 //! or dies (the kernel closes its end: the reader thread sees end of file), or this exporter is
 //! dropped. A segment's fd goes to the peer once; later blocks of it are offsets only.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::os::fd::AsFd;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 
 use super::handle::IpcHandle;
@@ -15,6 +15,7 @@ use super::wire::{MAX_PACKET, MAX_RUNS, Msg};
 use crate::caching::{Allocation, CachingAllocator};
 use crate::error::{Error, Result};
 use crate::queue::Queue;
+use crate::segment::Segment;
 use crate::share::Channel;
 
 /// Shares blocks of caching allocators with the process at the other end of a [`Channel`].
@@ -36,8 +37,9 @@ struct Shared {
 
 #[derive(Default)]
 struct State {
-    /// Serials of the segments whose fd the peer has.
-    sent: HashSet<u64>,
+    /// The segments whose fd the peer has, by serial (weak: the allocator decides when one
+    /// goes; then the peer is told, at the next export).
+    sent: HashMap<u64, Weak<Segment>>,
     /// Holds of the exports the peer has not released.
     held: HashMap<u64, crate::caching::ExportHold>,
     next_export: u64,
@@ -114,18 +116,26 @@ impl IpcExporter {
         let serial = e.segment.serial();
         let gone = |why: &str| Error::PeerGone { channel: format!("{} ({why})", self.shared.channel.name()) };
         let _sending = self.shared.send_lock.lock().unwrap_or_else(|p| p.into_inner());
-        let need_segment = {
-            let st = self.shared.lock();
+        let (need_segment, let_go) = {
+            let mut st = self.shared.lock();
             if let Some(why) = &st.gone {
                 return Err(gone(why));
             }
-            !st.sent.contains(&serial)
+            let let_go: Vec<u64> = st.sent.iter().filter(|(_, w)| w.strong_count() == 0).map(|(&s, _)| s).collect();
+            for s in &let_go {
+                st.sent.remove(s);
+            }
+            (!st.sent.contains_key(&serial), let_go)
         };
+        // Segments the allocator let go since the last export: the peer closes its copies.
+        for serial in let_go {
+            self.shared.channel.send_bytes(&Msg::Gone { serial }.encode(), &[])?;
+        }
         if need_segment {
             let fd = e.fd()?;
             let msg = Msg::Segment { kind: e.segment.kind(), serial };
             self.shared.channel.send_bytes(&msg.encode(), &[fd.as_fd()])?;
-            self.shared.lock().sent.insert(serial);
+            self.shared.lock().sent.insert(serial, Arc::downgrade(&e.segment));
         }
         let first = e.ranges[0].0 as u64;
         let ranges: Vec<(u64, u64)> = e.ranges.iter().map(|&(o, l)| (o as u64, l as u64)).collect();

@@ -1,5 +1,6 @@
 //! [`IpcImporter`]: this process's side of blocks another process shares with it. Each of the
-//! exporter's segments arrives once (its fd, mapped once, kept while the importer lives); a
+//! exporter's segments arrives once (its fd, mapped once, kept until the exporter says its
+//! allocator let the segment go); a
 //! block is then offsets into it ([`ImportedBlock`]), or for a page-stitched block of several
 //! runs a view of its own mapping them in order. Dropping an [`ImportedBlock`] releases it to
 //! the exporter.
@@ -118,6 +119,14 @@ impl IpcImporter {
         Ok(ImportedBlock { importer: Arc::clone(&self.shared), export: handle.export, len: share.len, place })
     }
 
+    /// Takes in what the exporter sent so far without opening anything (never waits): its
+    /// segments and shares, and the segments it let go, whose fds and mappings are closed
+    /// here (blocks still open keep theirs). [`IpcImporter::open`] does this first.
+    pub fn poll(&self) -> Result<()> {
+        let mut st = self.shared.lock();
+        self.shared.pump(&mut st)
+    }
+
     /// Segments of the exporter this importer holds (one fd and one mapping each).
     pub fn segments(&self) -> usize {
         self.shared.lock().segments.len()
@@ -159,6 +168,16 @@ impl Shared {
                     let share = self.check_share(st, export, serial, len, ranges)?;
                     let share = Share { pid, ..share };
                     st.shares.insert(export, share);
+                }
+                Msg::Gone { serial } => {
+                    if st.segments.remove(&serial).is_none() {
+                        return Err(self.channel.protocol_error(format!("segment {serial} let go, never sent")));
+                    }
+                    if st.shares.values().any(|s| s.serial == serial) {
+                        return Err(self.channel.protocol_error(format!(
+                            "segment {serial} let go while a share of it is unopened (and held)"
+                        )));
+                    }
                 }
                 Msg::Release { .. } => return Err(self.channel.protocol_error("a release from the exporter")),
             }

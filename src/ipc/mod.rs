@@ -11,7 +11,9 @@
 //! ```
 //!
 //! - A segment's fd goes to a peer once; every later block of it is offsets only, so a process
-//!   sharing 10,000 tensors holds as many fds as segments, not tensors.
+//!   sharing 10,000 tensors holds as many fds as segments, not tensors. Once the producer's
+//!   allocator lets a segment go, the next export tells the peer (GONE), which closes its copy
+//!   ([`IpcImporter::poll`] takes that in without opening anything).
 //! - Limbo: a block shared with a peer is held until the peer releases it. Freed by its
 //!   producer meanwhile, it is not reused: it waits in limbo (`DeviceStats::limbo_bytes`), and
 //!   `empty_cache` cannot return it. A consumer that exits or is killed releases what it held

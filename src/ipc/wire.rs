@@ -5,11 +5,13 @@
 //! exporter -> importer   SEGMENT  tag=1 kind:u32 serial:u64            + the segment's fd
 //!                        SHARE    tag=2 nruns:u32 export:u64 serial:u64 len:u64 pid:u64
 //!                                 then nruns x (offset:u64, len:u64)    (fd ranges, in order)
+//!                        GONE     tag=4 0:u32 serial:u64            (segment let go there)
 //! importer -> exporter   RELEASE  tag=3 0:u32 export:u64
 //! ```
 //!
 //! A segment's fd goes to a peer once (SEGMENT), before the first SHARE that names it; every
-//! later block of it is a SHARE of offsets only. Decoding refuses anything malformed, saying
+//! later block of it is a SHARE of offsets only. Once the exporter's allocator has let the
+//! segment go, GONE tells the importer to close its copy (blocks it still has open keep theirs). Decoding refuses anything malformed, saying
 //! what; it never panics.
 
 use crate::segment::SegmentKind;
@@ -21,6 +23,7 @@ pub const MAX_RUNS: usize = 1024;
 const SEGMENT: u32 = 1;
 const SHARE: u32 = 2;
 const RELEASE: u32 = 3;
+const GONE: u32 = 4;
 
 /// The largest packet: a SHARE with [`MAX_RUNS`] ranges.
 pub(crate) const MAX_PACKET: usize = SHARE_HEADER + 16 * MAX_RUNS;
@@ -37,6 +40,8 @@ pub(crate) enum Msg {
     Share { export: u64, serial: u64, len: u64, pid: u64, ranges: Vec<(u64, u64)> },
     /// The importer let go of export `export`.
     Release { export: u64 },
+    /// The exporter's allocator let segment `serial` go: no share will name it again.
+    Gone { serial: u64 },
 }
 
 fn kind_code(kind: SegmentKind) -> u32 {
@@ -82,6 +87,11 @@ impl Msg {
                 put32(&mut out, 0);
                 out.extend_from_slice(&export.to_le_bytes());
             }
+            Msg::Gone { serial } => {
+                put32(&mut out, GONE);
+                put32(&mut out, 0);
+                out.extend_from_slice(&serial.to_le_bytes());
+            }
         }
         out
     }
@@ -93,7 +103,9 @@ impl Msg {
         }
         let (tag, word) = (u32_at(b, 0), u32_at(b, 4));
         match tag {
-            SEGMENT | RELEASE if b.len() != 16 => Err(format!("a {} message of {} bytes, not 16", name(tag), b.len())),
+            SEGMENT | RELEASE | GONE if b.len() != 16 => {
+                Err(format!("a {} message of {} bytes, not 16", name(tag), b.len()))
+            }
             SEGMENT => {
                 let kind = match word {
                     0 => SegmentKind::Device,
@@ -104,6 +116,7 @@ impl Msg {
                 Ok(Msg::Segment { kind, serial: u64_at(b, 8) })
             }
             RELEASE => Ok(Msg::Release { export: u64_at(b, 8) }),
+            GONE => Ok(Msg::Gone { serial: u64_at(b, 8) }),
             SHARE => {
                 let n = word as usize;
                 if n == 0 || n > MAX_RUNS {
@@ -124,7 +137,11 @@ impl Msg {
 }
 
 fn name(tag: u32) -> &'static str {
-    if tag == SEGMENT { "segment" } else { "release" }
+    match tag {
+        SEGMENT => "segment",
+        RELEASE => "release",
+        _ => "gone",
+    }
 }
 
 #[cfg(test)]
@@ -137,6 +154,7 @@ mod tests {
             Msg::Segment { kind: SegmentKind::Unified, serial: 7 },
             Msg::Share { export: 3, serial: 7, len: 5000, pid: 42, ranges: vec![(4096, 8192), (0, 4096)] },
             Msg::Release { export: u64::MAX },
+            Msg::Gone { serial: 5 },
         ];
         for m in &msgs {
             assert_eq!(Msg::decode(&m.encode()).unwrap(), *m);
