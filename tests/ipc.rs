@@ -83,9 +83,11 @@ const VERIFY: u64 = 2;
 const RELEASE: u64 = 3;
 const COUNT_FDS: u64 = 4;
 const EXIT: u64 = 5;
+/// Open a process-wide handle (`ipc::open_handle`); answers 0, or 1 if refused as opened.
+const OPEN_GLOBAL: u64 = 6;
 
-/// The child: opens the handles it is sent, verifies their bytes (each block's tag is its
-/// handle's export number), releases them, counts its fds, on command.
+/// The child: opens the handles it is sent, verifies their bytes (each block's tag is the
+/// `export` number of the handle it was sent), releases them, counts its fds, on command.
 #[test]
 fn child_entry() {
     let Ok(_role) = std::env::var(ROLE_ENV) else { return };
@@ -101,15 +103,16 @@ fn child_entry() {
         let (cmd, h) = cmd_of(&m);
         let answer = match cmd {
             HANDLE => {
-                open.push(importer.open(&h.unwrap()).unwrap());
+                let h = h.unwrap();
+                open.push((importer.open(&h).unwrap(), h.export as u8));
                 0
             }
             VERIFY => {
                 let mut bad = 0u64;
-                for b in &open {
+                for (b, tag) in &open {
                     let mut v = vec![0u8; b.len()];
                     b.read(0, &mut v).unwrap();
-                    if v != pat(b.export() as u8, b.len()) {
+                    if v != pat(*tag, b.len()) {
                         bad += 1;
                     }
                 }
@@ -120,6 +123,14 @@ fn child_entry() {
                 0
             }
             COUNT_FDS => (open_fds() - fds_at_start) as u64 * 1_000_000 + importer.segments() as u64,
+            OPEN_GLOBAL => match dmabuf_rt::ipc::open_handle(&h.unwrap()) {
+                Ok(b) => {
+                    open.push((b, h.unwrap().export as u8));
+                    0
+                }
+                Err(Error::InvalidArgument { what }) if what.contains("already opened") => 1,
+                Err(e) => panic!("open_handle: {e}"),
+            },
             _ => std::process::exit(0),
         };
         control.send(&ctl(answer, None)).unwrap();
@@ -435,7 +446,7 @@ fn a_hostile_exporter_is_refused_with_the_cause() {
         }
         m
     };
-    let h = |export, segment, offset, len| IpcHandle { pid: 1, export, segment, offset, len };
+    let h = |export, segment, offset, len| IpcHandle { pid: 1, export, segment, offset, len, token: 0 };
     let memfd = ShmemSource::new();
     let seg: Segment = dmabuf_rt::MemorySource::create_segment(&memfd, 64 * KB).unwrap();
     let (pipe_r, _pipe_w) = rustix::pipe::pipe().unwrap();
@@ -488,5 +499,85 @@ fn either_side_hanging_up_releases_the_holds() {
     drop(_got);
     drop(imp);
     wait_until("the releases", || exp.held() == 0 && limbo(&a) == 0);
+    a.check_invariants().unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Process-wide handles (`ipc::get_handle` / `ipc::open_handle`), as CUDA's.
+
+/// A handle made here opened by a child that was given only its 64 bytes: the child connects,
+/// sees the bytes, a second open is refused; the producer freed the blocks at once and churns;
+/// the child is killed and everything comes back.
+#[test]
+fn process_wide_handles_open_in_another_process_and_come_back_when_it_dies() {
+    let a = allocator(64 * MB as u64);
+    let (_exp, mut c) = consumer();
+    let xs: Vec<_> = [4 * KB, 48 * KB, 5 * MB].iter().map(|&n| a.allocate(n, None).unwrap()).collect();
+    let mut hs = Vec::new();
+    for x in &xs {
+        let h = dmabuf_rt::ipc::get_handle(x, None).unwrap();
+        assert_ne!(h.token, 0);
+        fill(x, h.export as u8);
+        hs.push(h);
+    }
+    drop(xs);
+    let in_limbo = limbo(&a);
+    assert!(in_limbo > 0);
+    for h in &hs {
+        assert_eq!(c.ask(OPEN_GLOBAL, Some(h)), 0);
+    }
+    assert_eq!(c.ask(OPEN_GLOBAL, Some(&hs[0])), 1, "a handle opened twice");
+    for r in 0..50u8 {
+        let ys: Vec<_> = [4 * KB, 48 * KB, 5 * MB].iter().map(|&n| a.allocate(n, None).unwrap()).collect();
+        for y in &ys {
+            fill(y, 0x80 | r);
+        }
+    }
+    assert_eq!(c.ask(VERIFY, None), 0, "a block held by a handle was reused");
+    assert_eq!(limbo(&a), in_limbo);
+    c.child.kill().unwrap();
+    c.child.wait().unwrap();
+    wait_until("the dead consumer's releases", || limbo(&a) == 0);
+    a.check_invariants().unwrap();
+}
+
+/// In one process: a handle opens (the process connects to itself), once; a forged hold, a
+/// forged token, a channel handle and a revoked handle are refused with the cause; revoking
+/// lets a freed block go.
+#[test]
+fn process_wide_handles_refuse_forged_opened_and_revoked_ones() {
+    use dmabuf_rt::ipc::{get_handle, get_handle_raw, open_handle, revoke_handle, unopened_handles};
+    let a = allocator(64 * MB as u64);
+    let x = a.allocate(100 * KB, None).unwrap();
+    fill(&x, 4);
+    let h = get_handle(&x, None).unwrap();
+    let e = open_handle(&IpcHandle { export: h.export + 1_000_000, ..h }).unwrap_err();
+    assert!(e.to_string().contains("holds no block"), "{e}");
+    let e = open_handle(&IpcHandle { token: h.token ^ 1, ..h }).unwrap_err();
+    assert!(matches!(e, Error::PeerGone { .. }), "{e}");
+    let e = open_handle(&IpcHandle { token: 0, ..h }).unwrap_err();
+    assert!(e.to_string().contains("token 0"), "{e}");
+    let e = open_handle(&IpcHandle { len: h.len + 1, ..h }).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "a forged length: {e}");
+    // The forged length took the hold (it was granted, then refused here): a new handle.
+    let h = get_handle(&x, None).unwrap();
+    let got = open_handle(&h).unwrap();
+    let mut v = vec![0; 100 * KB];
+    got.read(0, &mut v).unwrap();
+    assert!(v == pat(4, 100 * KB));
+    let e = open_handle(&h).unwrap_err();
+    assert!(e.to_string().contains("already opened"), "{e}");
+    // Revoked before it is opened: the block goes at its free.
+    let p = a.allocate_raw(64 * KB, None).unwrap();
+    let hr = get_handle_raw(&a, p, None).unwrap();
+    let before = unopened_handles();
+    a.free_raw(p).unwrap();
+    assert!(limbo(&a) >= 64 * KB as i64);
+    revoke_handle(&hr).unwrap();
+    assert_eq!(unopened_handles(), before - 1);
+    assert!(revoke_handle(&hr).unwrap_err().to_string().contains("not an unopened handle"));
+    assert!(open_handle(&hr).unwrap_err().to_string().contains("holds no block"));
+    drop((got, x));
+    wait_until("the releases", || limbo(&a) == 0);
     a.check_invariants().unwrap();
 }

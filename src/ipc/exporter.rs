@@ -33,6 +33,14 @@ struct Shared {
     send_lock: Mutex<()>,
     /// Held briefly, never across a send.
     state: Mutex<State>,
+    /// Blocks held for process-wide handles, which the peer may REQUEST ([`super::server`]).
+    requests: Option<Arc<dyn HeldBlocks>>,
+}
+
+/// Where blocks held for process-wide handles wait until a peer asks for them.
+pub(crate) trait HeldBlocks: Send + Sync {
+    /// Takes the block held as `hold`, if there is one.
+    fn take(&self, hold: u64) -> Option<crate::caching::Exported>;
 }
 
 #[derive(Default)]
@@ -58,10 +66,16 @@ impl IpcExporter {
     /// [`IpcImporter`](super::IpcImporter) on the other). Starts the thread that reads the
     /// peer's releases.
     pub fn new(channel: Channel) -> Result<Self> {
+        Self::with_requests(channel, None)
+    }
+
+    /// An exporter that also answers the peer's REQUESTs for blocks held in `requests`.
+    pub(crate) fn with_requests(channel: Channel, requests: Option<Arc<dyn HeldBlocks>>) -> Result<Self> {
         let shared = Arc::new(Shared {
             channel,
             send_lock: Mutex::new(()),
             state: Mutex::new(State { next_export: 1, ..Default::default() }),
+            requests,
         });
         let reader = {
             let shared = Arc::clone(&shared);
@@ -78,12 +92,12 @@ impl IpcExporter {
     /// still writing). The block is held until the peer releases it: freed here meanwhile, it
     /// waits in limbo (`DeviceStats::limbo_bytes`) and is not reused.
     pub fn export(&self, block: &Allocation, after: Option<&Queue>) -> Result<IpcHandle> {
-        self.send(block.export()?, after)
+        self.shared.send(block.export()?, after)
     }
 
     /// [`IpcExporter::export`] for a raw allocation of `allocator` (the start of a live block).
     pub fn export_raw(&self, allocator: &CachingAllocator, ptr: *mut u8, after: Option<&Queue>) -> Result<IpcHandle> {
-        self.send(allocator.export_raw(ptr)?, after)
+        self.shared.send(allocator.export_raw(ptr)?, after)
     }
 
     /// Exports the peer has not released yet.
@@ -100,7 +114,9 @@ impl IpcExporter {
     pub fn channel(&self) -> &Channel {
         &self.shared.channel
     }
+}
 
+impl Shared {
     fn send(&self, e: crate::caching::Exported, after: Option<&Queue>) -> Result<IpcHandle> {
         if e.ranges.len() > MAX_RUNS {
             return Err(Error::Unsupported {
@@ -114,10 +130,10 @@ impl IpcExporter {
             q.record()?.synchronize(None)?;
         }
         let serial = e.segment.serial();
-        let gone = |why: &str| Error::PeerGone { channel: format!("{} ({why})", self.shared.channel.name()) };
-        let _sending = self.shared.send_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let gone = |why: &str| Error::PeerGone { channel: format!("{} ({why})", self.channel.name()) };
+        let _sending = self.send_lock.lock().unwrap_or_else(|p| p.into_inner());
         let (need_segment, let_go) = {
-            let mut st = self.shared.lock();
+            let mut st = self.lock();
             if let Some(why) = &st.gone {
                 return Err(gone(why));
             }
@@ -129,13 +145,13 @@ impl IpcExporter {
         };
         // Segments the allocator let go since the last export: the peer closes its copies.
         for serial in let_go {
-            self.shared.channel.send_bytes(&Msg::Gone { serial }.encode(), &[])?;
+            self.channel.send_bytes(&Msg::Gone { serial }.encode(), &[])?;
         }
         if need_segment {
             let fd = e.fd()?;
             let msg = Msg::Segment { kind: e.segment.kind(), serial };
-            self.shared.channel.send_bytes(&msg.encode(), &[fd.as_fd()])?;
-            self.shared.lock().sent.insert(serial, Arc::downgrade(&e.segment));
+            self.channel.send_bytes(&msg.encode(), &[fd.as_fd()])?;
+            self.lock().sent.insert(serial, Arc::downgrade(&e.segment));
         }
         let first = e.ranges[0].0 as u64;
         let ranges: Vec<(u64, u64)> = e.ranges.iter().map(|&(o, l)| (o as u64, l as u64)).collect();
@@ -143,7 +159,7 @@ impl IpcExporter {
         let (len, hold) = (e.len as u64, e.hold);
         // Held before the share goes (the peer may release it at once), taken back if it fails.
         let export = {
-            let mut st = self.shared.lock();
+            let mut st = self.lock();
             if let Some(why) = st.gone.clone() {
                 drop(st);
                 drop(hold);
@@ -155,18 +171,28 @@ impl IpcExporter {
             export
         };
         let msg = Msg::Share { export, serial, len, pid: u64::from(pid), ranges };
-        if let Err(err) = self.shared.channel.send_bytes(&msg.encode(), &[]) {
-            let hold = self.shared.lock().held.remove(&export);
+        if let Err(err) = self.channel.send_bytes(&msg.encode(), &[]) {
+            let hold = self.lock().held.remove(&export);
             drop(hold);
             return Err(err);
         }
-        Ok(IpcHandle { pid, export, segment: serial, offset: first, len })
+        Ok(IpcHandle { pid, export, segment: serial, offset: first, len, token: 0 })
     }
-}
 
-impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A REQUEST for the block held as `hold`: its SHARE (and the segment's fd, the first
+    /// time) then GRANT; or DENY if nothing is held so (forged, already taken, or this
+    /// exporter answers no requests).
+    fn answer(&self, hold: u64) -> Result<()> {
+        let Some(e) = self.requests.as_ref().and_then(|r| r.take(hold)) else {
+            return self.channel.send_bytes(&Msg::Deny { hold }.encode(), &[]);
+        };
+        // The block's queue was waited for when the handle was made.
+        let h = self.send(e, None)?;
+        self.channel.send_bytes(&Msg::Grant { hold, export: h.export }.encode(), &[])
     }
 
     /// The reader thread: applies the peer's releases until it hangs up, then releases the rest.
@@ -186,6 +212,11 @@ impl Shared {
                                 );
                             }
                             drop(hold);
+                        }
+                        Ok(Msg::Request { hold }) => {
+                            if let Err(e) = self.answer(hold) {
+                                break format!("answering the peer's request for hold {hold} failed: {e}");
+                            }
                         }
                         Ok(other) => break format!("the peer sent {other:?}, which only an exporter sends"),
                         Err(why) => break format!("the peer broke the protocol: {why}"),

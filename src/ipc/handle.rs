@@ -27,16 +27,20 @@ pub struct IpcHandle {
     pub offset: u64,
     /// The block's length in bytes (what was asked for).
     pub len: u64,
+    /// 0 for a handle of a [`Channel`](crate::share::Channel) export; else the handle is
+    /// process-wide ([`crate::ipc::get_handle`]) and this names the exporting process's IPC
+    /// socket, which [`crate::ipc::open_handle`] connects to.
+    pub token: u64,
 }
 
 impl IpcHandle {
-    /// The 64-byte form: `DMBH`, version, pid, export, segment, offset, len, zero padding.
+    /// The 64-byte form: `DMBH`, version, pid, export, segment, offset, len, token, zero padding.
     pub fn to_bytes(&self) -> [u8; HANDLE_BYTES] {
         let mut b = [0u8; HANDLE_BYTES];
         b[0..4].copy_from_slice(&MAGIC);
         b[4..6].copy_from_slice(&VERSION.to_le_bytes());
         b[8..12].copy_from_slice(&self.pid.to_le_bytes());
-        for (i, v) in [self.export, self.segment, self.offset, self.len].into_iter().enumerate() {
+        for (i, v) in [self.export, self.segment, self.offset, self.len, self.token].into_iter().enumerate() {
             b[16 + 8 * i..24 + 8 * i].copy_from_slice(&v.to_le_bytes());
         }
         b
@@ -56,7 +60,7 @@ impl IpcHandle {
         if version != VERSION {
             return Err(bad(format!("version {version}, this library reads {VERSION}")));
         }
-        if b[6..8].iter().chain(&b[12..16]).chain(&b[48..]).any(|&x| x != 0) {
+        if b[6..8].iter().chain(&b[12..16]).chain(&b[56..]).any(|&x| x != 0) {
             return Err(bad("nonzero reserved bytes".into()));
         }
         let u64_at = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
@@ -66,6 +70,7 @@ impl IpcHandle {
             segment: u64_at(24),
             offset: u64_at(32),
             len: u64_at(40),
+            token: u64_at(48),
         };
         if h.export == 0 || h.len == 0 {
             return Err(bad("export 0 or length 0 (never handed out)".into()));
@@ -80,7 +85,7 @@ mod tests {
 
     #[test]
     fn handles_round_trip_and_bad_bytes_are_refused() {
-        let h = IpcHandle { pid: 42, export: 3, segment: 9, offset: 4096, len: 5000 };
+        let h = IpcHandle { pid: 42, export: 3, segment: 9, offset: 4096, len: 5000, token: 77 };
         assert_eq!(IpcHandle::from_bytes(&h.to_bytes()).unwrap(), h);
         let b = h.to_bytes();
         assert!(IpcHandle::from_bytes(&b[..63]).unwrap_err().to_string().contains("63 bytes"));

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use super::handle::IpcHandle;
 use super::wire::{MAX_PACKET, Msg};
 use crate::error::{Error, Result};
-use crate::mapping::Mapping;
+use crate::queue::Mem;
 use crate::segment::{Access, Segment};
 use crate::share::{Channel, Expect};
 use crate::view::CpuView;
@@ -36,6 +36,8 @@ struct State {
     shares: HashMap<u64, Share>,
     /// The exporter hung up: its holds are gone, so what it shared may be reused there.
     gone: Option<String>,
+    /// Answers to this side's REQUESTs by hold: the export, or `None` (denied).
+    grants: HashMap<u64, Option<u64>>,
 }
 
 struct Share {
@@ -112,11 +114,11 @@ impl IpcImporter {
         let share = st.shares.remove(&handle.export).expect("found above");
         let seg = Arc::clone(&st.segments[&share.serial]);
         drop(st);
-        let place = match share.ranges[..] {
-            [(offset, _)] => Place::Range { seg, offset },
-            _ => Place::View { view: stitch(&seg, &share.ranges)?, _seg: seg },
+        let (seg, offset) = match share.ranges[..] {
+            [(offset, _)] => (seg, offset),
+            _ => (Arc::new(stitch(&seg, &share.ranges)?), 0),
         };
-        Ok(ImportedBlock { importer: Arc::clone(&self.shared), export: handle.export, len: share.len, place })
+        Ok(ImportedBlock { importer: Arc::clone(&self.shared), export: handle.export, len: share.len, seg, offset })
     }
 
     /// Takes in what the exporter sent so far without opening anything (never waits): its
@@ -125,6 +127,56 @@ impl IpcImporter {
     pub fn poll(&self) -> Result<()> {
         let mut st = self.shared.lock();
         self.shared.pump(&mut st)
+    }
+
+    /// Asks the exporter for the block it holds as `hold` (a process-wide handle's), and
+    /// waits at most `timeout` for the answer: the export it became, which [`IpcImporter::open`]
+    /// then opens.
+    pub(crate) fn request(&self, hold: u64, pid: u32, timeout: std::time::Duration) -> Result<u64> {
+        self.shared.channel.send_bytes(&Msg::Request { hold }.encode(), &[])?;
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            {
+                let mut st = self.shared.lock();
+                self.shared.pump(&mut st)?;
+                if let Some(answer) = st.grants.remove(&hold) {
+                    return answer.ok_or_else(|| Error::InvalidArgument {
+                        what: format!(
+                            "IPC handle: process {pid} holds no block as {hold} (forged, already opened, or revoked)"
+                        ),
+                    });
+                }
+                if let Some(why) = &st.gone {
+                    return Err(Error::PeerGone { channel: format!("{} ({why})", self.shared.channel.name()) });
+                }
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout {
+                    what: "the exporting process to answer an IPC handle's request",
+                    waited: timeout,
+                });
+            }
+            // Another thread's pump may take the answer: look again at least every 20 ms.
+            wait_readable(&self.shared.channel, left.min(std::time::Duration::from_millis(20)))?;
+        }
+    }
+
+    /// Lets go of export `export` without opening it (a share that arrived but is not wanted,
+    /// e.g. whose handle was refused): the exporter is told, and releases it.
+    pub fn discard(&self, export: u64) -> Result<()> {
+        let mut st = self.shared.lock();
+        self.shared.pump(&mut st)?;
+        if st.shares.remove(&export).is_none() {
+            return Err(Error::InvalidArgument { what: format!("IPC: no unopened export {export} on this channel") });
+        }
+        drop(st);
+        self.shared.channel.send_bytes(&Msg::Release { export }.encode(), &[])
+    }
+
+    /// Whether the exporter hung up (as far as this side has read).
+    pub fn is_gone(&self) -> bool {
+        self.shared.lock().gone.is_some()
     }
 
     /// Segments of the exporter this importer holds (one fd and one mapping each).
@@ -179,7 +231,20 @@ impl Shared {
                         )));
                     }
                 }
-                Msg::Release { .. } => return Err(self.channel.protocol_error("a release from the exporter")),
+                Msg::Grant { hold, export } => {
+                    if !st.shares.contains_key(&export) {
+                        return Err(self
+                            .channel
+                            .protocol_error(format!("hold {hold} granted as export {export}, never sent")));
+                    }
+                    st.grants.insert(hold, Some(export));
+                }
+                Msg::Deny { hold } => {
+                    st.grants.insert(hold, None);
+                }
+                Msg::Release { .. } | Msg::Request { .. } => {
+                    return Err(self.channel.protocol_error(format!("{msg:?} from the exporter")));
+                }
             }
         }
         Ok(())
@@ -216,6 +281,18 @@ impl Shared {
     }
 }
 
+/// Waits at most `timeout` for a packet (or a hang-up) on the channel.
+fn wait_readable(channel: &Channel, timeout: std::time::Duration) -> Result<()> {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    let fd = channel.as_fd();
+    let mut fds = [PollFd::new(&fd, PollFlags::IN)];
+    let ts = Timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: timeout.subsec_nanos() as i64 };
+    match poll(&mut fds, Some(&ts)) {
+        Ok(_) | Err(rustix::io::Errno::INTR) => Ok(()),
+        Err(e) => Err(Error::io_rustix("poll an IPC channel")(e)),
+    }
+}
+
 /// Whether a packet waits on the channel (or it hung up): a poll that does not wait.
 fn readable(channel: &Channel) -> Result<bool> {
     use rustix::event::{PollFd, PollFlags, Timespec, poll};
@@ -226,29 +303,24 @@ fn readable(channel: &Channel) -> Result<bool> {
     Ok(n > 0)
 }
 
-/// A view of `ranges` of `seg`'s fd, in order, in a reservation of its own.
+/// A segment of its own showing `ranges` of `seg`'s fd in order (a reservation with each run
+/// mapped at its place, as the exporter's arena shows the block).
 #[cfg(not(miri))]
-fn stitch(seg: &Segment, ranges: &[(usize, usize)]) -> Result<Mapping> {
+fn stitch(seg: &Segment, ranges: &[(usize, usize)]) -> Result<Segment> {
     let total = ranges.iter().map(|r| r.1).sum();
-    let view = Mapping::reserve(total).map_err(Error::io("reserve address space for an imported block"))?;
+    let fd = seg.dup_fd()?;
+    let view = Segment::expandable(fd, total, seg.kind(), crate::segment::Origin::Imported(seg.fd_kind()))?;
     let mut at = 0;
     for &(off, len) in ranges {
-        view.map_at(seg.as_fd(), at, off as u64, len).map_err(Error::io("mmap(MAP_FIXED) of an imported block"))?;
+        view.map_view(at, off, len)?;
         at += len;
     }
     Ok(view)
 }
 
 #[cfg(miri)]
-fn stitch(_: &Segment, _: &[(usize, usize)]) -> Result<Mapping> {
+fn stitch(_: &Segment, _: &[(usize, usize)]) -> Result<Segment> {
     Err(Error::Unsupported { what: "stitched views under Miri".into() })
-}
-
-enum Place {
-    /// Bytes `[offset, offset + len)` of the segment's mapping.
-    Range { seg: Arc<Segment>, offset: usize },
-    /// A view of its own (the segment kept for its fd).
-    View { view: Mapping, _seg: Arc<Segment> },
 }
 
 /// A block another process shared, open in this one. Dropping it releases it to the exporter.
@@ -256,7 +328,9 @@ pub struct ImportedBlock {
     importer: Arc<Shared>,
     export: u64,
     len: usize,
-    place: Place,
+    /// The exporter's segment, or for a stitched block a view of its own over the runs.
+    seg: Arc<Segment>,
+    offset: usize,
 }
 
 impl std::fmt::Debug for ImportedBlock {
@@ -284,30 +358,24 @@ impl ImportedBlock {
     /// Where the block starts in this process (for code that follows the crate's
     /// shared-memory access rule: another process writes these bytes too).
     pub fn as_ptr(&self) -> *mut u8 {
-        match &self.place {
-            Place::Range { seg, offset } => {
-                seg.mapping().map_or(std::ptr::null_mut(), |m| m.as_ptr().wrapping_add(*offset))
-            }
-            Place::View { view, .. } => view.as_ptr(),
-        }
+        self.seg.mapping().map_or(std::ptr::null_mut(), |m| m.as_ptr().wrapping_add(self.offset))
+    }
+
+    /// The block as a queue range (it keeps the mapping alive for the operations using it).
+    pub fn mem(&self) -> Mem {
+        Mem::from(&self.seg).range(self.offset, self.len).expect("an imported block lies inside its segment")
     }
 
     /// Copies `dst.len()` bytes at `offset` of the block out (bounded to the block).
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len())?;
-        match &self.place {
-            Place::Range { seg, offset: at } => CpuView::new(seg, at + offset, dst.len(), Access::Read)?.read(0, dst),
-            Place::View { view, .. } => view.read(offset, dst),
-        }
+        CpuView::new(&self.seg, self.offset + offset, dst.len(), Access::Read)?.read(0, dst)
     }
 
     /// Copies `src` in at `offset` of the block (bounded to the block).
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check(offset, src.len())?;
-        match &self.place {
-            Place::Range { seg, offset: at } => CpuView::new(seg, at + offset, src.len(), Access::Write)?.write(0, src),
-            Place::View { view, .. } => view.write(offset, src),
-        }
+        CpuView::new(&self.seg, self.offset + offset, src.len(), Access::Write)?.write(0, src)
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<()> {

@@ -26,18 +26,26 @@
 //!   that is not a sealed memfd or a dma-buf, ranges outside their segment, and any malformed
 //!   packet are the peer's [`Error::Protocol`](crate::Error::Protocol).
 //!
-//! The channel is a [`Channel`](crate::share::Channel) pair: one end handed to the other
-//! process (inherited over `fork`/`exec`, or sent over another socket).
+//! Two ways to connect:
+//! - a [`Channel`](crate::share::Channel) pair, one end handed to the other process (inherited
+//!   over `fork`/`exec`, or sent over another socket): [`IpcExporter`] and [`IpcImporter`];
+//! - process-wide handles, as CUDA's ([`get_handle`], [`open_handle`]): any process of the
+//!   same user that gets the handle's 64 bytes opens it; the first handle starts this
+//!   process's IPC socket (an abstract Unix socket named by the pid and a random token the
+//!   handle carries), and an importing process connects once per exporting process.
 //!
 //! - [`IpcHandle`] (`handle.rs`), the protocol's packets (`wire.rs`), [`IpcExporter`]
-//!   (`exporter.rs`), [`IpcImporter`] and [`ImportedBlock`] (`importer.rs`).
+//!   (`exporter.rs`), [`IpcImporter`] and [`ImportedBlock`] (`importer.rs`), process-wide
+//!   handles (`server.rs`).
 
 mod exporter;
 mod handle;
 mod importer;
+mod server;
 mod wire;
 
 pub use exporter::IpcExporter;
 pub use handle::{HANDLE_BYTES, IpcHandle};
 pub use importer::{ImportedBlock, IpcImporter};
+pub use server::{OPEN_TIMEOUT, get_handle, get_handle_raw, open_handle, revoke_handle, unopened_handles};
 pub use wire::MAX_RUNS;

@@ -6,7 +6,10 @@
 //!                        SHARE    tag=2 nruns:u32 export:u64 serial:u64 len:u64 pid:u64
 //!                                 then nruns x (offset:u64, len:u64)    (fd ranges, in order)
 //!                        GONE     tag=4 0:u32 serial:u64            (segment let go there)
+//!                        GRANT    tag=6 0:u32 hold:u64 export:u64   (after the SHARE it names)
+//!                        DENY     tag=7 0:u32 hold:u64 0:u64        (no such hold)
 //! importer -> exporter   RELEASE  tag=3 0:u32 export:u64
+//!                        REQUEST  tag=5 0:u32 hold:u64              (a process-wide handle)
 //! ```
 //!
 //! A segment's fd goes to a peer once (SEGMENT), before the first SHARE that names it; every
@@ -24,6 +27,9 @@ const SEGMENT: u32 = 1;
 const SHARE: u32 = 2;
 const RELEASE: u32 = 3;
 const GONE: u32 = 4;
+const REQUEST: u32 = 5;
+const GRANT: u32 = 6;
+const DENY: u32 = 7;
 
 /// The largest packet: a SHARE with [`MAX_RUNS`] ranges.
 pub(crate) const MAX_PACKET: usize = SHARE_HEADER + 16 * MAX_RUNS;
@@ -42,6 +48,12 @@ pub(crate) enum Msg {
     Release { export: u64 },
     /// The exporter's allocator let segment `serial` go: no share will name it again.
     Gone { serial: u64 },
+    /// The importer asks for the block held as `hold` ([`crate::ipc::get_handle`]).
+    Request { hold: u64 },
+    /// The block held as `hold` is export `export` (its SHARE came first).
+    Grant { hold: u64, export: u64 },
+    /// No block is held as `hold` (forged, already opened, or revoked).
+    Deny { hold: u64 },
 }
 
 fn kind_code(kind: SegmentKind) -> u32 {
@@ -92,6 +104,23 @@ impl Msg {
                 put32(&mut out, 0);
                 out.extend_from_slice(&serial.to_le_bytes());
             }
+            Msg::Request { hold } => {
+                put32(&mut out, REQUEST);
+                put32(&mut out, 0);
+                out.extend_from_slice(&hold.to_le_bytes());
+            }
+            Msg::Grant { hold, export } => {
+                put32(&mut out, GRANT);
+                put32(&mut out, 0);
+                out.extend_from_slice(&hold.to_le_bytes());
+                out.extend_from_slice(&export.to_le_bytes());
+            }
+            Msg::Deny { hold } => {
+                put32(&mut out, DENY);
+                put32(&mut out, 0);
+                out.extend_from_slice(&hold.to_le_bytes());
+                out.extend_from_slice(&0u64.to_le_bytes());
+            }
         }
         out
     }
@@ -103,9 +132,10 @@ impl Msg {
         }
         let (tag, word) = (u32_at(b, 0), u32_at(b, 4));
         match tag {
-            SEGMENT | RELEASE | GONE if b.len() != 16 => {
+            SEGMENT | RELEASE | GONE | REQUEST if b.len() != 16 => {
                 Err(format!("a {} message of {} bytes, not 16", name(tag), b.len()))
             }
+            GRANT | DENY if b.len() != 24 => Err(format!("a {} message of {} bytes, not 24", name(tag), b.len())),
             SEGMENT => {
                 let kind = match word {
                     0 => SegmentKind::Device,
@@ -117,6 +147,9 @@ impl Msg {
             }
             RELEASE => Ok(Msg::Release { export: u64_at(b, 8) }),
             GONE => Ok(Msg::Gone { serial: u64_at(b, 8) }),
+            REQUEST => Ok(Msg::Request { hold: u64_at(b, 8) }),
+            GRANT => Ok(Msg::Grant { hold: u64_at(b, 8), export: u64_at(b, 16) }),
+            DENY => Ok(Msg::Deny { hold: u64_at(b, 8) }),
             SHARE => {
                 let n = word as usize;
                 if n == 0 || n > MAX_RUNS {
@@ -140,7 +173,10 @@ fn name(tag: u32) -> &'static str {
     match tag {
         SEGMENT => "segment",
         RELEASE => "release",
-        _ => "gone",
+        GONE => "gone",
+        REQUEST => "request",
+        GRANT => "grant",
+        _ => "deny",
     }
 }
 
@@ -155,6 +191,9 @@ mod tests {
             Msg::Share { export: 3, serial: 7, len: 5000, pid: 42, ranges: vec![(4096, 8192), (0, 4096)] },
             Msg::Release { export: u64::MAX },
             Msg::Gone { serial: 5 },
+            Msg::Request { hold: 9 },
+            Msg::Grant { hold: 9, export: 4 },
+            Msg::Deny { hold: 11 },
         ];
         for m in &msgs {
             assert_eq!(Msg::decode(&m.encode()).unwrap(), *m);

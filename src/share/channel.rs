@@ -231,6 +231,12 @@ impl Channel {
         }
     }
 
+    /// Wraps a connected socket from [`super::packet::accept`] or
+    /// [`super::packet::connect_abstract`].
+    pub(crate) fn from_connected(fd: OwnedFd, name: &str) -> Self {
+        Self::wrap(fd, name)
+    }
+
     fn wrap(fd: OwnedFd, name: &str) -> Self {
         Self { fd, name: name.to_owned(), bytes_sent: AtomicU64::new(0), fds_sent: AtomicU64::new(0) }
     }

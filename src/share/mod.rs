@@ -51,7 +51,7 @@ mod borrower;
 mod channel;
 mod ledger;
 mod message;
-mod packet;
+pub(crate) mod packet;
 mod peer;
 mod pool;
 #[cfg(test)]

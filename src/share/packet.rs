@@ -41,6 +41,31 @@ pub(crate) fn seqpacket_pair() -> rustix::io::Result<(OwnedFd, OwnedFd)> {
     rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)
 }
 
+/// A close-on-exec `SOCK_SEQPACKET` Unix socket listening on the abstract name `name` (no
+/// file: it goes with the process).
+pub(crate) fn listen_abstract(name: &[u8]) -> rustix::io::Result<OwnedFd> {
+    let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+    rustix::net::bind(&fd, &rustix::net::SocketAddrUnix::new_abstract_name(name)?)?;
+    rustix::net::listen(&fd, 64)?;
+    Ok(fd)
+}
+
+/// The next connection on a listening socket (close-on-exec), and its peer's user id.
+pub(crate) fn accept(listener: BorrowedFd<'_>) -> rustix::io::Result<(OwnedFd, u32)> {
+    let fd = rustix::net::accept_with(listener, SocketFlags::CLOEXEC)?;
+    let uid = rustix::net::sockopt::socket_peercred(&fd)?.uid.as_raw();
+    Ok((fd, uid))
+}
+
+/// A close-on-exec `SOCK_SEQPACKET` socket connected to the abstract name `name`, and the
+/// listening peer's user id.
+pub(crate) fn connect_abstract(name: &[u8]) -> rustix::io::Result<(OwnedFd, u32)> {
+    let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+    rustix::net::connect(&fd, &rustix::net::SocketAddrUnix::new_abstract_name(name)?)?;
+    let uid = rustix::net::sockopt::socket_peercred(&fd)?.uid.as_raw();
+    Ok((fd, uid))
+}
+
 /// Whether `fd` is a `SOCK_SEQPACKET` socket (`ENOTSOCK` if it is no socket at all).
 pub(crate) fn is_seqpacket(fd: BorrowedFd<'_>) -> rustix::io::Result<bool> {
     Ok(rustix::net::sockopt::socket_type(fd)? == SocketType::SEQPACKET)

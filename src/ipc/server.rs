@@ -1,0 +1,225 @@
+//! Process-wide IPC handles ([`get_handle`], [`open_handle`]), as `cudaIpcGetMemHandle` /
+//! `cudaIpcOpenMemHandle`: a handle made here can be opened by any process of the same user
+//! that gets its 64 bytes, with no channel set up beforehand.
+//!
+//! The first handle starts this process's IPC socket: a `SOCK_SEQPACKET` Unix socket on an
+//! abstract name (no file) made of the pid and a random token that the handle carries. A
+//! block given a handle is held at once (freed here meanwhile, it waits in limbo). An importing
+//! process connects once per exporting process and REQUESTs the hold; the connection's
+//! [`IpcExporter`] sends the segment's fd (once per connection) and the block's SHARE, then
+//! GRANTs it, and from then on the block is released as any export is: when the importer drops
+//! it, exits or dies. A handle opens once (it is consumed); a handle never opened keeps its
+//! block held until [`revoke_handle`] or the end of the process. Peers of another user are
+//! refused (`SO_PEERCRED`).
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use super::exporter::{HeldBlocks, IpcExporter};
+use super::handle::IpcHandle;
+use super::importer::{ImportedBlock, IpcImporter};
+use crate::caching::{Allocation, CachingAllocator, Exported};
+use crate::error::{Error, Result};
+use crate::queue::Queue;
+use crate::share::{Channel, packet};
+
+/// How long [`open_handle`] waits for the exporting process to answer.
+pub const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The abstract socket name of process `pid`'s IPC socket with `token`.
+fn socket_name(pid: u32, token: u64) -> Vec<u8> {
+    format!("dmabuf-rt-ipc/{pid}/{token:016x}").into_bytes()
+}
+
+/// This process's exporting side: the blocks held for handles, and the connections.
+struct Server {
+    token: u64,
+    held: Mutex<HashMap<u64, Exported>>,
+    next_hold: AtomicU64,
+    /// One exporter per connected importer; those whose peer is gone are dropped as new ones
+    /// come.
+    exporters: Mutex<Vec<IpcExporter>>,
+}
+
+impl HeldBlocks for Server {
+    fn take(&self, hold: u64) -> Option<Exported> {
+        lock(&self.held).remove(&hold)
+    }
+}
+
+static SERVER: OnceLock<std::result::Result<Arc<Server>, String>> = OnceLock::new();
+
+fn server() -> Result<&'static Arc<Server>> {
+    SERVER.get_or_init(start).as_ref().map_err(|why| Error::Unsupported { what: why.clone() })
+}
+
+fn start() -> std::result::Result<Arc<Server>, String> {
+    let token = loop {
+        // RandomState is seeded from the OS's randomness.
+        let t = std::collections::hash_map::RandomState::new().build_hasher().finish();
+        if t != 0 {
+            break t;
+        }
+    };
+    let name = socket_name(std::process::id(), token);
+    let listener = packet::listen_abstract(&name).map_err(|e| format!("the IPC socket (listen): {e}"))?;
+    let server = Arc::new(Server {
+        token,
+        held: Mutex::new(HashMap::new()),
+        next_hold: AtomicU64::new(1),
+        exporters: Mutex::default(),
+    });
+    let s = Arc::clone(&server);
+    std::thread::Builder::new()
+        .name("dmabuf-rt-ipc-accept".into())
+        .spawn(move || accept_loop(listener, s))
+        .map_err(|e| format!("the IPC socket's thread: {e}"))?;
+    Ok(server)
+}
+
+fn accept_loop(listener: std::os::fd::OwnedFd, server: Arc<Server>) {
+    let me = rustix::process::getuid().as_raw();
+    loop {
+        let (fd, uid) = match packet::accept(listener.as_fd()) {
+            Ok(got) => got,
+            Err(rustix::io::Errno::INTR | rustix::io::Errno::CONNABORTED) => continue,
+            Err(e) => {
+                log::error!("the IPC socket stopped accepting: {e}");
+                return;
+            }
+        };
+        if uid != me {
+            log::warn!("the IPC socket refused a process of user {uid} (this process is user {me})");
+            continue;
+        }
+        let channel = Channel::from_connected(fd, "ipc handle peer");
+        let requests: Arc<dyn HeldBlocks> = Arc::clone(&server) as Arc<dyn HeldBlocks>;
+        match IpcExporter::with_requests(channel, Some(requests)) {
+            Ok(e) => {
+                let mut all = lock(&server.exporters);
+                all.retain(|e| e.peer_gone().is_none());
+                all.push(e);
+            }
+            Err(e) => log::error!("the IPC socket could not serve a peer: {e}"),
+        }
+    }
+}
+
+/// A handle any process of this user can open with [`open_handle`], for `block`. The block is
+/// held from now on: freed here, it waits in limbo until the handle is opened and the importer
+/// lets go (or [`revoke_handle`]). If `after` is given, the work queued on it so far finishes
+/// first.
+pub fn get_handle(block: &Allocation, after: Option<&Queue>) -> Result<IpcHandle> {
+    hold(block.export()?, after)
+}
+
+/// [`get_handle`] for a raw allocation of `allocator` (the start of a live block).
+pub fn get_handle_raw(allocator: &CachingAllocator, ptr: *mut u8, after: Option<&Queue>) -> Result<IpcHandle> {
+    hold(allocator.export_raw(ptr)?, after)
+}
+
+fn hold(e: Exported, after: Option<&Queue>) -> Result<IpcHandle> {
+    if e.ranges.len() > super::wire::MAX_RUNS {
+        return Err(Error::Unsupported {
+            what: format!(
+                "the block lies in {} runs of its arena's memfd, more than a share carries ({})",
+                e.ranges.len(),
+                super::wire::MAX_RUNS
+            ),
+        });
+    }
+    if let Some(q) = after {
+        q.record()?.synchronize(None)?;
+    }
+    let server = server()?;
+    let hold = server.next_hold.fetch_add(1, Ordering::Relaxed);
+    let h = IpcHandle {
+        pid: std::process::id(),
+        export: hold,
+        segment: e.segment.serial(),
+        offset: e.ranges[0].0 as u64,
+        len: e.len as u64,
+        token: server.token,
+    };
+    lock(&server.held).insert(hold, e);
+    Ok(h)
+}
+
+/// Lets go of a handle made here that was never opened: its block is no longer held (if it
+/// was freed, its free completes). Refused if the handle is not one of this process's
+/// unopened handles.
+pub fn revoke_handle(handle: &IpcHandle) -> Result<()> {
+    let server = server()?;
+    if handle.pid != std::process::id() || handle.token != server.token {
+        return Err(Error::InvalidArgument { what: "IPC handle: not made by this process".into() });
+    }
+    let e = lock(&server.held).remove(&handle.export).ok_or_else(|| Error::InvalidArgument {
+        what: format!("IPC handle: hold {} is not an unopened handle of this process", handle.export),
+    })?;
+    drop(e);
+    Ok(())
+}
+
+/// Handles of this process not opened yet.
+pub fn unopened_handles() -> usize {
+    SERVER.get().and_then(|s| s.as_ref().ok()).map_or(0, |s| lock(&s.held).len())
+}
+
+/// The importing side: one connection per exporting process, by its pid and token.
+type Clients = Mutex<HashMap<(u32, u64), Arc<IpcImporter>>>;
+
+static CLIENTS: OnceLock<Clients> = OnceLock::new();
+
+fn client(pid: u32, token: u64) -> Result<Arc<IpcImporter>> {
+    let clients = CLIENTS.get_or_init(Mutex::default);
+    let mut all = lock(clients);
+    if let Some(i) = all.get(&(pid, token)) {
+        if !i.is_gone() {
+            return Ok(Arc::clone(i));
+        }
+        all.remove(&(pid, token));
+    }
+    let (fd, uid) = packet::connect_abstract(&socket_name(pid, token)).map_err(|e| Error::PeerGone {
+        channel: format!(
+            "the IPC socket of process {pid} ({e}: the process is gone, or the handle is forged or from another \
+             network namespace)"
+        ),
+    })?;
+    let me = rustix::process::getuid().as_raw();
+    if uid != me {
+        return Err(Error::InvalidArgument {
+            what: format!("IPC handle: process {pid} runs as user {uid}, not this process's {me}"),
+        });
+    }
+    let i = Arc::new(IpcImporter::new(Channel::from_connected(fd, &format!("ipc handles of process {pid}"))));
+    all.insert((pid, token), Arc::clone(&i));
+    Ok(i)
+}
+
+/// Opens a handle from [`get_handle`] made in another process (or this one): connects to the
+/// exporting process once, asks for the block and maps it (each of its segments once per
+/// process). A handle opens once. Refused, saying why: a handle of a channel export (token 0),
+/// a process that is gone, a handle forged or already opened, an answer slower than
+/// [`OPEN_TIMEOUT`].
+pub fn open_handle(handle: &IpcHandle) -> Result<ImportedBlock> {
+    if handle.token == 0 {
+        return Err(Error::InvalidArgument {
+            what: "IPC handle: a channel export's handle (token 0); open it with IpcImporter::open on its channel"
+                .into(),
+        });
+    }
+    let importer = client(handle.pid, handle.token)?;
+    let export = importer.request(handle.export, handle.pid, OPEN_TIMEOUT)?;
+    importer.open(&IpcHandle { export, token: 0, ..*handle }).inspect_err(|_| {
+        // A handle that does not match the block it named (forged): the hold is let go.
+        let _ = importer.discard(export);
+    })
+}
