@@ -63,6 +63,14 @@ typedef int dmabuf_rt_memcpy_kind;
 // 0 means none.
 typedef uint64_t dmabuf_rt_stream;
 
+// A handle of device memory another process of the same user can open (64 bytes, to send by
+// any means: a pipe, a file, a pickle). It carries no fd: opening it connects to the process
+// that made it, which must still run.
+typedef struct dmabuf_rt_ipc_mem_handle {
+  // The handle's bytes.
+  uint8_t bytes[64];
+} dmabuf_rt_ipc_mem_handle;
+
 // A device's caching-allocator statistics. Bytes are block sizes (requests rounded up to
 // 512 bytes or more) unless said otherwise; peaks are since the start or the last
 // `dmabuf_rt_reset_peak_stats`.
@@ -94,6 +102,9 @@ typedef struct dmabuf_rt_stats {
   uint64_t num_backend_frees;
   // The device's capacity in bytes (`DMABUF_RT_CAPACITY`, or this machine's RAM).
   uint64_t capacity_bytes;
+  // Bytes freed here that another process still holds (`dmabuf_rt_ipc_get_mem_handle`):
+  // not reused until it closes them (or exits).
+  uint64_t limbo_bytes;
 } dmabuf_rt_stats;
 
 // One statistic, as PyTorch's `Stat`: its value now, its peak (since the start or the last
@@ -358,6 +369,33 @@ enum dmabuf_rt_status dmabuf_rt_host_is_pinned(const void *ptr, bool *pinned);
 // # Safety
 // `device` must be NULL (refused) or valid for writing an `int`.
 enum dmabuf_rt_status dmabuf_rt_pointer_device(const void *ptr, int *device);
+
+// Makes a handle for the device allocation that starts at `ptr` (from `dmabuf_rt_device_alloc`
+// on `device`), after the work queued on the device's streams so far. The allocation is held
+// from now on: if it is freed here, its memory is not reused until the process that opens
+// the handle closes it (or exits). A handle opens once. A pointer that is not the start of a
+// live allocation of `device` is refused with `DMABUF_RT_INVALID_POINTER`.
+//
+// # Safety
+// `handle` must be NULL (refused) or valid for writing a `dmabuf_rt_ipc_mem_handle`.
+enum dmabuf_rt_status dmabuf_rt_ipc_get_mem_handle(int device, void *ptr, struct dmabuf_rt_ipc_mem_handle *handle);
+
+// Opens a handle from `dmabuf_rt_ipc_get_mem_handle` made in another process and stores a
+// pointer to the memory in `*ptr`: device memory of `device` in this process (copies,
+// memsets and `dmabuf_rt_pointer_device` take it) until `dmabuf_rt_ipc_close_mem_handle`.
+// Writes on either side are seen on the other after synchronization. Refused, saying why: a
+// malformed or forged handle, one already opened (`DMABUF_RT_INVALID_ARGUMENT`), a process
+// that is gone or does not answer within 30 s (`DMABUF_RT_FAILED`).
+//
+// # Safety
+// `handle` must be NULL (refused) or point to a handle; `ptr` must be NULL (refused) or valid
+// for writing a pointer.
+enum dmabuf_rt_status dmabuf_rt_ipc_open_mem_handle(int device, const struct dmabuf_rt_ipc_mem_handle *handle, void **ptr);
+
+// Closes memory `dmabuf_rt_ipc_open_mem_handle` opened on `device`, after the device's queued
+// work: the process that made the handle may reuse it once every process closed it. Any other
+// pointer, or a second close, is refused with `DMABUF_RT_INVALID_POINTER`.
+enum dmabuf_rt_status dmabuf_rt_ipc_close_mem_handle(int device, void *ptr);
 
 // Stores the device's allocator statistics in `*stats`.
 //

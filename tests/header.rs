@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 const CAPI: &[(&str, &str)] = &[
     ("mod.rs", include_str!("../src/ffi/capi/mod.rs")),
     ("device.rs", include_str!("../src/ffi/capi/device.rs")),
+    ("ipc.rs", include_str!("../src/ffi/capi/ipc.rs")),
     ("stats.rs", include_str!("../src/ffi/capi/stats.rs")),
     ("stream.rs", include_str!("../src/ffi/capi/stream.rs")),
     ("synced.rs", include_str!("../src/ffi/capi/synced.rs")),

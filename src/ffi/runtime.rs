@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use crate::caching::{Config, HostAllocation, HostCachingAllocator};
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::ipc::{ImportedBlock, IpcHandle};
 use crate::queue::{Event, HostBuffer, Mem, Queue, copy_now, fill_now};
 use crate::segment::Segment;
 use crate::source::{MemorySource, ShmemSource};
@@ -65,6 +66,9 @@ pub struct Runtime {
     devices: Vec<Device>,
     host: HostCachingAllocator,
     host_live: Mutex<BTreeMap<usize, HostAllocation>>,
+    /// Blocks other processes shared that this process opened (`ipc_open`), by address, with
+    /// the device they count as.
+    imported: Mutex<BTreeMap<usize, (usize, ImportedBlock)>>,
     unified: Mutex<HashMap<usize, Arc<Segment>>>,
     streams: Mutex<HashMap<usize, StreamEntry>>,
     events: Mutex<HashMap<usize, Event>>,
@@ -185,6 +189,7 @@ impl Runtime {
             devices,
             host,
             host_live: Mutex::new(BTreeMap::new()),
+            imported: Mutex::new(BTreeMap::new()),
             unified: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
             events: Mutex::new(HashMap::new()),
@@ -230,11 +235,18 @@ impl Runtime {
     /// Frees device memory; `size`, when given, must be what was asked for.
     pub fn device_free(&self, device: usize, ptr: *mut u8, size: Option<usize>) -> Result<()> {
         let dev = self.device(device)?;
-        match size {
+        let r = match size {
             // Checked and freed under one hold of the allocator's lock.
             Some(size) => dev.allocator().free_raw_sized(ptr, size),
             None => dev.allocator().free_raw(ptr),
+        };
+        if r.is_err() && lock(&self.imported).contains_key(&(ptr as usize)) {
+            return Err(Error::InvalidFree {
+                ptr: ptr as usize,
+                why: "memory opened from another process's IPC handle: close it with dmabuf_rt_ipc_close_mem_handle",
+            });
         }
+        r
     }
 
     /// `size` bytes of pinned host memory.
@@ -264,8 +276,67 @@ impl Runtime {
         }
     }
 
+    /// A process-wide IPC handle for the device allocation that starts at `ptr`
+    /// ([`crate::ipc::get_handle`]), after the device's queued work: the block is held until
+    /// the process that opens the handle closes it (freed here meanwhile, it waits in limbo).
+    pub fn ipc_get_handle(&self, device: usize, ptr: *mut u8) -> Result<IpcHandle> {
+        let dev = self.device(device)?;
+        dev.synchronize()?;
+        crate::ipc::get_handle_raw(dev.allocator(), ptr, None)
+    }
+
+    /// Opens a handle another process made ([`crate::ipc::open_handle`]); the block counts as
+    /// memory of `device` here (copies, memsets, `pointer_device`) until `ipc_close`.
+    pub fn ipc_open(&self, device: usize, handle: &IpcHandle) -> Result<*mut u8> {
+        self.device(device)?;
+        let block = crate::ipc::open_handle(handle)?;
+        let ptr = block.as_ptr();
+        lock(&self.imported).insert(ptr as usize, (device, block));
+        Ok(ptr)
+    }
+
+    /// Closes a block `ipc_open` opened on `device`: the exporting process may reuse it once
+    /// every process closed it. Synchronizes the device first (its queues may use the block).
+    pub fn ipc_close(&self, device: usize, ptr: *mut u8) -> Result<()> {
+        let dev = self.device(device)?;
+        let refused = |why: &str| Error::UnknownPointer {
+            what: "IPC pointer",
+            ptr: ptr as usize,
+            expected: "a pointer ipc_open returned on this device and not closed",
+            why: why.to_string(),
+        };
+        match lock(&self.imported).get(&(ptr as usize)) {
+            Some(&(d, _)) if d == device => {}
+            Some(&(d, _)) => return Err(refused(&format!("it was opened on device {d}"))),
+            None => return Err(refused("")),
+        }
+        dev.synchronize()?;
+        let e = lock(&self.imported).remove(&(ptr as usize)).ok_or_else(|| refused("closed meanwhile"))?;
+        drop(e);
+        Ok(())
+    }
+
+    /// The opened IPC block holding `[ptr, ptr + len)` wholly, as a range, with its device.
+    fn imported_mem(&self, ptr: *const u8, len: usize) -> Option<Result<(usize, Mem)>> {
+        let imported = lock(&self.imported);
+        let (&base, (device, block)) = imported.range(..=ptr as usize).next_back()?;
+        let off = ptr as usize - base;
+        if off >= block.len() {
+            return None;
+        }
+        Some(block.mem().range(off, len).map(|m| (*device, m)).map_err(|_| Error::UnknownPointer {
+            what: "device pointer",
+            ptr: ptr as usize,
+            expected: "a range inside one block",
+            why: format!("it starts in a {}-byte block opened from another process and runs past its end", block.len()),
+        }))
+    }
+
     /// The device whose allocator holds `ptr` (in a live or a cached block).
     pub fn pointer_device(&self, ptr: *const u8) -> Result<usize> {
+        if let Some(Ok((device, _))) = self.imported_mem(ptr, 0) {
+            return Ok(device);
+        }
         self.devices.iter().position(|d| d.allocator().holds(ptr)).ok_or(Error::UnknownPointer {
             what: "device pointer",
             ptr: ptr as usize,
@@ -333,7 +404,15 @@ impl Runtime {
 
     /// `len` bytes at `ptr` inside a device's memory, as a range.
     fn device_mem(&self, device: usize, ptr: *const u8, len: usize) -> Result<Mem> {
-        self.device(device)?.allocator().mem_at(ptr, len)
+        let found = self.device(device)?.allocator().mem_at(ptr, len);
+        if found.is_err() {
+            match self.imported_mem(ptr, len) {
+                Some(Ok((d, m))) if d == device => return Ok(m),
+                Some(Err(e)) => return Err(e),
+                _ => {}
+            }
+        }
+        found
     }
 
     /// Copies `len` bytes from `src` to `dst`. Device-side pointers may point anywhere inside
@@ -629,6 +708,9 @@ impl Runtime {
                 })?;
                 return Ok(Some(m));
             }
+        }
+        if let Some(found) = self.imported_mem(ptr, len) {
+            return found.map(|(_, m)| Some(m));
         }
         for d in &self.devices {
             if d.allocator().holds(ptr) {

@@ -43,6 +43,7 @@ class Stats(ctypes.Structure):
             "num_backend_allocs",
             "num_backend_frees",
             "capacity_bytes",
+            "limbo_bytes",
         ]
     ]
 

@@ -9,11 +9,13 @@
 #![allow(non_camel_case_types)]
 
 mod device;
+mod ipc;
 mod stats;
 mod stream;
 mod synced;
 
 pub use device::*;
+pub use ipc::*;
 pub use stats::*;
 pub use stream::*;
 pub use synced::*;
@@ -150,6 +152,9 @@ pub struct dmabuf_rt_stats {
     pub num_backend_frees: u64,
     /// The device's capacity in bytes (`DMABUF_RT_CAPACITY`, or this machine's RAM).
     pub capacity_bytes: u64,
+    /// Bytes freed here that another process still holds (`dmabuf_rt_ipc_get_mem_handle`):
+    /// not reused until it closes them (or exits).
+    pub limbo_bytes: u64,
 }
 
 // ---- helpers ----

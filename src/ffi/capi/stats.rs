@@ -31,6 +31,7 @@ pub unsafe extern "C" fn dmabuf_rt_device_stats(device: c_int, stats: *mut dmabu
             num_backend_allocs: u(d.num_device_alloc),
             num_backend_frees: u(d.num_device_free),
             capacity_bytes: a.capacity(),
+            limbo_bytes: u(d.limbo_bytes.current),
         };
         // SAFETY: the caller's contract for `stats`.
         unsafe { store(stats, s) };

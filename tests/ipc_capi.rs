@@ -1,0 +1,274 @@
+#![allow(unsafe_code)]
+//! IPC handles through the C API (`dmabuf_rt_ipc_get_mem_handle`, `_open_mem_handle`,
+//! `_close_mem_handle`), as a C caller uses CUDA's: the handle's 64 bytes cross to another
+//! process by any means (here an environment variable), which opens them as device memory of
+//! its own (copies, memsets and `dmabuf_rt_pointer_device` take it); the producer's freed block
+//! waits in limbo (`limbo_bytes`) until the consumer closes it or dies; bad pointers and
+//! handles are refused from several threads at once.
+//!
+//! The runtime is process-wide and reads its environment once, so every case runs in a child
+//! process of its own (this test binary, the one test, `IPC_CAPI_CHILD=<name>`).
+
+use std::ffi::{CStr, c_int, c_void};
+use std::process::Command;
+use std::ptr::null_mut;
+use std::time::{Duration, Instant};
+
+use dmabuf_rt::ffi::capi::dmabuf_rt_status::*;
+use dmabuf_rt::ffi::capi::*;
+
+const CHILD: &str = "IPC_CAPI_CHILD";
+const HANDLES: &str = "IPC_CAPI_HANDLES";
+const KB: usize = 1 << 10;
+const MB: usize = 1 << 20;
+const ENV: &[(&str, &str)] = &[("DMABUF_RT_DEVICES", "shmem,shmem"), ("DMABUF_RT_CAPACITY", "256M")];
+
+/// Runs `f` in a fresh child process (this test binary, only test `name`) with `env` set.
+fn in_child(name: &str, env: &[(&str, &str)], f: impl FnOnce()) {
+    if std::env::var(CHILD).as_deref() == Ok(name) {
+        f();
+        return;
+    }
+    let out = child(name, env).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("--- child {name} ---\n{text}");
+    assert!(out.status.success(), "child {name} failed: {:?}\n{text}", out.status);
+}
+
+fn child(name: &str, env: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", name, "--nocapture", "--test-threads=1"]).env(CHILD, name).env("DMABUF_RT_LOG", "off");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+fn last_error() -> String {
+    let p = dmabuf_rt_last_error();
+    // SAFETY: a non-null last error is a NUL-terminated string valid until the next failure.
+    if p.is_null() { "<none>".into() } else { unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned() }
+}
+
+#[track_caller]
+fn ok(s: dmabuf_rt_status) {
+    assert_eq!(s, DMABUF_RT_OK, "call failed: {}", if s == DMABUF_RT_OK { String::new() } else { last_error() });
+}
+
+#[track_caller]
+fn refused(got: dmabuf_rt_status, want: dmabuf_rt_status, has: &str) {
+    let why = if got == DMABUF_RT_OK { "<none>".to_string() } else { last_error() };
+    assert_eq!(got, want, "wrong status ({why})");
+    assert!(why.contains(has), "last error `{why}` does not say `{has}`");
+}
+
+fn alloc(device: c_int, n: usize) -> *mut c_void {
+    let mut p = null_mut();
+    // SAFETY: a valid out-pointer.
+    ok(unsafe { dmabuf_rt_device_alloc(device, n, &mut p) });
+    p
+}
+
+fn pat(tag: u8, n: usize) -> Vec<u8> {
+    (0..n).map(|i| (i as u8).wrapping_mul(13) ^ tag ^ ((i >> 12) as u8)).collect()
+}
+
+fn write(device: c_int, p: *mut c_void, at: usize, bytes: &[u8]) -> dmabuf_rt_status {
+    // SAFETY: the host side is a live buffer of `bytes.len()` bytes.
+    unsafe {
+        dmabuf_rt_memcpy(
+            device,
+            p.cast::<u8>().wrapping_add(at).cast(),
+            0,
+            bytes.as_ptr().cast(),
+            bytes.len(),
+            DMABUF_RT_MEMCPY_HOST_TO_DEVICE,
+            0,
+        )
+    }
+}
+
+fn read(device: c_int, p: *mut c_void, n: usize) -> Vec<u8> {
+    let mut v = vec![0u8; n];
+    // SAFETY: the host side is a live buffer of `n` bytes.
+    ok(unsafe { dmabuf_rt_memcpy(0, v.as_mut_ptr().cast(), device, p.cast(), n, DMABUF_RT_MEMCPY_DEVICE_TO_HOST, 0) });
+    v
+}
+
+fn handle(device: c_int, p: *mut c_void) -> dmabuf_rt_ipc_mem_handle {
+    let mut h = dmabuf_rt_ipc_mem_handle { bytes: [0; 64] };
+    // SAFETY: a valid out-pointer.
+    ok(unsafe { dmabuf_rt_ipc_get_mem_handle(device, p, &mut h) });
+    h
+}
+
+fn open(device: c_int, h: &dmabuf_rt_ipc_mem_handle) -> Result<*mut c_void, dmabuf_rt_status> {
+    let mut p = null_mut();
+    // SAFETY: valid pointers.
+    match unsafe { dmabuf_rt_ipc_open_mem_handle(device, h, &mut p) } {
+        DMABUF_RT_OK => Ok(p),
+        s => Err(s),
+    }
+}
+
+fn stats(device: c_int) -> dmabuf_rt_stats {
+    let mut s = dmabuf_rt_stats::default();
+    // SAFETY: a valid out-pointer.
+    ok(unsafe { dmabuf_rt_device_stats(device, &mut s) });
+    s
+}
+
+#[track_caller]
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(30), "never happened: {what}");
+        std::thread::yield_now();
+    }
+}
+
+fn hex(h: &dmabuf_rt_ipc_mem_handle) -> String {
+    h.bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> dmabuf_rt_ipc_mem_handle {
+    let mut h = dmabuf_rt_ipc_mem_handle { bytes: [0; 64] };
+    for (i, b) in h.bytes.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap();
+    }
+    h
+}
+
+/// In one process, device 1 opens what device 0 shared: the bytes, writes seen both ways, the
+/// freed block in limbo until the close, and every bad call refused with its cause, from
+/// several threads at once.
+#[test]
+fn a_handle_opens_as_device_memory_and_bad_calls_are_refused() {
+    in_child("a_handle_opens_as_device_memory_and_bad_calls_are_refused", ENV, || {
+        let n = 100 * KB + 3;
+        let p = alloc(0, n);
+        ok(write(0, p, 0, &pat(1, n)));
+        let h = handle(0, p);
+        let q = open(1, &h).unwrap_or_else(|s| panic!("open: {s:?} {}", last_error()));
+        let mut dev = 0;
+        // SAFETY: a valid out-pointer.
+        ok(unsafe { dmabuf_rt_pointer_device(q.cast_const(), &mut dev) });
+        assert_eq!(dev, 1, "an opened block counts as memory of the device it was opened on");
+        assert_eq!(read(1, q, n), pat(1, n));
+        ok(write(1, q, 10, b"from device 1"));
+        assert_eq!(&read(0, p, 23)[10..], b"from device 1");
+        ok(dmabuf_rt_memset(1, q.cast::<u8>().wrapping_add(100).cast(), 0x5a, 8));
+        assert_eq!(read(0, p, 108)[100..], [0x5a; 8]);
+        // Past the block's end, on the other device, a second open, a free of it.
+        refused(write(1, q, n - 4, &[0; 8]), DMABUF_RT_INVALID_POINTER, "past its end");
+        refused(open(1, &h).unwrap_err(), DMABUF_RT_INVALID_ARGUMENT, "already opened");
+        refused(dmabuf_rt_device_free(1, q), DMABUF_RT_INVALID_POINTER, "dmabuf_rt_ipc_close_mem_handle");
+        // Freed by its producer: in limbo, not reused.
+        ok(dmabuf_rt_device_free(0, p));
+        let limbo = stats(0).limbo_bytes;
+        assert!(limbo >= n as u64, "limbo {limbo}");
+        let again: Vec<_> = (0..8).map(|_| alloc(0, n)).collect();
+        assert!(again.iter().all(|&x| x != p), "the block in limbo was handed out");
+        for &x in &again {
+            ok(write(0, x, 0, &pat(9, n)));
+        }
+        let mut want = pat(1, n);
+        want[10..23].copy_from_slice(b"from device 1");
+        want[100..108].fill(0x5a);
+        assert_eq!(read(1, q, n), want, "an opened block changed after its producer freed it");
+        // Bad input from four threads at once.
+        std::thread::scope(|s| {
+            for t in 0..4u8 {
+                let (h, q) = (h, q as usize);
+                s.spawn(move || {
+                    let q = q as *mut c_void;
+                    let mut bad = h;
+                    bad.bytes[0] ^= 1;
+                    refused(open(1, &bad).unwrap_err(), DMABUF_RT_INVALID_ARGUMENT, "magic");
+                    let mut bad = h;
+                    bad.bytes[16] ^= 0x40 | t; // the hold
+                    assert!(open(1, &bad).is_err(), "a forged hold opened");
+                    let mut p = null_mut();
+                    // SAFETY: NULL handle (refused), valid out-pointer.
+                    refused(
+                        unsafe { dmabuf_rt_ipc_open_mem_handle(1, std::ptr::null(), &mut p) },
+                        DMABUF_RT_INVALID_POINTER,
+                        "handle",
+                    );
+                    refused(dmabuf_rt_ipc_close_mem_handle(0, q), DMABUF_RT_INVALID_POINTER, "opened on device 1");
+                    refused(
+                        dmabuf_rt_ipc_close_mem_handle(1, q.cast::<u8>().wrapping_add(8).cast()),
+                        DMABUF_RT_INVALID_POINTER,
+                        "",
+                    );
+                    let mut hh = dmabuf_rt_ipc_mem_handle { bytes: [0; 64] };
+                    // SAFETY: valid out-pointer.
+                    refused(unsafe { dmabuf_rt_ipc_get_mem_handle(0, q, &mut hh) }, DMABUF_RT_INVALID_POINTER, "");
+                    let x = alloc(0, 64 * KB);
+                    // SAFETY: valid out-pointer.
+                    refused(
+                        unsafe { dmabuf_rt_ipc_get_mem_handle(0, x.cast::<u8>().wrapping_add(4096).cast(), &mut hh) },
+                        DMABUF_RT_INVALID_POINTER,
+                        "",
+                    );
+                    ok(dmabuf_rt_device_free(0, x));
+                });
+            }
+        });
+        ok(dmabuf_rt_ipc_close_mem_handle(1, q));
+        refused(dmabuf_rt_ipc_close_mem_handle(1, q), DMABUF_RT_INVALID_POINTER, "");
+        wait_until("the release", || stats(0).limbo_bytes == 0);
+        for x in again {
+            ok(dmabuf_rt_device_free(0, x));
+        }
+        assert_eq!(stats(0).allocations, 0);
+    });
+}
+
+/// A producer process shares blocks and frees them at once; a consumer process given only the
+/// handles' bytes opens them, reads what the producer wrote, writes into a block the producer
+/// kept, closes one and exits without closing the rest; the producer sees the write, and
+/// limbo goes back to 0 once the consumer is gone.
+#[test]
+fn a_consumer_process_opens_handles_and_its_exit_releases_them() {
+    if let Ok(handles) = std::env::var(HANDLES) {
+        // The consumer.
+        if std::env::var(CHILD).as_deref() != Ok("consumer") {
+            return;
+        }
+        let hs: Vec<_> = handles.split(',').map(unhex).collect();
+        let sizes = [8 * KB, 64 * KB + 1, 3 * MB];
+        let mut opened = Vec::new();
+        for (i, h) in hs.iter().enumerate() {
+            let q = open(0, h).unwrap_or_else(|s| panic!("open {i}: {s:?} {}", last_error()));
+            assert_eq!(read(0, q, sizes[i]), pat(i as u8 + 1, sizes[i]), "block {i}");
+            opened.push(q);
+        }
+        ok(write(0, opened[0], 0, b"consumer was here"));
+        ok(dmabuf_rt_device_synchronize(0));
+        ok(dmabuf_rt_ipc_close_mem_handle(0, opened[1]));
+        // Exits with blocks 0 and 2 still open.
+        std::process::exit(0);
+    }
+    in_child("a_consumer_process_opens_handles_and_its_exit_releases_them", ENV, || {
+        let sizes = [8 * KB, 64 * KB + 1, 3 * MB];
+        let ps: Vec<_> = sizes.iter().map(|&n| alloc(0, n)).collect();
+        for (i, (&p, &n)) in ps.iter().zip(&sizes).enumerate() {
+            ok(write(0, p, 0, &pat(i as u8 + 1, n)));
+        }
+        let hs: Vec<_> = ps.iter().map(|&p| hex(&handle(0, p))).collect();
+        // Blocks 1 and 2 freed at once; block 0 kept to see the consumer's write.
+        ok(dmabuf_rt_device_free(0, ps[1]));
+        ok(dmabuf_rt_device_free(0, ps[2]));
+        assert!(stats(0).limbo_bytes >= (sizes[1] + sizes[2]) as u64);
+        let name = "a_consumer_process_opens_handles_and_its_exit_releases_them";
+        let mut consumer = child(name, ENV);
+        let out = consumer.env(CHILD, "consumer").env(HANDLES, hs.join(",")).output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "consumer: {text}");
+        assert_eq!(&read(0, ps[0], 17), b"consumer was here");
+        wait_until("the consumer's releases", || stats(0).limbo_bytes == 0);
+        ok(dmabuf_rt_device_free(0, ps[0]));
+        assert_eq!(stats(0).allocations, 0);
+    });
+}
