@@ -84,6 +84,9 @@ impl std::fmt::Debug for Runtime {
 
 static RUNTIME: OnceLock<std::result::Result<Runtime, String>> = OnceLock::new();
 
+/// The process the runtime started in ([`Runtime::get`]).
+static STARTED_IN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 thread_local! {
     static CURRENT: Cell<usize> = const { Cell::new(0) };
 }
@@ -160,11 +163,30 @@ fn device_specs() -> Result<Vec<String>> {
 impl Runtime {
     /// The runtime, built on first use from the environment. Its error, if the environment
     /// names devices that cannot be opened, is the same on every call.
+    ///
+    /// A process forked after the runtime started cannot use the copy it inherited (its
+    /// threads did not cross the fork, and its memory is the parent's): every call there is
+    /// refused, saying so, rather than waiting on threads that do not exist.
     pub fn get() -> Result<&'static Runtime> {
-        RUNTIME
-            .get_or_init(|| Runtime::from_env().map_err(|e| e.to_string()))
+        let rt = RUNTIME
+            .get_or_init(|| {
+                STARTED_IN.store(std::process::id(), Ordering::Relaxed);
+                Runtime::from_env().map_err(|e| e.to_string())
+            })
             .as_ref()
-            .map_err(|e| Error::Config { what: format!("dmabuf-rt runtime: {e}") })
+            .map_err(|e| Error::Config { what: format!("dmabuf-rt runtime: {e}") })?;
+        let started_in = STARTED_IN.load(Ordering::Relaxed);
+        if started_in != std::process::id() {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "the dmabuf-rt runtime started in process {started_in}, which forked this one ({}) \
+                     afterwards: a forked process cannot use it (its threads stayed in the parent). Start worker \
+                     processes with the spawn or forkserver method, or fork before the first use",
+                    std::process::id()
+                ),
+            });
+        }
+        Ok(rt)
     }
 
     fn from_env() -> Result<Runtime> {

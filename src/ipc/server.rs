@@ -41,6 +41,8 @@ fn socket_name(pid: u32, token: u64) -> Vec<u8> {
 
 /// This process's exporting side: the blocks held for handles, and the connections.
 struct Server {
+    /// The process it runs in (a forked child's copy has no accept thread).
+    pid: u32,
     token: u64,
     held: Mutex<HashMap<u64, Exported>>,
     next_hold: AtomicU64,
@@ -58,7 +60,17 @@ impl HeldBlocks for Server {
 static SERVER: OnceLock<std::result::Result<Arc<Server>, String>> = OnceLock::new();
 
 fn server() -> Result<&'static Arc<Server>> {
-    SERVER.get_or_init(start).as_ref().map_err(|why| Error::Unsupported { what: why.clone() })
+    let s = SERVER.get_or_init(start).as_ref().map_err(|why| Error::Unsupported { what: why.clone() })?;
+    if s.pid != std::process::id() {
+        return Err(Error::Unsupported {
+            what: format!(
+                "IPC handles: the IPC socket belongs to process {}, which forked this one after making it; a forked \
+                 process cannot make handles (start it with spawn, or fork before the first handle)",
+                s.pid
+            ),
+        });
+    }
+    Ok(s)
 }
 
 fn start() -> std::result::Result<Arc<Server>, String> {
@@ -72,6 +84,7 @@ fn start() -> std::result::Result<Arc<Server>, String> {
     let name = socket_name(std::process::id(), token);
     let listener = packet::listen_abstract(&name).map_err(|e| format!("the IPC socket (listen): {e}"))?;
     let server = Arc::new(Server {
+        pid: std::process::id(),
         token,
         held: Mutex::new(HashMap::new()),
         next_hold: AtomicU64::new(1),
@@ -173,19 +186,21 @@ pub fn unopened_handles() -> usize {
     SERVER.get().and_then(|s| s.as_ref().ok()).map_or(0, |s| lock(&s.held).len())
 }
 
-/// The importing side: one connection per exporting process, by its pid and token.
-type Clients = Mutex<HashMap<(u32, u64), Arc<IpcImporter>>>;
+/// The importing side: one connection per exporting process, by this process's pid (a forked
+/// child must not use its parent's connections), the exporter's pid and its token.
+type Clients = Mutex<HashMap<(u32, u32, u64), Arc<IpcImporter>>>;
 
 static CLIENTS: OnceLock<Clients> = OnceLock::new();
 
 fn client(pid: u32, token: u64) -> Result<Arc<IpcImporter>> {
     let clients = CLIENTS.get_or_init(Mutex::default);
     let mut all = lock(clients);
-    if let Some(i) = all.get(&(pid, token)) {
+    let key = (std::process::id(), pid, token);
+    if let Some(i) = all.get(&key) {
         if !i.is_gone() {
             return Ok(Arc::clone(i));
         }
-        all.remove(&(pid, token));
+        all.remove(&key);
     }
     let (fd, uid) = packet::connect_abstract(&socket_name(pid, token)).map_err(|e| Error::PeerGone {
         channel: format!(
@@ -200,7 +215,7 @@ fn client(pid: u32, token: u64) -> Result<Arc<IpcImporter>> {
         });
     }
     let i = Arc::new(IpcImporter::new(Channel::from_connected(fd, &format!("ipc handles of process {pid}"))));
-    all.insert((pid, token), Arc::clone(&i));
+    all.insert(key, Arc::clone(&i));
     Ok(i)
 }
 

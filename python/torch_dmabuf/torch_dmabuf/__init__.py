@@ -27,6 +27,10 @@ from . import dmabuf as _module  # noqa: E402
 torch._register_device_module("dmabuf", _module)
 torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
 
+from . import multiprocessing as _multiprocessing  # noqa: E402
+
+_multiprocessing.register()
+
 __all__ = ["set_fallback_mode", "fallback_mode"]
 
 
