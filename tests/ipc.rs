@@ -581,3 +581,31 @@ fn process_wide_handles_refuse_forged_opened_and_revoked_ones() {
     wait_until("the releases", || limbo(&a) == 0);
     a.check_invariants().unwrap();
 }
+
+/// A peer that reads nothing: once its socket buffer is full, an export fails after the send
+/// timeout, saying so, and holds nothing for the failed export; the peer's hang-up then
+/// releases the rest.
+#[test]
+fn an_export_to_a_peer_that_reads_nothing_times_out() {
+    let a = allocator(64 * MB as u64);
+    let (mine, theirs) = Channel::pair("silent").unwrap();
+    let exp = IpcExporter::new(mine).unwrap();
+    exp.channel().set_send_timeout(Duration::from_millis(100)).unwrap();
+    let mut kept = Vec::new();
+    let e = loop {
+        let x = a.allocate(512, None).unwrap();
+        match exp.export(&x, None) {
+            Ok(_) => kept.push(x),
+            Err(e) => break e,
+        }
+        assert!(kept.len() < 100_000, "the socket never filled");
+    };
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    assert!(e.to_string().contains("reads nothing"), "{e}");
+    assert_eq!(exp.held(), kept.len(), "the failed export is still held");
+    drop(kept);
+    assert!(limbo(&a) > 0);
+    drop(theirs);
+    wait_until("the hang-up's releases", || exp.held() == 0 && limbo(&a) == 0);
+    a.check_invariants().unwrap();
+}

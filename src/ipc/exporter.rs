@@ -18,6 +18,10 @@ use crate::queue::Queue;
 use crate::segment::Segment;
 use crate::share::Channel;
 
+/// How long an export waits for a peer that reads nothing (its socket buffer full) before it
+/// fails with [`Error::Timeout`].
+pub const SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Shares blocks of caching allocators with the process at the other end of a [`Channel`].
 /// `Send + Sync`: several threads may export at once.
 pub struct IpcExporter {
@@ -71,6 +75,9 @@ impl IpcExporter {
 
     /// An exporter that also answers the peer's REQUESTs for blocks held in `requests`.
     pub(crate) fn with_requests(channel: Channel, requests: Option<Arc<dyn HeldBlocks>>) -> Result<Self> {
+        // A peer that stops reading makes exports fail after a while instead of blocking
+        // their callers for good.
+        channel.set_send_timeout(SEND_TIMEOUT)?;
         let shared = Arc::new(Shared {
             channel,
             send_lock: Mutex::new(()),

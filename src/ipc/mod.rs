@@ -44,7 +44,7 @@ mod importer;
 mod server;
 mod wire;
 
-pub use exporter::IpcExporter;
+pub use exporter::{IpcExporter, SEND_TIMEOUT};
 pub use handle::{HANDLE_BYTES, IpcHandle};
 pub use importer::{ImportedBlock, IpcImporter};
 pub use server::{OPEN_TIMEOUT, get_handle, get_handle_raw, open_handle, revoke_handle, unopened_handles};

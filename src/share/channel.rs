@@ -196,6 +196,8 @@ pub struct Channel {
     name: String,
     bytes_sent: AtomicU64,
     fds_sent: AtomicU64,
+    /// The send timeout set ([`Channel::set_send_timeout`]), in milliseconds (0: none).
+    send_timeout_ms: AtomicU64,
 }
 
 const _: () = {
@@ -238,7 +240,13 @@ impl Channel {
     }
 
     fn wrap(fd: OwnedFd, name: &str) -> Self {
-        Self { fd, name: name.to_owned(), bytes_sent: AtomicU64::new(0), fds_sent: AtomicU64::new(0) }
+        Self {
+            fd,
+            name: name.to_owned(),
+            bytes_sent: AtomicU64::new(0),
+            fds_sent: AtomicU64::new(0),
+            send_timeout_ms: AtomicU64::new(0),
+        }
     }
 
     /// The socket, to hand to another process (as a child's stdin, or sent over another
@@ -381,9 +389,23 @@ impl Channel {
         }
     }
 
+    /// Makes a send give up after `timeout` while the peer's receive buffer stays full
+    /// (`SO_SNDTIMEO`): [`Error::Timeout`] instead of waiting for a peer that never reads.
+    pub fn set_send_timeout(&self, timeout: std::time::Duration) -> Result<()> {
+        rustix::net::sockopt::set_socket_timeout(&self.fd, rustix::net::sockopt::Timeout::Send, Some(timeout))
+            .map_err(Error::io_rustix("setsockopt(SO_SNDTIMEO) on a share channel"))?;
+        self.send_timeout_ms.store(timeout.as_millis().max(1) as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
     fn io_error(&self, op: &'static str, e: Errno) -> Error {
+        let timeout = self.send_timeout_ms.load(Ordering::Relaxed);
         match e {
             Errno::PIPE | Errno::CONNRESET => Error::PeerGone { channel: self.name.clone() },
+            Errno::AGAIN if timeout > 0 => Error::Timeout {
+                what: "the peer to take a packet (it reads nothing; its receive buffer stayed full)",
+                waited: std::time::Duration::from_millis(timeout),
+            },
             e => Error::io_rustix(op)(e),
         }
     }
