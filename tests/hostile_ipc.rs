@@ -108,7 +108,10 @@ fn releases_are_not_stalled_by_an_export_blocked_on_a_full_channel() {
         // Batch 1: exported and opened (the importer holds them).
         let first: Vec<_> = (0..3000).map(|_| a.allocate(512, None).unwrap()).collect();
         let opened: Vec<_> = first.iter().map(|x| imp.open(&exp.export(x, None).unwrap()).unwrap()).collect();
-        // Batch 2: exported on another thread, handles passed to the importer.
+        // Batch 2: exported on another thread, handles passed to the importer. (What was sent
+        // is counted from before the thread starts: it may fill the socket before this thread
+        // looks, and then send nothing more until the importer reads.)
+        let start = exp.channel().bytes_sent();
         let (htx, hrx) = mpsc::channel();
         let producer = {
             let (a, exp) = (Arc::clone(&a), Arc::clone(&exp));
@@ -123,8 +126,8 @@ fn releases_are_not_stalled_by_an_export_blocked_on_a_full_channel() {
             })
         };
         // Once the producer is under way, the importer lets go of batch 1, then opens batch 2.
-        let start = exp.channel().bytes_sent();
-        while exp.channel().bytes_sent() < start + 100 * 48 {
+        // 20 shares (56 bytes each), far fewer than a socket buffer holds.
+        while exp.channel().bytes_sent() < start + 20 * 56 {
             std::thread::yield_now();
         }
         drop(opened);
@@ -615,7 +618,7 @@ fn held_does_not_block_while_an_export_waits_for_a_peer_that_does_not_read() {
             keep.len()
         })
     };
-    while exp.channel().bytes_sent() < 100 * 48 {
+    while exp.channel().bytes_sent() < 20 * 56 {
         std::thread::yield_now();
     }
     let probe = Arc::clone(&exp);

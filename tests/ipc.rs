@@ -54,6 +54,12 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// Tests here count this process's fds (and churn them): one at a time.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
@@ -179,6 +185,7 @@ fn consumer() -> (IpcExporter, Consumer) {
 /// reads the old ones, which keep their bytes; limbo bytes go back to 0 once it releases them.
 #[test]
 fn shared_blocks_freed_at_once_keep_their_bytes_while_the_producer_churns() {
+    let _serial = serial();
     let a = allocator(64 * MB as u64);
     let (exp, c) = consumer();
     let sizes = [4 * KB, 16 * KB, 100 * KB + 7, 3 * MB + 5];
@@ -234,6 +241,7 @@ fn shared_blocks_freed_at_once_keep_their_bytes_while_the_producer_churns() {
 /// its end of the socket and the producer's exporter releases everything.
 #[test]
 fn a_consumer_killed_while_holding_blocks_releases_them() {
+    let _serial = serial();
     let a = allocator(64 * MB as u64);
     let (exp, mut c) = consumer();
     let xs: Vec<_> = [8 * KB, 64 * KB, 2 * MB].iter().map(|&n| a.allocate(n, None).unwrap()).collect();
@@ -260,6 +268,7 @@ fn a_consumer_killed_while_holding_blocks_releases_them() {
 /// 10,000 blocks shared: the consumer's fds grow by the segments it was sent, not the blocks.
 #[test]
 fn ten_thousand_shared_blocks_cost_an_fd_per_segment_not_per_block() {
+    let _serial = serial();
     let a = allocator(256 * MB as u64);
     let (exp, c) = consumer();
     let xs: Vec<_> = (0..10_000).map(|i| a.allocate(1024 + (i % 7) * 512, None).unwrap()).collect();
@@ -292,6 +301,7 @@ fn pair() -> (IpcExporter, IpcImporter) {
 /// While held, a freed block's address is not handed out again; after the release it is.
 #[test]
 fn a_freed_shared_block_is_not_reused_until_released() {
+    let _serial = serial();
     let a = allocator(64 * MB as u64);
     let (exp, imp) = pair();
     for n in [2 * KB, 40 * KB, 4 * MB] {
@@ -323,6 +333,7 @@ fn a_freed_shared_block_is_not_reused_until_released() {
 /// Writes on either side are seen on the other; a stitched block reads in order.
 #[test]
 fn writes_are_seen_on_both_sides_and_a_stitched_block_reads_in_order() {
+    let _serial = serial();
     let a = allocator((8 * 32 * KB) as u64);
     let pads: Vec<_> = (0..8).map(|_| a.allocate(32 * KB, None).unwrap()).collect();
     let kept: Vec<_> = pads.into_iter().skip(1).step_by(2).collect();
@@ -349,6 +360,7 @@ fn writes_are_seen_on_both_sides_and_a_stitched_block_reads_in_order() {
 /// Work queued on the producer's queue before the export is done before the share is sent.
 #[test]
 fn an_export_after_queued_work_shows_its_result() {
+    let _serial = serial();
     let a = allocator(64 * MB as u64);
     let q = Queue::new().unwrap();
     let (exp, imp) = pair();
@@ -366,6 +378,7 @@ fn an_export_after_queued_work_shows_its_result() {
 /// Raw allocations: exported by pointer; a second free of one in limbo names the limbo.
 #[test]
 fn raw_blocks_are_shared_and_a_second_free_in_limbo_is_refused() {
+    let _serial = serial();
     let a = allocator(64 * MB as u64);
     let (exp, imp) = pair();
     let p = a.allocate_raw(64 * KB, None).unwrap();
@@ -385,6 +398,7 @@ fn raw_blocks_are_shared_and_a_second_free_in_limbo_is_refused() {
 /// refused with the cause, from several threads at once, and the real handle still opens.
 #[test]
 fn forged_and_stale_handles_are_refused_from_many_threads() {
+    let _serial = serial();
     let a = allocator(64 * MB as u64);
     let (exp, imp) = pair();
     let imp = Arc::new(imp);
@@ -436,6 +450,7 @@ fn forged_and_stale_handles_are_refused_from_many_threads() {
 /// peer's protocol error, saying what; nothing panics and no fd leaks.
 #[test]
 fn a_hostile_exporter_is_refused_with_the_cause() {
+    let _serial = serial();
     let before = open_fds();
     let le = |v: &[u64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let segment_msg = |serial: u64| [le(&[1 | (2 << 32)]), le(&[serial])].concat();
@@ -484,6 +499,7 @@ fn a_hostile_exporter_is_refused_with_the_cause() {
 /// The importer dropped: the exporter releases everything it held.
 #[test]
 fn either_side_hanging_up_releases_the_holds() {
+    let _serial = serial();
     let a = allocator(64 * MB as u64);
     let x = a.allocate(64 * KB, None).unwrap();
     let (exp, imp) = pair();
@@ -510,6 +526,7 @@ fn either_side_hanging_up_releases_the_holds() {
 /// the child is killed and everything comes back.
 #[test]
 fn process_wide_handles_open_in_another_process_and_come_back_when_it_dies() {
+    let _serial = serial();
     let a = allocator(64 * MB as u64);
     let (_exp, mut c) = consumer();
     let xs: Vec<_> = [4 * KB, 48 * KB, 5 * MB].iter().map(|&n| a.allocate(n, None).unwrap()).collect();
@@ -546,6 +563,7 @@ fn process_wide_handles_open_in_another_process_and_come_back_when_it_dies() {
 /// lets a freed block go.
 #[test]
 fn process_wide_handles_refuse_forged_opened_and_revoked_ones() {
+    let _serial = serial();
     use dmabuf_rt::ipc::{get_handle, get_handle_raw, open_handle, revoke_handle, unopened_handles};
     let a = allocator(64 * MB as u64);
     let x = a.allocate(100 * KB, None).unwrap();
@@ -587,6 +605,7 @@ fn process_wide_handles_refuse_forged_opened_and_revoked_ones() {
 /// releases the rest.
 #[test]
 fn an_export_to_a_peer_that_reads_nothing_times_out() {
+    let _serial = serial();
     let a = allocator(64 * MB as u64);
     let (mine, theirs) = Channel::pair("silent").unwrap();
     let exp = IpcExporter::new(mine).unwrap();

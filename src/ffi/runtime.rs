@@ -67,8 +67,9 @@ pub struct Runtime {
     host: HostCachingAllocator,
     host_live: Mutex<BTreeMap<usize, HostAllocation>>,
     /// Blocks other processes shared that this process opened (`ipc_open`), by address, with
-    /// the device they count as.
-    imported: Mutex<BTreeMap<usize, (usize, ImportedBlock)>>,
+    /// the device they count as. Two handles of one block open at one address (the segment
+    /// is mapped once per process): each open is one entry, each close takes one.
+    imported: Mutex<BTreeMap<usize, (usize, Vec<ImportedBlock>)>>,
     unified: Mutex<HashMap<usize, Arc<Segment>>>,
     streams: Mutex<HashMap<usize, StreamEntry>>,
     events: Mutex<HashMap<usize, Event>>,
@@ -313,7 +314,22 @@ impl Runtime {
         self.device(device)?;
         let block = crate::ipc::open_handle(handle)?;
         let ptr = block.as_ptr();
-        lock(&self.imported).insert(ptr as usize, (device, block));
+        let mut imported = lock(&self.imported);
+        let (d, blocks) = imported.entry(ptr as usize).or_insert_with(|| (device, Vec::new()));
+        if *d != device {
+            let d = *d;
+            drop(imported);
+            // Released again (dropped): the block is open here on the other device already.
+            drop(block);
+            return Err(Error::InvalidArgument {
+                what: format!(
+                    "IPC handle: the block is already open in this process at {:#x} as memory of device {d}; \
+                     open it on device {d} (each open needs its own close)",
+                    ptr as usize
+                ),
+            });
+        }
+        blocks.push(block);
         Ok(ptr)
     }
 
@@ -333,15 +349,25 @@ impl Runtime {
             None => return Err(refused("")),
         }
         dev.synchronize()?;
-        let e = lock(&self.imported).remove(&(ptr as usize)).ok_or_else(|| refused("closed meanwhile"))?;
-        drop(e);
+        let block = {
+            let mut imported = lock(&self.imported);
+            let Some((_, blocks)) = imported.get_mut(&(ptr as usize)) else { return Err(refused("closed meanwhile")) };
+            let block = blocks.pop();
+            if blocks.is_empty() {
+                imported.remove(&(ptr as usize));
+            }
+            block
+        };
+        // Released outside the lock (it sends to the exporting process).
+        drop(block);
         Ok(())
     }
 
     /// The opened IPC block holding `[ptr, ptr + len)` wholly, as a range, with its device.
     fn imported_mem(&self, ptr: *const u8, len: usize) -> Option<Result<(usize, Mem)>> {
         let imported = lock(&self.imported);
-        let (&base, (device, block)) = imported.range(..=ptr as usize).next_back()?;
+        let (&base, (device, blocks)) = imported.range(..=ptr as usize).next_back()?;
+        let block = blocks.last()?;
         let off = ptr as usize - base;
         if off >= block.len() {
             return None;

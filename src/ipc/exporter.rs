@@ -193,13 +193,13 @@ impl Shared {
     /// A REQUEST for the block held as `hold`: its SHARE (and the segment's fd, the first
     /// time) then GRANT; or DENY if nothing is held so (forged, already taken, or this
     /// exporter answers no requests).
-    fn answer(&self, hold: u64) -> Result<()> {
+    fn answer(&self, hold: u64, request: u64) -> Result<()> {
         let Some(e) = self.requests.as_ref().and_then(|r| r.take(hold)) else {
-            return self.channel.send_bytes(&Msg::Deny { hold }.encode(), &[]);
+            return self.channel.send_bytes(&Msg::Deny { request }.encode(), &[]);
         };
         // The block's queue was waited for when the handle was made.
         let h = self.send(e, None)?;
-        self.channel.send_bytes(&Msg::Grant { hold, export: h.export }.encode(), &[])
+        self.channel.send_bytes(&Msg::Grant { request, export: h.export }.encode(), &[])
     }
 
     /// The reader thread: applies the peer's releases until it hangs up, then releases the rest.
@@ -220,8 +220,8 @@ impl Shared {
                             }
                             drop(hold);
                         }
-                        Ok(Msg::Request { hold }) => {
-                            if let Err(e) = self.answer(hold) {
+                        Ok(Msg::Request { hold, request }) => {
+                            if let Err(e) = self.answer(hold, request) {
                                 break format!("answering the peer's request for hold {hold} failed: {e}");
                             }
                         }

@@ -36,8 +36,11 @@ struct State {
     shares: HashMap<u64, Share>,
     /// The exporter hung up: its holds are gone, so what it shared may be reused there.
     gone: Option<String>,
-    /// Answers to this side's REQUESTs by hold: the export, or `None` (denied).
+    /// Answers to this side's REQUESTs by request number: the export, or `None` (denied).
     grants: HashMap<u64, Option<u64>>,
+    /// Requests whose caller still waits (a grant for any other is let go at once).
+    waiting: std::collections::HashSet<u64>,
+    next_request: u64,
 }
 
 struct Share {
@@ -133,13 +136,37 @@ impl IpcImporter {
     /// waits at most `timeout` for the answer: the export it became, which [`IpcImporter::open`]
     /// then opens.
     pub(crate) fn request(&self, hold: u64, pid: u32, timeout: std::time::Duration) -> Result<u64> {
-        self.shared.channel.send_bytes(&Msg::Request { hold }.encode(), &[])?;
+        // Each ask has a number of its own: several threads may ask for the same hold at once,
+        // and each must get its own answer (one GRANT, the others DENY).
+        let request = {
+            let mut st = self.shared.lock();
+            st.next_request += 1;
+            let request = st.next_request;
+            st.waiting.insert(request);
+            request
+        };
+        let r = self.await_answer(hold, request, pid, timeout);
+        let mut st = self.shared.lock();
+        if !st.waiting.remove(&request) {
+            return r;
+        }
+        // Gave up (or failed) before the answer: a grant that comes later is let go.
+        if let Some(Some(export)) = st.grants.remove(&request) {
+            drop(st);
+            let _ = self.discard(export);
+        }
+        r
+    }
+
+    fn await_answer(&self, hold: u64, request: u64, pid: u32, timeout: std::time::Duration) -> Result<u64> {
+        self.shared.channel.send_bytes(&Msg::Request { hold, request }.encode(), &[])?;
         let deadline = std::time::Instant::now() + timeout;
         loop {
             {
                 let mut st = self.shared.lock();
                 self.shared.pump(&mut st)?;
-                if let Some(answer) = st.grants.remove(&hold) {
+                if let Some(answer) = st.grants.remove(&request) {
+                    st.waiting.remove(&request);
                     return answer.ok_or_else(|| Error::InvalidArgument {
                         what: format!(
                             "IPC handle: process {pid} holds no block as {hold} (forged, already opened, or revoked)"
@@ -190,8 +217,20 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Takes in every packet already waiting on the channel (never blocks).
+    /// Takes in every packet already waiting on the channel (never blocks). A failure (the
+    /// exporter broke the protocol, or a segment could not be imported) ends the connection:
+    /// later calls say so at once.
     fn pump(&self, st: &mut State) -> Result<()> {
+        let r = self.pump_packets(st);
+        if let Err(e) = &r {
+            if st.gone.is_none() {
+                st.gone = Some(format!("the connection failed: {e}"));
+            }
+        }
+        r
+    }
+
+    fn pump_packets(&self, st: &mut State) -> Result<()> {
         let mut buf = vec![0u8; MAX_PACKET];
         while st.gone.is_none() && readable(&self.channel)? {
             let (n, mut fds) = match self.channel.recv_bytes(&mut buf) {
@@ -231,16 +270,24 @@ impl Shared {
                         )));
                     }
                 }
-                Msg::Grant { hold, export } => {
+                Msg::Grant { request, export } => {
                     if !st.shares.contains_key(&export) {
                         return Err(self
                             .channel
-                            .protocol_error(format!("hold {hold} granted as export {export}, never sent")));
+                            .protocol_error(format!("request {request} granted as export {export}, never sent")));
                     }
-                    st.grants.insert(hold, Some(export));
+                    if st.waiting.contains(&request) {
+                        st.grants.insert(request, Some(export));
+                    } else {
+                        // Nobody waits for it (its caller gave up): let it go.
+                        st.shares.remove(&export);
+                        let _ = self.channel.send_bytes(&Msg::Release { export }.encode(), &[]);
+                    }
                 }
-                Msg::Deny { hold } => {
-                    st.grants.insert(hold, None);
+                Msg::Deny { request } => {
+                    if st.waiting.contains(&request) {
+                        st.grants.insert(request, None);
+                    }
                 }
                 Msg::Release { .. } | Msg::Request { .. } => {
                     return Err(self.channel.protocol_error(format!("{msg:?} from the exporter")));

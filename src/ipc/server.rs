@@ -194,18 +194,18 @@ static CLIENTS: OnceLock<Clients> = OnceLock::new();
 
 fn client(pid: u32, token: u64) -> Result<Arc<IpcImporter>> {
     let clients = CLIENTS.get_or_init(Mutex::default);
-    let mut all = lock(clients);
     let key = (std::process::id(), pid, token);
-    if let Some(i) = all.get(&key) {
+    if let Some(i) = lock(clients).get(&key) {
         if !i.is_gone() {
             return Ok(Arc::clone(i));
         }
-        all.remove(&key);
     }
-    let (fd, uid) = packet::connect_abstract(&socket_name(pid, token)).map_err(|e| Error::PeerGone {
+    // Connected without the lock: a process whose listen queue is full must not hold up the
+    // opens of other processes' handles.
+    let (fd, uid) = packet::connect_abstract(&socket_name(pid, token), OPEN_TIMEOUT).map_err(|e| Error::PeerGone {
         channel: format!(
-            "the IPC socket of process {pid} ({e}: the process is gone, or the handle is forged or from another \
-             network namespace)"
+            "the IPC socket of process {pid} ({e}: the process is gone, does not accept, or the handle is forged or \
+             from another network namespace)"
         ),
     })?;
     let me = rustix::process::getuid().as_raw();
@@ -213,6 +213,11 @@ fn client(pid: u32, token: u64) -> Result<Arc<IpcImporter>> {
         return Err(Error::InvalidArgument {
             what: format!("IPC handle: process {pid} runs as user {uid}, not this process's {me}"),
         });
+    }
+    let mut all = lock(clients);
+    // Another thread may have connected meanwhile: one connection per process is kept.
+    if let Some(i) = all.get(&key).filter(|i| !i.is_gone()) {
+        return Ok(Arc::clone(i));
     }
     let i = Arc::new(IpcImporter::new(Channel::from_connected(fd, &format!("ipc handles of process {pid}"))));
     all.insert(key, Arc::clone(&i));

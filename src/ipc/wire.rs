@@ -6,10 +6,10 @@
 //!                        SHARE    tag=2 nruns:u32 export:u64 serial:u64 len:u64 pid:u64
 //!                                 then nruns x (offset:u64, len:u64)    (fd ranges, in order)
 //!                        GONE     tag=4 0:u32 serial:u64            (segment let go there)
-//!                        GRANT    tag=6 0:u32 hold:u64 export:u64   (after the SHARE it names)
-//!                        DENY     tag=7 0:u32 hold:u64 0:u64        (no such hold)
+//!                        GRANT    tag=6 0:u32 request:u64 export:u64 (after the SHARE it names)
+//!                        DENY     tag=7 0:u32 request:u64 0:u64      (no such hold)
 //! importer -> exporter   RELEASE  tag=3 0:u32 export:u64
-//!                        REQUEST  tag=5 0:u32 hold:u64              (a process-wide handle)
+//!                        REQUEST  tag=5 0:u32 hold:u64 request:u64   (a process-wide handle)
 //! ```
 //!
 //! A segment's fd goes to a peer once (SEGMENT), before the first SHARE that names it; every
@@ -48,12 +48,13 @@ pub(crate) enum Msg {
     Release { export: u64 },
     /// The exporter's allocator let segment `serial` go: no share will name it again.
     Gone { serial: u64 },
-    /// The importer asks for the block held as `hold` ([`crate::ipc::get_handle`]).
-    Request { hold: u64 },
-    /// The block held as `hold` is export `export` (its SHARE came first).
-    Grant { hold: u64, export: u64 },
-    /// No block is held as `hold` (forged, already opened, or revoked).
-    Deny { hold: u64 },
+    /// The importer asks for the block held as `hold` ([`crate::ipc::get_handle`]); its
+    /// answer names `request` (the importer's own number for the ask).
+    Request { hold: u64, request: u64 },
+    /// Request `request` got export `export` (its SHARE came first).
+    Grant { request: u64, export: u64 },
+    /// Request `request` named no held block (forged, already opened, or revoked).
+    Deny { request: u64 },
 }
 
 fn kind_code(kind: SegmentKind) -> u32 {
@@ -104,21 +105,22 @@ impl Msg {
                 put32(&mut out, 0);
                 out.extend_from_slice(&serial.to_le_bytes());
             }
-            Msg::Request { hold } => {
+            Msg::Request { hold, request } => {
                 put32(&mut out, REQUEST);
                 put32(&mut out, 0);
                 out.extend_from_slice(&hold.to_le_bytes());
+                out.extend_from_slice(&request.to_le_bytes());
             }
-            Msg::Grant { hold, export } => {
+            Msg::Grant { request, export } => {
                 put32(&mut out, GRANT);
                 put32(&mut out, 0);
-                out.extend_from_slice(&hold.to_le_bytes());
+                out.extend_from_slice(&request.to_le_bytes());
                 out.extend_from_slice(&export.to_le_bytes());
             }
-            Msg::Deny { hold } => {
+            Msg::Deny { request } => {
                 put32(&mut out, DENY);
                 put32(&mut out, 0);
-                out.extend_from_slice(&hold.to_le_bytes());
+                out.extend_from_slice(&request.to_le_bytes());
                 out.extend_from_slice(&0u64.to_le_bytes());
             }
         }
@@ -132,10 +134,12 @@ impl Msg {
         }
         let (tag, word) = (u32_at(b, 0), u32_at(b, 4));
         match tag {
-            SEGMENT | RELEASE | GONE | REQUEST if b.len() != 16 => {
+            SEGMENT | RELEASE | GONE if b.len() != 16 => {
                 Err(format!("a {} message of {} bytes, not 16", name(tag), b.len()))
             }
-            GRANT | DENY if b.len() != 24 => Err(format!("a {} message of {} bytes, not 24", name(tag), b.len())),
+            REQUEST | GRANT | DENY if b.len() != 24 => {
+                Err(format!("a {} message of {} bytes, not 24", name(tag), b.len()))
+            }
             SEGMENT => {
                 let kind = match word {
                     0 => SegmentKind::Device,
@@ -147,9 +151,9 @@ impl Msg {
             }
             RELEASE => Ok(Msg::Release { export: u64_at(b, 8) }),
             GONE => Ok(Msg::Gone { serial: u64_at(b, 8) }),
-            REQUEST => Ok(Msg::Request { hold: u64_at(b, 8) }),
-            GRANT => Ok(Msg::Grant { hold: u64_at(b, 8), export: u64_at(b, 16) }),
-            DENY => Ok(Msg::Deny { hold: u64_at(b, 8) }),
+            REQUEST => Ok(Msg::Request { hold: u64_at(b, 8), request: u64_at(b, 16) }),
+            GRANT => Ok(Msg::Grant { request: u64_at(b, 8), export: u64_at(b, 16) }),
+            DENY => Ok(Msg::Deny { request: u64_at(b, 8) }),
             SHARE => {
                 let n = word as usize;
                 if n == 0 || n > MAX_RUNS {
@@ -191,9 +195,9 @@ mod tests {
             Msg::Share { export: 3, serial: 7, len: 5000, pid: 42, ranges: vec![(4096, 8192), (0, 4096)] },
             Msg::Release { export: u64::MAX },
             Msg::Gone { serial: 5 },
-            Msg::Request { hold: 9 },
-            Msg::Grant { hold: 9, export: 4 },
-            Msg::Deny { hold: 11 },
+            Msg::Request { hold: 9, request: 2 },
+            Msg::Grant { request: 2, export: 4 },
+            Msg::Deny { request: 11 },
         ];
         for m in &msgs {
             assert_eq!(Msg::decode(&m.encode()).unwrap(), *m);

@@ -58,9 +58,11 @@ pub(crate) fn accept(listener: BorrowedFd<'_>) -> rustix::io::Result<(OwnedFd, u
 }
 
 /// A close-on-exec `SOCK_SEQPACKET` socket connected to the abstract name `name`, and the
-/// listening peer's user id.
-pub(crate) fn connect_abstract(name: &[u8]) -> rustix::io::Result<(OwnedFd, u32)> {
+/// listening peer's user id. A listener whose queue stays full makes it fail with `EAGAIN`
+/// after `timeout` (`SO_SNDTIMEO` bounds a Unix socket's connect).
+pub(crate) fn connect_abstract(name: &[u8], timeout: std::time::Duration) -> rustix::io::Result<(OwnedFd, u32)> {
     let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+    rustix::net::sockopt::set_socket_timeout(&fd, rustix::net::sockopt::Timeout::Send, Some(timeout))?;
     rustix::net::connect(&fd, &rustix::net::SocketAddrUnix::new_abstract_name(name)?)?;
     let uid = rustix::net::sockopt::socket_peercred(&fd)?.uid.as_raw();
     Ok((fd, uid))
