@@ -357,9 +357,12 @@ fn writes_are_seen_on_both_sides_and_a_stitched_block_reads_in_order() {
     wait_until("the importer hung up", || exp.held() == 0);
 }
 
-/// Work queued on the producer's queue before the export is done before the share is sent.
+/// Work queued on the producer's queue before the export is the share's fence: the export
+/// does not wait for it, the importer's block is not ready until it is done, and its reads
+/// wait for it; then they see its result. (The queue is held by a callback until the test
+/// lets it go, so the work is certainly pending when the block is shared and opened.)
 #[test]
-fn an_export_after_queued_work_shows_its_result() {
+fn an_export_after_queued_work_is_ready_only_once_that_work_is_done() {
     let _serial = serial();
     let a = allocator(64 * MB as u64);
     let q = Queue::new().unwrap();
@@ -367,12 +370,61 @@ fn an_export_after_queued_work_shows_its_result() {
     let x = a.allocate(8 * MB, Some(&q)).unwrap();
     let src = HostBuffer::new(8 * MB).unwrap();
     src.write(0, &pat(5, 8 * MB)).unwrap();
+    let (gate, held) = std::sync::mpsc::channel::<()>();
+    q.callback(move |_| {
+        let _ = held.recv();
+    })
+    .unwrap();
     q.copy(x.mem(), &src).unwrap();
     let h = exp.export(&x, Some(&q)).unwrap();
     let got = imp.open(&h).unwrap();
-    let mut v = vec![0; 8 * MB];
-    got.read(0, &mut v).unwrap();
-    assert!(v == pat(5, 8 * MB), "the importer read before the queued copy finished");
+    assert!(!got.is_ready(), "ready while the producer's copy is still queued");
+    assert!(matches!(got.wait_ready(Some(Duration::from_millis(50))), Err(Error::Timeout { .. })));
+    std::thread::scope(|s| {
+        let reader = s.spawn(|| {
+            let mut v = vec![0; 8 * MB];
+            got.read(0, &mut v).unwrap();
+            v
+        });
+        gate.send(()).unwrap();
+        assert!(reader.join().unwrap() == pat(5, 8 * MB), "the importer read before the queued copy finished");
+    });
+    assert!(got.is_ready());
+    // An idle queue: no fence.
+    q.synchronize().unwrap();
+    let h2 = exp.export(&x, Some(&q)).unwrap();
+    assert!(imp.open(&h2).unwrap().is_ready());
+}
+
+/// A fence whose producer never signals it (its write end closed without a byte: the work
+/// failed or the process died) fails the block's reads, saying why; a fence that is not a pipe
+/// is the peer's protocol error.
+#[test]
+fn a_share_whose_fence_is_never_signalled_fails_its_reads() {
+    let _serial = serial();
+    let le = |v: &[u64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let segment_msg = [le(&[1 | (2 << 32)]), le(&[7])].concat();
+    let share = [le(&[2 | (1 << 32), 1, 7, 100, 1]), le(&[0, 4096])].concat();
+    let seg: Segment = dmabuf_rt::MemorySource::create_segment(&ShmemSource::new(), 64 * KB).unwrap();
+    let h = IpcHandle { pid: 1, export: 1, segment: 7, offset: 0, len: 100, token: 0 };
+    let (a, b) = Channel::pair("fence").unwrap();
+    let imp = IpcImporter::new(b);
+    let (r, w) = rustix::pipe::pipe().unwrap();
+    a.send_bytes(&segment_msg, &[seg.as_fd()]).unwrap();
+    a.send_bytes(&share, &[r.as_fd()]).unwrap();
+    drop(r);
+    let got = imp.open(&h).unwrap();
+    assert!(!got.is_ready());
+    drop(w);
+    let e = got.read(0, &mut [0; 10]).unwrap_err();
+    assert!(e.to_string().contains("did not finish"), "{e}");
+    // A fence that is a memfd, not a pipe.
+    let (a, b) = Channel::pair("fence").unwrap();
+    let imp = IpcImporter::new(b);
+    a.send_bytes(&segment_msg, &[seg.as_fd()]).unwrap();
+    a.send_bytes(&share, &[seg.as_fd()]).unwrap();
+    let e = imp.open(&h).unwrap_err();
+    assert!(matches!(e, Error::Protocol { .. }) && e.to_string().contains("not a pipe"), "{e}");
 }
 
 /// Raw allocations: exported by pointer; a second free of one in limbo names the limbo.

@@ -313,6 +313,9 @@ impl Runtime {
     pub fn ipc_open(&self, device: usize, handle: &IpcHandle) -> Result<*mut u8> {
         self.device(device)?;
         let block = crate::ipc::open_handle(handle)?;
+        // The producer's queued work on the block first (its fence; none from the C API's
+        // own handles, which synchronize the device before they are made).
+        block.wait_ready(None)?;
         let ptr = block.as_ptr();
         let mut imported = lock(&self.imported);
         let (d, blocks) = imported.entry(ptr as usize).or_insert_with(|| (device, Vec::new()));

@@ -6,7 +6,7 @@
 //! dropped. A segment's fd goes to the peer once; later blocks of it are offsets only.
 
 use std::collections::HashMap;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 
@@ -43,8 +43,26 @@ struct Shared {
 
 /// Where blocks held for process-wide handles wait until a peer asks for them.
 pub(crate) trait HeldBlocks: Send + Sync {
-    /// Takes the block held as `hold`, if there is one.
-    fn take(&self, hold: u64) -> Option<crate::caching::Exported>;
+    /// Takes the block held as `hold`, if there is one, with its fence ([`fence_after`]).
+    fn take(&self, hold: u64) -> Option<(crate::caching::Exported, Option<OwnedFd>)>;
+}
+
+/// A fence for the work `queue` has queued so far, which travels with a share: the read end
+/// of a pipe whose write end a callback on the queue writes one byte into, then closes, once
+/// that work is done. The importer watches it (readable: done; closed without a byte: the work
+/// failed, or this process died first). `None` if the queue has nothing queued.
+pub(crate) fn fence_after(queue: &Queue) -> Result<Option<OwnedFd>> {
+    if queue.is_idle() {
+        return Ok(None);
+    }
+    let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).map_err(Error::io_rustix("pipe2"))?;
+    queue.callback(move |done| {
+        if done.is_ok() {
+            let _ = rustix::io::write(&w, &[1]);
+        }
+        drop(w);
+    })?;
+    Ok(Some(r))
 }
 
 #[derive(Default)]
@@ -94,17 +112,21 @@ impl IpcExporter {
         Ok(Self { shared, reader: Some(reader) })
     }
 
-    /// Shares `block` with the peer and returns its handle. If `after` is given, the work
-    /// queued on it so far finishes first (the peer never reads what this process's queue is
-    /// still writing). The block is held until the peer releases it: freed here meanwhile, it
+    /// Shares `block` with the peer and returns its handle, without waiting. If `after` is
+    /// given, the work queued on it so far is the share's fence: the peer's block is ready
+    /// ([`ImportedBlock::wait_ready`](super::ImportedBlock::wait_ready); its reads and writes
+    /// wait for it) only once that work is done, so the peer never reads what this process's
+    /// queue is still writing. The block is held until the peer releases it: freed here meanwhile, it
     /// waits in limbo (`DeviceStats::limbo_bytes`) and is not reused.
     pub fn export(&self, block: &Allocation, after: Option<&Queue>) -> Result<IpcHandle> {
-        self.shared.send(block.export()?, after)
+        let e = block.export()?;
+        self.shared.send(e, after.map(fence_after).transpose()?.flatten())
     }
 
     /// [`IpcExporter::export`] for a raw allocation of `allocator` (the start of a live block).
     pub fn export_raw(&self, allocator: &CachingAllocator, ptr: *mut u8, after: Option<&Queue>) -> Result<IpcHandle> {
-        self.shared.send(allocator.export_raw(ptr)?, after)
+        let e = allocator.export_raw(ptr)?;
+        self.shared.send(e, after.map(fence_after).transpose()?.flatten())
     }
 
     /// Exports the peer has not released yet.
@@ -124,7 +146,7 @@ impl IpcExporter {
 }
 
 impl Shared {
-    fn send(&self, e: crate::caching::Exported, after: Option<&Queue>) -> Result<IpcHandle> {
+    fn send(&self, e: crate::caching::Exported, fence: Option<OwnedFd>) -> Result<IpcHandle> {
         if e.ranges.len() > MAX_RUNS {
             return Err(Error::Unsupported {
                 what: format!(
@@ -132,9 +154,6 @@ impl Shared {
                     e.ranges.len()
                 ),
             });
-        }
-        if let Some(q) = after {
-            q.record()?.synchronize(None)?;
         }
         let serial = e.segment.serial();
         let gone = |why: &str| Error::PeerGone { channel: format!("{} ({why})", self.channel.name()) };
@@ -178,7 +197,8 @@ impl Shared {
             export
         };
         let msg = Msg::Share { export, serial, len, pid: u64::from(pid), ranges };
-        if let Err(err) = self.channel.send_bytes(&msg.encode(), &[]) {
+        let fences: Vec<_> = fence.iter().map(AsFd::as_fd).collect();
+        if let Err(err) = self.channel.send_bytes(&msg.encode(), &fences) {
             let hold = self.lock().held.remove(&export);
             drop(hold);
             return Err(err);
@@ -194,11 +214,10 @@ impl Shared {
     /// time) then GRANT; or DENY if nothing is held so (forged, already taken, or this
     /// exporter answers no requests).
     fn answer(&self, hold: u64, request: u64) -> Result<()> {
-        let Some(e) = self.requests.as_ref().and_then(|r| r.take(hold)) else {
+        let Some((e, fence)) = self.requests.as_ref().and_then(|r| r.take(hold)) else {
             return self.channel.send_bytes(&Msg::Deny { request }.encode(), &[]);
         };
-        // The block's queue was waited for when the handle was made.
-        let h = self.send(e, None)?;
+        let h = self.send(e, fence)?;
         self.channel.send_bytes(&Msg::Grant { request, export: h.export }.encode(), &[])
     }
 

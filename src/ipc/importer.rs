@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use super::handle::IpcHandle;
 use super::wire::{MAX_PACKET, Msg};
 use crate::error::{Error, Result};
-use crate::queue::Mem;
+use crate::queue::{Event, Mem};
 use crate::segment::{Access, Segment};
 use crate::share::{Channel, Expect};
 use crate::view::CpuView;
@@ -48,6 +48,8 @@ struct Share {
     serial: u64,
     len: usize,
     ranges: Vec<(usize, usize)>,
+    /// Completes when the exporter's queued work on the block is done (its fence).
+    ready: Option<Event>,
 }
 
 impl std::fmt::Debug for IpcImporter {
@@ -121,7 +123,14 @@ impl IpcImporter {
             [(offset, _)] => (seg, offset),
             _ => (Arc::new(stitch(&seg, &share.ranges)?), 0),
         };
-        Ok(ImportedBlock { importer: Arc::clone(&self.shared), export: handle.export, len: share.len, seg, offset })
+        Ok(ImportedBlock {
+            importer: Arc::clone(&self.shared),
+            export: handle.export,
+            len: share.len,
+            seg,
+            offset,
+            ready: share.ready,
+        })
     }
 
     /// Takes in what the exporter sent so far without opening anything (never waits): its
@@ -243,7 +252,13 @@ impl Shared {
             };
             let msg = Msg::decode(&buf[..n]).map_err(|why| self.channel.protocol_error(why))?;
             let fd = fds.pop();
-            if !fds.is_empty() || fd.is_some() != matches!(msg, Msg::Segment { .. }) {
+            // A segment comes with its fd; a share may come with its fence; nothing else has one.
+            let fd_ok = match msg {
+                Msg::Segment { .. } => fd.is_some(),
+                Msg::Share { .. } => true,
+                _ => fd.is_none(),
+            };
+            if !fds.is_empty() || !fd_ok {
                 return Err(self.channel.protocol_error(format!("{msg:?} came with {} fds", fds.len() + 1)));
             }
             match msg {
@@ -257,8 +272,11 @@ impl Shared {
                 }
                 Msg::Share { export, serial, len, pid, ranges } => {
                     let share = self.check_share(st, export, serial, len, ranges)?;
-                    let share = Share { pid, ..share };
-                    st.shares.insert(export, share);
+                    let ready = match fd {
+                        Some(fd) => Some(self.fence(export, fd)?),
+                        None => None,
+                    };
+                    st.shares.insert(export, Share { pid, ready, ..share });
                 }
                 Msg::Gone { serial } => {
                     if st.segments.remove(&serial).is_none() {
@@ -297,6 +315,16 @@ impl Shared {
         Ok(())
     }
 
+    /// The event of export `export`'s fence: the read end of a pipe (readable once the
+    /// exporter's work is done; closed without a byte if it failed or the exporter died).
+    fn fence(&self, export: u64, fd: std::os::fd::OwnedFd) -> Result<Event> {
+        let st = rustix::fs::fstat(&fd).map_err(Error::io_rustix("fstat a share's fence"))?;
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Fifo {
+            return Err(self.channel.protocol_error(format!("export {export}: its fence is not a pipe")));
+        }
+        Event::from_readable_fd(fd)
+    }
+
     fn check_share(&self, st: &State, export: u64, serial: u64, len: u64, ranges: Vec<(u64, u64)>) -> Result<Share> {
         let bad = |why: String| self.channel.protocol_error(format!("export {export}: {why}"));
         let seg = st.segments.get(&serial).ok_or_else(|| bad(format!("names segment {serial}, never sent")))?;
@@ -321,6 +349,7 @@ impl Shared {
         // Both fit in usize: they lie inside a mapped segment.
         Ok(Share {
             pid: 0,
+            ready: None,
             serial,
             len: len as usize,
             ranges: ranges.into_iter().map(|(o, l)| (o as usize, l as usize)).collect(),
@@ -378,6 +407,8 @@ pub struct ImportedBlock {
     /// The exporter's segment, or for a stitched block a view of its own over the runs.
     seg: Arc<Segment>,
     offset: usize,
+    /// The exporter's fence: its queued work on the block (`None`: nothing was queued).
+    ready: Option<Event>,
 }
 
 impl std::fmt::Debug for ImportedBlock {
@@ -413,15 +444,51 @@ impl ImportedBlock {
         Mem::from(&self.seg).range(self.offset, self.len).expect("an imported block lies inside its segment")
     }
 
-    /// Copies `dst.len()` bytes at `offset` of the block out (bounded to the block).
+    /// Whether the exporter's work queued on the block before it was shared is done (true if
+    /// there was none).
+    pub fn is_ready(&self) -> bool {
+        self.ready.as_ref().is_none_or(Event::is_complete)
+    }
+
+    /// Waits until the exporter's work queued on the block before it was shared is done
+    /// (at most `timeout`; `None`: as long as it takes). Fails if that work failed, or the
+    /// exporting process died before it finished.
+    pub fn wait_ready(&self, timeout: Option<std::time::Duration>) -> Result<()> {
+        match &self.ready {
+            None => Ok(()),
+            Some(ev) => ev.synchronize(timeout).map_err(|e| match e {
+                Error::Timeout { .. } => e,
+                e => Error::OperationFailed {
+                    reason: format!(
+                        "IPC export {}: the exporting process's queued work on the block did not finish (it failed, \
+                         or the process died first): {e}",
+                        self.export
+                    )
+                    .into(),
+                },
+            }),
+        }
+    }
+
+    /// The exporter's fence as an event, for a queue to wait on ([`crate::queue::Queue::wait`])
+    /// before it uses [`ImportedBlock::mem`] (`None`: nothing to wait for).
+    pub fn ready_event(&self) -> Option<&Event> {
+        self.ready.as_ref()
+    }
+
+    /// Copies `dst.len()` bytes at `offset` of the block out (bounded to the block), once the
+    /// block is ready ([`ImportedBlock::wait_ready`]).
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len())?;
+        self.wait_ready(None)?;
         CpuView::new(&self.seg, self.offset + offset, dst.len(), Access::Read)?.read(0, dst)
     }
 
-    /// Copies `src` in at `offset` of the block (bounded to the block).
+    /// Copies `src` in at `offset` of the block (bounded to the block), once the block is
+    /// ready ([`ImportedBlock::wait_ready`]).
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check(offset, src.len())?;
+        self.wait_ready(None)?;
         CpuView::new(&self.seg, self.offset + offset, src.len(), Access::Write)?.write(0, src)
     }
 

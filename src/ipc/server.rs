@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -44,7 +44,7 @@ struct Server {
     /// The process it runs in (a forked child's copy has no accept thread).
     pid: u32,
     token: u64,
-    held: Mutex<HashMap<u64, Exported>>,
+    held: Mutex<HashMap<u64, (Exported, Option<OwnedFd>)>>,
     next_hold: AtomicU64,
     /// One exporter per connected importer; those whose peer is gone are dropped as new ones
     /// come.
@@ -52,7 +52,7 @@ struct Server {
 }
 
 impl HeldBlocks for Server {
-    fn take(&self, hold: u64) -> Option<Exported> {
+    fn take(&self, hold: u64) -> Option<(Exported, Option<OwnedFd>)> {
         lock(&self.held).remove(&hold)
     }
 }
@@ -128,8 +128,9 @@ fn accept_loop(listener: std::os::fd::OwnedFd, server: Arc<Server>) {
 
 /// A handle any process of this user can open with [`open_handle`], for `block`. The block is
 /// held from now on: freed here, it waits in limbo until the handle is opened and the importer
-/// lets go (or [`revoke_handle`]). If `after` is given, the work queued on it so far finishes
-/// first.
+/// lets go (or [`revoke_handle`]). If `after` is given, the work queued on it so far is the
+/// handle's fence: the opened block is ready only once that work is done (see
+/// [`IpcExporter::export`]).
 pub fn get_handle(block: &Allocation, after: Option<&Queue>) -> Result<IpcHandle> {
     hold(block.export()?, after)
 }
@@ -149,9 +150,7 @@ fn hold(e: Exported, after: Option<&Queue>) -> Result<IpcHandle> {
             ),
         });
     }
-    if let Some(q) = after {
-        q.record()?.synchronize(None)?;
-    }
+    let fence = after.map(super::exporter::fence_after).transpose()?.flatten();
     let server = server()?;
     let hold = server.next_hold.fetch_add(1, Ordering::Relaxed);
     let h = IpcHandle {
@@ -162,7 +161,7 @@ fn hold(e: Exported, after: Option<&Queue>) -> Result<IpcHandle> {
         len: e.len as u64,
         token: server.token,
     };
-    lock(&server.held).insert(hold, e);
+    lock(&server.held).insert(hold, (e, fence));
     Ok(h)
 }
 
