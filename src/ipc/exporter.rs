@@ -50,8 +50,14 @@ pub(crate) trait HeldBlocks: Send + Sync {
 /// A fence for the work `queue` has queued so far, which travels with a share: the read end
 /// of a pipe whose write end a callback on the queue writes one byte into, then closes, once
 /// that work is done. The importer watches it (readable: done; closed without a byte: the work
-/// failed, or this process died first). `None` if the queue has nothing queued.
+/// failed, or this process died first). `None` if the queue has nothing queued; the queue's
+/// error if its work has failed.
 pub(crate) fn fence_after(queue: &Queue) -> Result<Option<OwnedFd>> {
+    // Work of the queue that failed never wrote what the importer would read: refused, as a
+    // synchronize would be (an idle queue with an error would otherwise send no fence).
+    if let Some(e) = queue.error() {
+        return Err(e);
+    }
     if queue.is_idle() {
         return Ok(None);
     }

@@ -203,10 +203,11 @@ impl IpcImporter {
     pub fn discard(&self, export: u64) -> Result<()> {
         let mut st = self.shared.lock();
         self.shared.pump(&mut st)?;
-        if st.shares.remove(&export).is_none() {
+        let Some(share) = st.shares.remove(&export) else {
             return Err(Error::InvalidArgument { what: format!("IPC: no unopened export {export} on this channel") });
-        }
+        };
         drop(st);
+        drop_shares([share]);
         self.shared.channel.send_bytes(&Msg::Release { export }.encode(), &[])
     }
 
@@ -235,6 +236,10 @@ impl Shared {
             if st.gone.is_none() {
                 st.gone = Some(format!("the connection failed: {e}"));
             }
+        }
+        if st.gone.is_some() && !st.shares.is_empty() {
+            // Never to be opened (the exporter's holds are gone): their fences go too.
+            drop_shares(std::mem::take(&mut st.shares).into_values());
         }
         r
     }
@@ -298,7 +303,7 @@ impl Shared {
                         st.grants.insert(request, Some(export));
                     } else {
                         // Nobody waits for it (its caller gave up): let it go.
-                        st.shares.remove(&export);
+                        drop_shares(st.shares.remove(&export));
                         let _ = self.channel.send_bytes(&Msg::Release { export }.encode(), &[]);
                     }
                 }
@@ -354,6 +359,24 @@ impl Shared {
             len: len as usize,
             ranges: ranges.into_iter().map(|(o, l)| (o as usize, l as usize)).collect(),
         })
+    }
+}
+
+/// Drops a fence's event; if it was still pending, the fence watcher closes its fds now.
+fn drop_fence(ready: Option<Event>) {
+    if let Some(ev) = ready {
+        let pending = !ev.is_complete();
+        drop(ev);
+        if pending {
+            crate::queue::sweep_fences();
+        }
+    }
+}
+
+/// Drops shares that will never be opened, and their fences.
+fn drop_shares(shares: impl IntoIterator<Item = Share>) {
+    for s in shares {
+        drop_fence(s.ready);
     }
 }
 
@@ -445,9 +468,9 @@ impl ImportedBlock {
     }
 
     /// Whether the exporter's work queued on the block before it was shared is done (true if
-    /// there was none).
+    /// there was none; false if it failed, which [`ImportedBlock::wait_ready`] says).
     pub fn is_ready(&self) -> bool {
-        self.ready.as_ref().is_none_or(Event::is_complete)
+        self.ready.as_ref().is_none_or(|e| matches!(e.query(), Ok(true)))
     }
 
     /// Waits until the exporter's work queued on the block before it was shared is done
@@ -503,6 +526,7 @@ impl ImportedBlock {
 impl Drop for ImportedBlock {
     /// Releases the block to the exporter (if it is still there to hear it).
     fn drop(&mut self) {
+        drop_fence(self.ready.take());
         let _ = self.importer.channel.send_bytes(&Msg::Release { export: self.export }.encode(), &[]);
     }
 }

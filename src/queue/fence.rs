@@ -78,8 +78,18 @@ struct Watcher {
     shared: Mutex<WatcherInbox>,
 }
 
+static W: OnceLock<std::result::Result<Watcher, String>> = OnceLock::new();
+
+/// Has the fence watcher look for events nobody holds any more (it does on every wake-up):
+/// for a holder that dropped events whose fences are pending, so that their fds close now
+/// rather than when the next fence is handed in. Nothing if the watcher never started.
+pub(crate) fn sweep() {
+    if let Some(Ok(w)) = W.get() {
+        let _ = rustix::io::write(&w.wake, &1u64.to_ne_bytes());
+    }
+}
+
 fn watcher() -> Result<&'static Watcher> {
-    static W: OnceLock<std::result::Result<Watcher, String>> = OnceLock::new();
     W.get_or_init(|| {
         let wake = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(|e| e.to_string())?;
         let ring = PollRing::new(256, wake.try_clone().map_err(|e| e.to_string())?)
