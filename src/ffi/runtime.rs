@@ -415,7 +415,16 @@ impl Runtime {
     /// the free.
     pub fn record_stream(&self, device: usize, ptr: *mut u8, stream: usize) -> Result<()> {
         let q = self.stream(stream)?;
-        self.device(device)?.allocator().record_queue_raw(ptr, &q)
+        self.device(device)?.allocator().record_queue_raw(ptr, &q).map_err(|e| match e {
+            // The allocator's refusal names a free; this call is no free.
+            Error::InvalidFree { ptr, why } => Error::UnknownPointer {
+                what: "the pointer to record a stream on",
+                ptr,
+                expected: "inside a live allocation of this device",
+                why: why.to_string(),
+            },
+            e => e,
+        })
     }
 
     /// Begins (`begin`) or ends CPU access to `len` bytes of device memory at `ptr`: for a
