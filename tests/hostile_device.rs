@@ -47,10 +47,18 @@ fn bounded<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static
     }
 }
 
+/// Runs `f` and fails if the process holds more fds afterwards. Fewer is no leak: a thread an
+/// earlier test let go may close its last fds (its io_uring) a moment after that test ended,
+/// during `f` (a CI run saw 7 before and 6 after); and fds `f`'s own threads close as they
+/// exit are waited for (bounded).
 fn no_fd_leaked<T>(what: &str, f: impl FnOnce() -> T) -> T {
     let before = (open_fds(), fd_summary());
     let r = f();
-    assert_eq!(open_fds(), before.0, "{what}: fds leaked\nbefore: {}\nafter:  {}", before.1, fd_summary());
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while open_fds() > before.0 && std::time::Instant::now() < deadline {
+        std::thread::yield_now();
+    }
+    assert!(open_fds() <= before.0, "{what}: fds leaked\nbefore: {}\nafter:  {}", before.1, fd_summary());
     r
 }
 
