@@ -47,12 +47,27 @@ pub(crate) trait HeldBlocks: Send + Sync {
     fn take(&self, hold: u64) -> Option<(crate::caching::Exported, Option<OwnedFd>)>;
 }
 
+/// Whether held block `e` can be shared (a share carries at most [`MAX_RUNS`] ranges), and its
+/// fence if `after` is given ([`fence_after`]): what every export and handle checks and makes
+/// before anything is sent or kept.
+pub(crate) fn shareable(e: &crate::caching::Exported, after: Option<&Queue>) -> Result<Option<OwnedFd>> {
+    if e.ranges.len() > MAX_RUNS {
+        return Err(Error::Unsupported {
+            what: format!(
+                "the block lies in {} runs of its arena's memfd, more than a share carries ({MAX_RUNS})",
+                e.ranges.len()
+            ),
+        });
+    }
+    after.map(fence_after).transpose().map(Option::flatten)
+}
+
 /// A fence for the work `queue` has queued so far, which travels with a share: the read end
 /// of a pipe whose write end a callback on the queue writes one byte into, then closes, once
 /// that work is done. The importer watches it (readable: done; closed without a byte: the work
 /// failed, or this process died first). `None` if the queue has nothing queued; the queue's
 /// error if its work has failed.
-pub(crate) fn fence_after(queue: &Queue) -> Result<Option<OwnedFd>> {
+fn fence_after(queue: &Queue) -> Result<Option<OwnedFd>> {
     // Work of the queue that failed never wrote what the importer would read: refused, as a
     // synchronize would be (an idle queue with an error would otherwise send no fence).
     if let Some(e) = queue.error() {
@@ -126,13 +141,15 @@ impl IpcExporter {
     /// waits in limbo (`DeviceStats::limbo_bytes`) and is not reused.
     pub fn export(&self, block: &Allocation, after: Option<&Queue>) -> Result<IpcHandle> {
         let e = block.export()?;
-        self.shared.send(e, after.map(fence_after).transpose()?.flatten())
+        let fence = shareable(&e, after)?;
+        self.shared.send(e, fence)
     }
 
     /// [`IpcExporter::export`] for a raw allocation of `allocator` (the start of a live block).
     pub fn export_raw(&self, allocator: &CachingAllocator, ptr: *mut u8, after: Option<&Queue>) -> Result<IpcHandle> {
         let e = allocator.export_raw(ptr)?;
-        self.shared.send(e, after.map(fence_after).transpose()?.flatten())
+        let fence = shareable(&e, after)?;
+        self.shared.send(e, fence)
     }
 
     /// Exports the peer has not released yet.
@@ -152,15 +169,8 @@ impl IpcExporter {
 }
 
 impl Shared {
+    /// Sends block `e` (checked by [`shareable`]) with its fence.
     fn send(&self, e: crate::caching::Exported, fence: Option<OwnedFd>) -> Result<IpcHandle> {
-        if e.ranges.len() > MAX_RUNS {
-            return Err(Error::Unsupported {
-                what: format!(
-                    "the block lies in {} runs of its arena's memfd, more than a share carries ({MAX_RUNS})",
-                    e.ranges.len()
-                ),
-            });
-        }
         let serial = e.segment.serial();
         let gone = |why: &str| Error::PeerGone { channel: format!("{} ({why})", self.channel.name()) };
         let _sending = self.send_lock.lock().unwrap_or_else(|p| p.into_inner());

@@ -194,7 +194,7 @@ impl IpcImporter {
                 });
             }
             // Another thread's pump may take the answer: look again at least every 20 ms.
-            wait_readable(&self.shared.channel, left.min(std::time::Duration::from_millis(20)))?;
+            readable_within(&self.shared.channel, left.min(std::time::Duration::from_millis(20)))?;
         }
     }
 
@@ -246,7 +246,7 @@ impl Shared {
 
     fn pump_packets(&self, st: &mut State) -> Result<()> {
         let mut buf = vec![0u8; MAX_PACKET];
-        while st.gone.is_none() && readable(&self.channel)? {
+        while st.gone.is_none() && readable_within(&self.channel, std::time::Duration::ZERO)? {
             let (n, mut fds) = match self.channel.recv_bytes(&mut buf) {
                 Ok(got) => got,
                 Err(Error::PeerGone { .. }) => {
@@ -380,26 +380,18 @@ fn drop_shares(shares: impl IntoIterator<Item = Share>) {
     }
 }
 
-/// Waits at most `timeout` for a packet (or a hang-up) on the channel.
-fn wait_readable(channel: &Channel, timeout: std::time::Duration) -> Result<()> {
+/// Whether a packet (or a hang-up) waits on the channel within `timeout` (zero: a look that
+/// does not wait; a signal ends the wait early, as "not yet").
+fn readable_within(channel: &Channel, timeout: std::time::Duration) -> Result<bool> {
     use rustix::event::{PollFd, PollFlags, Timespec, poll};
     let fd = channel.as_fd();
     let mut fds = [PollFd::new(&fd, PollFlags::IN)];
     let ts = Timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: timeout.subsec_nanos() as i64 };
     match poll(&mut fds, Some(&ts)) {
-        Ok(_) | Err(rustix::io::Errno::INTR) => Ok(()),
+        Ok(n) => Ok(n > 0),
+        Err(rustix::io::Errno::INTR) => Ok(false),
         Err(e) => Err(Error::io_rustix("poll an IPC channel")(e)),
     }
-}
-
-/// Whether a packet waits on the channel (or it hung up): a poll that does not wait.
-fn readable(channel: &Channel) -> Result<bool> {
-    use rustix::event::{PollFd, PollFlags, Timespec, poll};
-    let fd = channel.as_fd();
-    let mut fds = [PollFd::new(&fd, PollFlags::IN)];
-    let n =
-        poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).map_err(Error::io_rustix("poll an IPC channel"))?;
-    Ok(n > 0)
 }
 
 /// A segment of its own showing `ranges` of `seg`'s fd in order (a reservation with each run

@@ -141,16 +141,7 @@ pub fn get_handle_raw(allocator: &CachingAllocator, ptr: *mut u8, after: Option<
 }
 
 fn hold(e: Exported, after: Option<&Queue>) -> Result<IpcHandle> {
-    if e.ranges.len() > super::wire::MAX_RUNS {
-        return Err(Error::Unsupported {
-            what: format!(
-                "the block lies in {} runs of its arena's memfd, more than a share carries ({})",
-                e.ranges.len(),
-                super::wire::MAX_RUNS
-            ),
-        });
-    }
-    let fence = after.map(super::exporter::fence_after).transpose()?.flatten();
+    let fence = super::exporter::shareable(&e, after)?;
     let server = server()?;
     let hold = server.next_hold.fetch_add(1, Ordering::Relaxed);
     let h = IpcHandle {
