@@ -7,6 +7,8 @@
 //! and export/free/release/empty_cache from many threads at once (stale reads, limbo
 //! accounting and `check_invariants`).
 
+mod common;
+
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
@@ -22,14 +24,6 @@ use dmabuf_rt::source::ShmemSource;
 
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
-
-fn allocator(capacity: u64) -> CachingAllocator {
-    CachingAllocator::builder(ShmemSource::new().reserve(false))
-        .config(Config::parse("").unwrap())
-        .capacity(capacity)
-        .build()
-        .unwrap()
-}
 
 fn pat(tag: u8, len: usize) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(29) ^ tag ^ ((i >> 12) as u8)).collect()
@@ -102,7 +96,7 @@ fn within<T: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() -> T 
 #[test]
 fn releases_are_not_stalled_by_an_export_blocked_on_a_full_channel() {
     within("an importer releasing while the producer exports", Duration::from_secs(30), || {
-        let a = Arc::new(allocator(256 * MB as u64));
+        let a = Arc::new(common::allocator("", 256 * MB as u64));
         let (exp, imp) = pair();
         let (exp, imp) = (Arc::new(exp), Arc::new(imp));
         // Batch 1: exported and opened (the importer holds them).
@@ -151,7 +145,7 @@ fn releases_are_not_stalled_by_an_export_blocked_on_a_full_channel() {
 /// second frees it; its bytes hold meanwhile.
 #[test]
 fn a_block_exported_twice_stays_in_limbo_until_both_are_released() {
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let (exp, imp) = pair();
     let x = a.allocate(40 * KB, None).unwrap();
     fill(&x, 11);
@@ -182,7 +176,7 @@ fn a_block_exported_twice_stays_in_limbo_until_both_are_released() {
 /// hold goes, the other export of the same block keeps it in limbo, nothing panics.
 #[test]
 fn a_peer_releasing_twice_or_unknown_exports_frees_nothing_else() {
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let (mine, theirs) = Channel::pair("hostile peer").unwrap();
     let exp = IpcExporter::new(mine).unwrap();
     let x = a.allocate(8 * KB, None).unwrap();
@@ -209,7 +203,7 @@ fn a_peer_releasing_twice_or_unknown_exports_frees_nothing_else() {
 #[test]
 fn a_deferred_free_of_a_shared_block_waits_for_the_queue_and_the_importer() {
     for release_first in [false, true] {
-        let a = allocator(64 * MB as u64);
+        let a = common::allocator("", 64 * MB as u64);
         let (exp, imp) = pair();
         let (q, go) = blocked_queue();
         let mut x = a.allocate(64 * KB, None).unwrap();
@@ -255,7 +249,7 @@ fn a_deferred_free_of_a_shared_block_waits_for_the_queue_and_the_importer() {
 /// (refused), then the queue passes (limbo), then the release.
 #[test]
 fn a_raw_deferred_free_of_a_shared_block_goes_through_limbo() {
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let (exp, imp) = pair();
     let (q, go) = blocked_queue();
     let p = a.allocate_raw(32 * KB, None).unwrap();
@@ -279,7 +273,7 @@ fn a_raw_deferred_free_of_a_shared_block_goes_through_limbo() {
 /// block in limbo, it should name the limbo as `free_raw` does, and change nothing.
 #[test]
 fn free_raw_sized_of_a_block_in_limbo_is_refused_as_free_raw_refuses_it() {
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let (exp, imp) = pair();
     let p = a.allocate_raw(16 * KB, None).unwrap();
     let got = imp.open(&exp.export_raw(&a, p, None).unwrap()).unwrap();
@@ -300,7 +294,7 @@ fn free_raw_sized_of_a_block_in_limbo_is_refused_as_free_raw_refuses_it() {
 /// once released they go with the next `empty_cache`.
 #[test]
 fn empty_cache_leaves_blocks_in_limbo_alone() {
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let (exp, imp) = pair();
     let sizes = [4 * KB, 100 * KB + 3, 3 * MB];
     let xs: Vec<_> = sizes.iter().map(|&n| a.allocate(n, None).unwrap()).collect();
@@ -340,7 +334,7 @@ fn empty_cache_leaves_blocks_in_limbo_alone() {
 /// hold, and the late releases (on the reader thread) neither panic nor hang.
 #[test]
 fn the_allocator_dropped_while_exports_are_outstanding() {
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let (exp, imp) = pair();
     let xs: Vec<_> = [2 * KB, 64 * KB, 5 * MB].iter().map(|&n| a.allocate(n, None).unwrap()).collect();
     let mut got = Vec::new();
@@ -365,7 +359,7 @@ fn the_allocator_dropped_while_exports_are_outstanding() {
 /// after the drop every hold is released.
 #[test]
 fn opens_racing_the_exporters_drop_are_clean() {
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let (exp, imp) = pair();
     let xs: Vec<_> = (0..200).map(|_| a.allocate(4 * KB, None).unwrap()).collect();
     let hs: Vec<_> = xs.iter().map(|x| exp.export(x, None).unwrap()).collect();
@@ -407,7 +401,7 @@ fn opens_racing_the_exporters_drop_are_clean() {
 /// limbo ends empty and consistent.
 #[test]
 fn export_free_release_from_many_threads_never_shows_stale_bytes() {
-    let a = Arc::new(allocator(256 * MB as u64));
+    let a = Arc::new(common::allocator("", 256 * MB as u64));
     let (exp, imp) = pair();
     let (exp, imp) = (Arc::new(exp), Arc::new(imp));
     let stop = Arc::new(AtomicBool::new(false));
@@ -477,7 +471,7 @@ fn export_free_release_from_many_threads_never_shows_stale_bytes() {
 /// release frees the block and then lets the gone queue's segment go, consistently.
 #[test]
 fn a_block_in_limbo_of_a_dropped_queue() {
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let (exp, imp) = pair();
     let q = Queue::new().unwrap();
     let xs: Vec<_> = [4 * KB, 64 * KB, 3 * MB].iter().map(|&n| a.allocate(n, Some(&q)).unwrap()).collect();
@@ -562,7 +556,7 @@ fn the_limbo_under_other_settings() {
 /// handle and a reused block.
 #[test]
 fn export_raw_racing_free_raw() {
-    let a = Arc::new(allocator(64 * MB as u64));
+    let a = Arc::new(common::allocator("", 64 * MB as u64));
     let (exp, imp) = pair();
     let exp = Arc::new(exp);
     let mut exported = 0;
@@ -601,7 +595,7 @@ fn export_raw_racing_free_raw() {
 /// `peer_gone()` (and the release reader) block too, for as long as the peer does not read.
 #[test]
 fn held_does_not_block_while_an_export_waits_for_a_peer_that_does_not_read() {
-    let a = Arc::new(allocator(64 * MB as u64));
+    let a = Arc::new(common::allocator("", 64 * MB as u64));
     let (mine, theirs) = Channel::pair("silent peer").unwrap();
     let exp = Arc::new(IpcExporter::new(mine).unwrap());
     let producer = {
@@ -646,7 +640,7 @@ fn held_does_not_block_while_an_export_waits_for_a_peer_that_does_not_read() {
 /// the refusal `open` promises ("meant for another importer").
 #[test]
 fn a_handle_of_another_process_is_refused() {
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let (exp, imp) = pair();
     let x = a.allocate(8 * KB, None).unwrap();
     let h = exp.export(&x, None).unwrap();
@@ -663,7 +657,7 @@ fn a_handle_of_another_process_is_refused() {
 #[test]
 fn history_and_stat_resets_with_a_block_in_limbo() {
     use dmabuf_rt::caching::HistoryKind;
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     a.record_history(true);
     let (exp, imp) = pair();
     let x = a.allocate(24 * KB, None).unwrap();

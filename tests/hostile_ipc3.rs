@@ -10,11 +10,15 @@
 //!
 //! Every test counts or churns this process's fds: they run one at a time (`serial`).
 
+mod common;
+
+use common::{open_fds, serial};
+
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use dmabuf_rt::caching::{CachingAllocator, Config};
+use dmabuf_rt::caching::CachingAllocator;
 use dmabuf_rt::ipc::{self, IpcExporter, IpcHandle, IpcImporter};
 use dmabuf_rt::queue::{Event, HostBuffer, Queue};
 use dmabuf_rt::share::Channel;
@@ -24,23 +28,6 @@ use dmabuf_rt::{Error, Segment};
 const KB: usize = 1 << 10;
 /// Hang detection (generous: CI may run under emulation).
 const WATCHDOG: Duration = Duration::from_secs(20);
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
-}
-
-fn allocator() -> CachingAllocator {
-    CachingAllocator::builder(ShmemSource::new().reserve(false))
-        .config(Config::parse("").unwrap())
-        .capacity(64 << 20)
-        .build()
-        .unwrap()
-}
 
 fn pair() -> (IpcExporter, IpcImporter) {
     let (a, b) = Channel::pair("ipc3").unwrap();
@@ -136,7 +123,7 @@ fn raw_peer() -> (Channel, IpcImporter, Segment) {
 #[test]
 fn an_export_after_a_queue_whose_work_failed_is_never_ready() {
     let _serial = serial();
-    let a = allocator();
+    let a = common::allocator("", 64 << 20);
     let q = Queue::new().unwrap();
     let (exp, imp) = pair();
     let x = a.allocate(64 * KB, None).unwrap();
@@ -235,7 +222,7 @@ fn a_failed_fence_is_not_ready() {
 #[test]
 fn a_producer_queue_dropped_with_the_fence_pending_fails_the_fence() {
     let _serial = serial();
-    let a = allocator();
+    let a = common::allocator("", 64 << 20);
     let q = Queue::new().unwrap();
     let (exp, imp) = pair();
     let x = a.allocate(64 * KB, None).unwrap();
@@ -267,7 +254,7 @@ fn a_thousand_fenced_exports_leak_no_fds_and_all_become_ready() {
     let room = (limit as usize).saturating_sub(open_fds() + 64) / 4;
     let n = room.min(1000);
     assert!(n >= 100, "room for {n} fences only (RLIMIT_NOFILE {limit})");
-    let a = allocator();
+    let a = common::allocator("", 64 << 20);
     let q = Queue::new().unwrap();
     let (exp, imp) = pair();
     let x = a.allocate(64 * KB, None).unwrap();
@@ -301,7 +288,7 @@ fn a_thousand_fenced_exports_leak_no_fds_and_all_become_ready() {
 #[test]
 fn limbo_empties_when_a_block_with_a_stalled_fence_is_released() {
     let _serial = serial();
-    let a = allocator();
+    let a = common::allocator("", 64 << 20);
     let q = Queue::new().unwrap();
     let (exp, imp) = pair();
     let x = a.allocate(64 * KB, None).unwrap();
@@ -340,7 +327,7 @@ fn a_fence_that_is_a_pipes_write_end_never_reads_as_ready() {
 #[test]
 fn revoked_fenced_handles_leak_no_fds() {
     let _serial = serial();
-    let a = allocator();
+    let a = common::allocator("", 64 << 20);
     let q = Queue::new().unwrap();
     let x = a.allocate(64 * KB, None).unwrap();
     // Warm up: the process's IPC socket starts.

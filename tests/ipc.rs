@@ -6,13 +6,17 @@
 //! in its environment) with its end of the IPC channel as stdin; a second channel for control
 //! (handles one way, answers the other) crosses as the first packet of the first.
 
+mod common;
+
+use common::{open_fds, serial};
+
 use std::os::fd::AsFd;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dmabuf_rt::caching::stats::AGGREGATE;
-use dmabuf_rt::caching::{Allocation, CachingAllocator, Config};
+use dmabuf_rt::caching::{Allocation, CachingAllocator};
 use dmabuf_rt::ipc::{HANDLE_BYTES, IpcExporter, IpcHandle, IpcImporter};
 use dmabuf_rt::queue::{HostBuffer, Queue};
 use dmabuf_rt::segment::Access;
@@ -23,14 +27,6 @@ use dmabuf_rt::{Error, Segment};
 const ROLE_ENV: &str = "IPC_TEST_CHILD";
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
-
-fn allocator(capacity: u64) -> CachingAllocator {
-    CachingAllocator::builder(ShmemSource::new().reserve(false))
-        .config(Config::parse("").unwrap())
-        .capacity(capacity)
-        .build()
-        .unwrap()
-}
 
 fn pat(tag: u8, len: usize) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(29) ^ tag ^ ((i >> 12) as u8)).collect()
@@ -52,16 +48,6 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
         assert!(start.elapsed() < Duration::from_secs(30), "never happened: {what}");
         std::thread::yield_now();
     }
-}
-
-/// Tests here count this process's fds (and churn them): one at a time.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -186,7 +172,7 @@ fn consumer() -> (IpcExporter, Consumer) {
 #[test]
 fn shared_blocks_freed_at_once_keep_their_bytes_while_the_producer_churns() {
     let _serial = serial();
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let (exp, c) = consumer();
     let sizes = [4 * KB, 16 * KB, 100 * KB + 7, 3 * MB + 5];
     let mut shared = Vec::new();
@@ -242,7 +228,7 @@ fn shared_blocks_freed_at_once_keep_their_bytes_while_the_producer_churns() {
 #[test]
 fn a_consumer_killed_while_holding_blocks_releases_them() {
     let _serial = serial();
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let (exp, mut c) = consumer();
     let xs: Vec<_> = [8 * KB, 64 * KB, 2 * MB].iter().map(|&n| a.allocate(n, None).unwrap()).collect();
     for x in &xs {
@@ -269,7 +255,7 @@ fn a_consumer_killed_while_holding_blocks_releases_them() {
 #[test]
 fn ten_thousand_shared_blocks_cost_an_fd_per_segment_not_per_block() {
     let _serial = serial();
-    let a = allocator(256 * MB as u64);
+    let a = common::allocator("", 256 * MB as u64);
     let (exp, c) = consumer();
     let xs: Vec<_> = (0..10_000).map(|i| a.allocate(1024 + (i % 7) * 512, None).unwrap()).collect();
     for x in &xs {
@@ -302,7 +288,7 @@ fn pair() -> (IpcExporter, IpcImporter) {
 #[test]
 fn a_freed_shared_block_is_not_reused_until_released() {
     let _serial = serial();
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let (exp, imp) = pair();
     for n in [2 * KB, 40 * KB, 4 * MB] {
         let x = a.allocate(n, None).unwrap();
@@ -334,7 +320,7 @@ fn a_freed_shared_block_is_not_reused_until_released() {
 #[test]
 fn writes_are_seen_on_both_sides_and_a_stitched_block_reads_in_order() {
     let _serial = serial();
-    let a = allocator((8 * 32 * KB) as u64);
+    let a = common::allocator("", (8 * 32 * KB) as u64);
     let pads: Vec<_> = (0..8).map(|_| a.allocate(32 * KB, None).unwrap()).collect();
     let kept: Vec<_> = pads.into_iter().skip(1).step_by(2).collect();
     let big = a.allocate(100 * KB, None).unwrap();
@@ -364,7 +350,7 @@ fn writes_are_seen_on_both_sides_and_a_stitched_block_reads_in_order() {
 #[test]
 fn an_export_after_queued_work_is_ready_only_once_that_work_is_done() {
     let _serial = serial();
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let q = Queue::new().unwrap();
     let (exp, imp) = pair();
     let x = a.allocate(8 * MB, Some(&q)).unwrap();
@@ -431,7 +417,7 @@ fn a_share_whose_fence_is_never_signalled_fails_its_reads() {
 #[test]
 fn raw_blocks_are_shared_and_a_second_free_in_limbo_is_refused() {
     let _serial = serial();
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let (exp, imp) = pair();
     let p = a.allocate_raw(64 * KB, None).unwrap();
     let h = exp.export_raw(&a, p, None).unwrap();
@@ -451,7 +437,7 @@ fn raw_blocks_are_shared_and_a_second_free_in_limbo_is_refused() {
 #[test]
 fn forged_and_stale_handles_are_refused_from_many_threads() {
     let _serial = serial();
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let (exp, imp) = pair();
     let imp = Arc::new(imp);
     let xs: Vec<_> = (0..16).map(|i| a.allocate(20 * KB + i * 4096, None).unwrap()).collect();
@@ -554,7 +540,7 @@ fn a_hostile_exporter_is_refused_with_the_cause() {
 #[test]
 fn either_side_hanging_up_releases_the_holds() {
     let _serial = serial();
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let x = a.allocate(64 * KB, None).unwrap();
     let (exp, imp) = pair();
     let h = exp.export(&x, None).unwrap();
@@ -581,7 +567,7 @@ fn either_side_hanging_up_releases_the_holds() {
 #[test]
 fn process_wide_handles_open_in_another_process_and_come_back_when_it_dies() {
     let _serial = serial();
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let (_exp, mut c) = consumer();
     let xs: Vec<_> = [4 * KB, 48 * KB, 5 * MB].iter().map(|&n| a.allocate(n, None).unwrap()).collect();
     let mut hs = Vec::new();
@@ -619,7 +605,7 @@ fn process_wide_handles_open_in_another_process_and_come_back_when_it_dies() {
 fn process_wide_handles_refuse_forged_opened_and_revoked_ones() {
     let _serial = serial();
     use dmabuf_rt::ipc::{get_handle, get_handle_raw, open_handle, revoke_handle, unopened_handles};
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let x = a.allocate(100 * KB, None).unwrap();
     fill(&x, 4);
     let h = get_handle(&x, None).unwrap();
@@ -660,7 +646,7 @@ fn process_wide_handles_refuse_forged_opened_and_revoked_ones() {
 #[test]
 fn an_export_to_a_peer_that_reads_nothing_times_out() {
     let _serial = serial();
-    let a = allocator(64 * MB as u64);
+    let a = common::allocator("", 64 * MB as u64);
     let (mine, theirs) = Channel::pair("silent").unwrap();
     let exp = IpcExporter::new(mine).unwrap();
     exp.channel().set_send_timeout(Duration::from_millis(100)).unwrap();
