@@ -5,6 +5,7 @@
 //! and freed on every request, so its home region is a dense region here: starts by unit in a
 //! bitmap, not entries of the ordered map.
 //!
+//! A region's blocks are in neither table: its bitmap and table by unit answer both lookups.
 //! The exact table is an open-addressing hash table of its own (linear probing, at most half
 //! full, Fibonacci hashing of the address's 512-byte unit): a raw free's lookup is a multiply,
 //! a shift and one or two compares, flat in the number of blocks.
@@ -181,6 +182,12 @@ impl Starts {
         self.levels[0].iter().map(|w| w.count_ones() as usize).sum()
     }
 
+    /// Whether unit `u` is filed.
+    #[inline(always)]
+    fn contains(&self, u: usize) -> bool {
+        self.levels[0].get(u / 64).is_some_and(|w| w & (1 << (u % 64)) != 0)
+    }
+
     /// The last unit filed at or below `u`.
     fn last_at_or_below(&self, u: usize) -> Option<usize> {
         let mut i = u;
@@ -230,6 +237,17 @@ impl Region {
         addr.wrapping_sub(self.base) < self.len
     }
 
+    /// The block that starts at `addr` (in the region), or `NONE`.
+    #[inline(always)]
+    fn find(&self, addr: usize) -> BlockId {
+        let off = addr - self.base;
+        let u = off >> self.shift;
+        if off & ((1 << self.shift) - 1) != 0 || !self.starts.contains(u) {
+            return NONE;
+        }
+        self.ids[u]
+    }
+
     /// The last start at or before `addr` (in the region), and its block.
     fn at_or_before(&self, addr: usize) -> Option<(usize, BlockId)> {
         let s = self.starts.last_at_or_below((addr - self.base) >> self.shift)?;
@@ -251,7 +269,6 @@ impl BlockAddrs {
     }
 
     pub(crate) fn insert(&mut self, addr: usize, id: BlockId) {
-        self.exact.insert(addr, id);
         if let Some(r) = self.region_of(addr) {
             let u = (addr - r.base) >> r.shift;
             debug_assert_eq!((addr - r.base) & ((1 << r.shift) - 1), 0, "a region's blocks start at its units");
@@ -262,15 +279,16 @@ impl BlockAddrs {
             r.ids[u] = id;
             return;
         }
+        self.exact.insert(addr, id);
         self.ordered.insert(addr, id);
     }
 
     pub(crate) fn remove(&mut self, addr: usize) {
-        self.exact.remove(addr);
         if let Some(r) = self.region_of(addr) {
             r.starts.remove((addr - r.base) >> r.shift);
             return;
         }
+        self.exact.remove(addr);
         self.ordered.remove(&addr);
     }
 
@@ -295,7 +313,7 @@ impl BlockAddrs {
     /// The block that starts at `addr`.
     #[inline]
     pub(crate) fn get(&self, addr: usize) -> Option<BlockId> {
-        let id = self.exact.find(addr);
+        let id = self.get_or_invalid(addr);
         (id != NONE).then_some(id)
     }
 
@@ -303,7 +321,16 @@ impl BlockAddrs {
     /// path, whose bounds check on the block table then also says "none".
     #[inline(always)]
     pub(crate) fn get_or_invalid(&self, addr: usize) -> BlockId {
-        self.exact.find(addr)
+        // A region's blocks are filed there only (most processes have one region or none),
+        // and no other block lies in a region: the exact table first, for the raw fast path.
+        let id = self.exact.find(addr);
+        if id != NONE {
+            return id;
+        }
+        match self.regions.iter().find(|r| r.holds(addr)) {
+            Some(r) => r.find(addr),
+            None => NONE,
+        }
     }
 
     /// The block that starts last at or before `addr` (the one holding it, if any does), and
@@ -317,11 +344,8 @@ impl BlockAddrs {
     }
 
     pub(crate) fn len(&self) -> usize {
-        debug_assert_eq!(
-            self.exact.len,
-            self.ordered.len() + self.regions.iter().map(|r| r.starts.len()).sum::<usize>()
-        );
-        self.exact.len
+        debug_assert_eq!(self.exact.len, self.ordered.len());
+        self.exact.len + self.regions.iter().map(|r| r.starts.len()).sum::<usize>()
     }
 }
 

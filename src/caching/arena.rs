@@ -152,6 +152,8 @@ pub(crate) struct Made {
 /// The state of one arena (see the module docs).
 pub(crate) struct Arena {
     unit: usize,
+    /// log2 of `unit` (a power of two): the hot paths shift instead of dividing.
+    shift: u32,
     /// Bytes of the reservation (address space for views) and of the memfd (units).
     reserved_len: usize,
     /// Units that exist: `[0, len)` (used at least once).
@@ -198,8 +200,10 @@ impl Arena {
         if home_units > 0 {
             seg.map_view(0, 0, home_units * unit)?;
         }
+        debug_assert!(unit.is_power_of_two());
         Ok(Self {
             unit,
+            shift: unit.trailing_zeros(),
             reserved_len,
             len: 0,
             holes: Vec::new(),
@@ -235,8 +239,8 @@ impl Arena {
     /// with no home block started there since (a free of it, when no live block holds it,
     /// is a double free).
     pub(crate) fn freed_at(&self, off: usize) -> bool {
-        let u = off / self.unit;
-        self.is_home(off) && off % self.unit == 0 && u < self.len && bit(&self.freed, u)
+        let u = off >> self.shift;
+        self.is_home(off) && off & (self.unit - 1) == 0 && u < self.len && bit(&self.freed, u)
     }
 
     /// Units used so far (`[0, units)`).
@@ -251,7 +255,7 @@ impl Arena {
 
     /// The units a block of `size` bytes takes.
     pub(crate) fn units_for(&self, size: usize) -> usize {
-        size.div_ceil(self.unit)
+        (size >> self.shift) + usize::from(size & (self.unit - 1) != 0)
     }
 
     /// Bytes of memory the arena holds: the units used so far, less those given back.
@@ -347,7 +351,7 @@ impl Arena {
     /// The home block at byte `off` of `n` units is freed: its units are free (merged into
     /// the free runs), and nothing is left of it but the mark that a block started there.
     pub(crate) fn release_home(&mut self, off: usize, n: usize) {
-        let (u, k) = ((off / self.unit) as u32, n as u32);
+        let (u, k) = ((off >> self.shift) as u32, n as u32);
         debug_assert!(self.is_home(off) && off % self.unit == 0);
         self.home_live -= 1;
         set(&mut self.freed, u as usize, u as usize + 1, true);

@@ -216,8 +216,7 @@ impl CachingAllocator {
         let got = match pool.try_quick(size, key) {
             Some(h) => h,
             None => {
-                drop(pool);
-                return self.allocate_slow(size, queue, |pool, b| self.wrap(pool, b, size, queue_id));
+                return self.allocate_slow(size, queue, Some(pool), |pool, b| self.wrap(pool, b, size, queue_id));
             }
         };
         Ok(self.wrap(pool, got, size, queue_id))
@@ -240,22 +239,27 @@ impl CachingAllocator {
     }
 
     /// Seed 003's malloc with the waits it may need, for both APIs: `take` turns the block
-    /// handed out (with the lock still held) into what the caller returns.
+    /// handed out (with the lock still held) into what the caller returns. `held` is the lock
+    /// the fast path took and still holds: the first pass goes on under it rather than
+    /// letting it go and taking it again.
     #[inline(never)]
-    fn allocate_slow<T>(
-        &self,
+    fn allocate_slow<'a, T>(
+        &'a self,
         size: usize,
         queue: Option<&Queue>,
-        mut take: impl FnMut(MutexGuard<'_, Pool>, pool::Handed) -> T,
+        mut held: Option<MutexGuard<'a, Pool>>,
+        mut take: impl FnMut(MutexGuard<'a, Pool>, pool::Handed) -> T,
     ) -> Result<T> {
         let key = QueueKey::of(queue.map(Queue::id));
         let mut waited = false;
         loop {
+            let mut pool = held.take().unwrap_or_else(|| self.lock());
             // The free list's protocol (see `free_list`): read the pending count first, then
             // drain. Read after the drain, a completion pushed between the two would be seen
-            // as no longer pending and yet not applied: a false out-of-memory error.
+            // as no longer pending and yet not applied: a false out-of-memory error. (The
+            // lock's own drain came before the read: this one comes after it.)
             let pending = !self.inner.pending.is_zero();
-            let mut pool = self.lock();
+            self.drain(&mut pool);
             if let Some(q) = queue {
                 if pool.register_queue(q) {
                     // When the queue goes, its segments (an expandable one per pool, and its
@@ -360,18 +364,22 @@ impl CachingAllocator {
     #[inline(always)]
     pub fn allocate_raw(&self, size: usize, queue: Option<&Queue>) -> Result<*mut u8> {
         let key = QueueKey::of(queue.map(Queue::id));
-        if let Some(addr) = self.lock().quick_alloc_raw(size, key) {
+        let mut pool = self.lock();
+        if let Some(addr) = pool.quick_alloc_raw(size, key) {
             return Ok(addr as *mut u8);
         }
-        self.allocate_raw_slow(size, queue)
+        self.allocate_raw_slow(size, queue, pool)
     }
 
-    /// [`CachingAllocator::allocate_raw`] past its fast path.
+    /// [`CachingAllocator::allocate_raw`] past its fast path, under the lock it took.
     #[inline(never)]
-    fn allocate_raw_slow(&self, size: usize, queue: Option<&Queue>) -> Result<*mut u8> {
-        // (Frees applied since the fast path's look are found there too: `Pool::allocate`
-        // tries the quick cache first.)
-        self.allocate_slow(size, queue, |mut pool, b| pool.hand_out_raw(b) as *mut u8)
+    fn allocate_raw_slow<'a>(
+        &'a self,
+        size: usize,
+        queue: Option<&Queue>,
+        held: MutexGuard<'a, Pool>,
+    ) -> Result<*mut u8> {
+        self.allocate_slow(size, queue, Some(held), |mut pool, b| pool.hand_out_raw(b) as *mut u8)
     }
 
     /// Holds the raw allocation at `ptr` (its start) for sharing with another process

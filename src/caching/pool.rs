@@ -169,6 +169,9 @@ pub(crate) struct Pool {
     arenas: HashMap<QueueKey, u32, FxBuild>,
     /// No arena can be made (the source or the address space refused): pools serve all.
     arena_unsupported: bool,
+    /// Some request of an arena's sizes was served by the pools instead (its arena could not
+    /// hold it): blocks of those sizes may then be in the quick cache too.
+    arena_fell_back: bool,
     /// The latest failure of the source during the current request that was not a lack of
     /// memory (fd limit, permission, I/O): reported as itself, not as out-of-memory.
     source_error: Option<Error>,
@@ -211,6 +214,7 @@ impl Pool {
             expandable_unsupported: false,
             arenas: HashMap::default(),
             arena_unsupported: false,
+            arena_fell_back: false,
             source_error: None,
             gone: Default::default(),
         }
@@ -436,15 +440,19 @@ impl Pool {
         };
         let rounded = self.round_size(size).filter(|&r| r <= isize::MAX as usize).ok_or_else(too_large)?;
         self.source_error = None;
+        // Arena blocks keep PyTorch's pool for their stats (small up to 1 MiB); the arena's
+        // memory counts as the large pool's. They never enter the quick cache (blocks of their
+        // sizes do only where the arena could not hold one).
+        let arena = self.uses_arena(rounded);
         // The fast path: a block of exactly this size freed on this queue.
-        if let Some(id) = self.quick_take(queue, rounded) {
+        if (!arena || self.arena_fell_back)
+            && let Some(id) = self.quick_take(queue, rounded)
+        {
             return Ok(Outcome::Got(self.hand_out(id, size, queue)));
         }
         let alloc_size = self.allocation_size(rounded).ok_or_else(too_large)?;
         let mut p = AllocParams::new(size, rounded, alloc_size, queue, pending, waited);
-        // Arena blocks keep PyTorch's pool for their stats (small up to 1 MiB); the arena's
-        // memory counts as the large pool's.
-        p.arena = self.uses_arena(rounded);
+        p.arena = arena;
         // A cached block whose punched pages cannot be taken again goes through the ladder,
         // which may release enough elsewhere (or wait for frees) to take it after all; a
         // block the ladder finds is checked the same way (each block once).
@@ -576,6 +584,7 @@ impl Pool {
             // No arena, or it cannot hold this request (its memfd or address space is full,
             // a mapping failed): the pools serve it.
             p.arena = false;
+            self.arena_fell_back = true;
         }
         p.block = self.new_memory(p.alloc_size, p.rounded, p.pool, p.queue, &mut p.cause);
         p.block.is_some()

@@ -167,12 +167,13 @@ impl Pool {
     /// Makes the block `plan` names in arena `si` and hands it out for request `p` (letting
     /// the oldest cached views go if a stitched view finds no address space).
     fn arena_make(&mut self, si: u32, p: &mut AllocParams, plan: Plan) -> bool {
-        let seg = Arc::clone(&self.segments[si as usize].as_ref().expect("live arena").seg);
         let made = loop {
-            match self.arena_mut(si).1.make(&seg, &plan) {
+            let (seg, a) = self.arena_mut(si);
+            match a.make(seg, &plan) {
                 Ok(None) => {
                     // No address space left: the oldest cached view goes, and again; not while
                     // the queue has work in flight (it may still use a block freed meanwhile).
+                    let seg = Arc::clone(seg);
                     let oldest = self.arena_mut(si).1.oldest_cached(0, 1).first().copied();
                     let Some(v) = oldest.filter(|_| !self.queue_busy(p.queue)) else {
                         p.cause = "; the stitched arena's address space is full of views in use".into();
@@ -232,10 +233,9 @@ impl Pool {
     /// cached; the oldest views are let go if the cached ones hold too many mappings.
     pub(super) fn arena_release(&mut self, id: BlockId) {
         let (si, queue) = (self.blocks[id as usize].seg, self.blocks[id as usize].queue);
-        let busy = self.queue_busy(queue);
         let base = self.segments[si as usize].as_ref().map_or(0, |e| e.base);
         let (off, size) = (self.blocks[id as usize].offset, self.blocks[id as usize].size);
-        let (seg, a) = self.arena_mut(si);
+        let (_, a) = self.arena_mut(si);
         if a.is_home(off) {
             // A home block: gone, its units free for any block.
             let n = a.units_for(size);
@@ -247,8 +247,9 @@ impl Pool {
         a.release(id);
         // Not while the queue has work in flight: it may still use the view just freed (a
         // stream-ordered free), and a view let go shows no memory any more.
-        if a.over_run_budget() && !busy {
-            let seg = Arc::clone(seg);
+        if a.over_run_budget() && !self.queue_busy(queue) {
+            let seg = Arc::clone(&self.segments[si as usize].as_ref().expect("live arena").seg);
+            let a = self.arena_mut(si).1;
             let ids = a.oldest_cached(super::super::arena::MAX_CACHED_RUNS * 3 / 4, 0);
             for v in ids {
                 self.arena_evict(si, &seg, v);
