@@ -216,6 +216,11 @@ impl IpcImporter {
         self.shared.lock().gone.is_some()
     }
 
+    /// The channel (to count what was sent).
+    pub fn channel(&self) -> &Channel {
+        &self.shared.channel
+    }
+
     /// Segments of the exporter this importer holds (one fd and one mapping each).
     pub fn segments(&self) -> usize {
         self.shared.lock().segments.len()
@@ -489,6 +494,15 @@ impl ImportedBlock {
     /// before it uses [`ImportedBlock::mem`] (`None`: nothing to wait for).
     pub fn ready_event(&self) -> Option<&Event> {
         self.ready.as_ref()
+    }
+
+    /// A CPU view of the whole block (bounded to it), once the block is ready
+    /// ([`ImportedBlock::wait_ready`]): for work on many parts of it inside one access (one
+    /// `DMA_BUF_IOCTL_SYNC` pair for a dma-buf), where [`ImportedBlock::read`] and
+    /// [`ImportedBlock::write`] bracket each call.
+    pub fn cpu_access(&self, access: Access) -> Result<CpuView<'_>> {
+        self.wait_ready(None)?;
+        CpuView::new(&self.seg, self.offset, self.len, access)
     }
 
     /// Copies `dst.len()` bytes at `offset` of the block out (bounded to the block), once the

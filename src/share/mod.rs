@@ -45,7 +45,9 @@
 //! Everything a peer sends that breaks the protocol is an [`Error::Protocol`](crate::Error::Protocol)
 //! with the channel's name and the reason, and a peer that hangs up is
 //! [`Error::PeerGone`](crate::Error::PeerGone); nothing a peer sends panics this side or
-//! leaks an fd. `examples/zero_copy_pipeline/` builds a three-process pipeline on this module.
+//! leaks an fd. (The zero-copy pipeline of `examples/zero_copy_pipeline/` is built on
+//! [`crate::ipc`], whose packets travel over this module's [`Channel`]; its pipes baseline
+//! uses this module's [`PoolMessage`] and [`Ledger`].)
 
 mod borrower;
 mod channel;

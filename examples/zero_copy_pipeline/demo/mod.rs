@@ -1,12 +1,13 @@
 //! The zero-copy frame pipeline demo: a producer, a transform and a consumer, three processes
-//! joined by Unix sockets that carry dma-buf (or sealed memfd) fds, built on
-//! [`dmabuf_rt::share`].
+//! joined by Unix sockets, sharing the producer's allocator blocks by IPC handle
+//! ([`dmabuf_rt::ipc`]): each segment's dma-buf (or sealed memfd) fd crosses each socket once.
 //!
 //! ```text
-//!             frame(id, seq) [+ fd, first use]          frame(id, seq) [+ fd, first use]
+//!             frame(seq, handle_t, handle_c)                frame(seq, handle_c)
 //!  producer ---------------------------------> transform --------------------------------> consumer
-//!  (PoolOwner of pool_size buffers)            (PoolBorrower)                   (PoolBorrower) |
-//!     ^--------------------------------------- return(id, seq) --------------------------------+
+//!  (CachingAllocator,  <== IPC: SEGMENT fd once, SHARE per frame; RELEASE ==> (IpcImporter)  |
+//!   IpcExporter to each stage)   <====================== IPC ==========================> (IpcImporter)
+//!     ^--------------------------------------- return(seq) ------------------------------------+
 //! ```
 //!
 //! One copy of this code serves three programs: the example (`examples/zero_copy_pipeline/`),
@@ -14,18 +15,24 @@
 //! `tests/pipeline.rs` (likewise). Each uses a different part of it, hence the `dead_code`
 //! allowance below.
 //!
-//! - **The pool** lives in the producer: a [`dmabuf_rt::share::PoolOwner`] of `pool_size`
-//!   buffers from the chosen source ([`PipelineSource`]), allocated once. A buffer's fd crosses
-//!   each socket once, with its first frame; later frames name the buffer by id. When the
-//!   consumer is done with a frame it sends the id back and the producer reuses the buffer.
-//! - **Work in place.** The producer writes each frame's contents into the buffer, the
+//! - **The frames** come from a [`dmabuf_rt::caching::CachingAllocator`] in the producer, over
+//!   the chosen source ([`PipelineSource`]). The producer sends each stage, in a setup message,
+//!   one end of an IPC channel, and exports every frame to both stages
+//!   ([`dmabuf_rt::ipc::IpcExporter`]): a segment's fd goes to a stage once, then only offsets.
+//!   The frame message carries both 64-byte handles; the transform opens its own and passes
+//!   the consumer's on (a handle opens in the process it was made for: nothing is shared
+//!   onward, as CUDA IPC forbids). The producer frees the frame right after exporting it: the
+//!   block waits in limbo and returns to the allocator once both stages released it (their
+//!   drop sends RELEASE; a stage that dies releases by hanging up). The consumer's return
+//!   message bounds the frames in flight to `pool_size`.
+//! - **Work in place.** The producer writes each frame's contents into the block, the
 //!   transform rewrites every 8-byte word of it, the consumer checks every word (a wrong frame
 //!   is an error, [`PipelineError::Corrupt`]). Shared memory is never a `&[u8]`, so each stage
-//!   streams the frame through one 16 KiB stack chunk with the segment's bounds-checked
+//!   streams the frame through one 16 KiB stack chunk with the block's bounds-checked
 //!   `read`/`write` inside its CPU-access guard (`DMA_BUF_IOCTL_SYNC` for dma-bufs). No
 //!   frame byte crosses a process boundary, so [`Report::bytes_copied`] is 0; the only bytes
-//!   that move are the 32-byte messages ([`Report::control_bytes`]) and, once per buffer and
-//!   hop, an fd.
+//!   that move are the pipeline's messages and the IPC packets ([`Report::control_bytes`])
+//!   and, once per segment and stage, an fd.
 //! - **The baseline** ([`Mode::Pipes`]) is the same three processes, the same per-word work
 //!   and the same `pool_size` frames in flight, but each stage owns a private frame buffer and
 //!   frames travel through two pipes (sized to 1 MiB): every frame byte is copied into each
@@ -51,6 +58,7 @@
     reason = "the example, the bench and the test each use a different part of the demo"
 )]
 
+mod messages;
 mod options;
 mod pipes;
 mod report;

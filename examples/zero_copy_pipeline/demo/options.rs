@@ -13,11 +13,11 @@ use super::{PipelineError, Result, STAGE_FLAG};
 /// One of the three processes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Stage {
-    /// Owns the pool; fills each frame.
+    /// Allocates and fills each frame, and shares it with the other two.
     Producer,
     /// Rewrites each frame in place.
     Transform,
-    /// Checks each frame and returns its buffer to the pool.
+    /// Checks each frame and tells the producer it is done with it.
     Consumer,
 }
 
@@ -77,7 +77,7 @@ impl FromStr for Mode {
     }
 }
 
-/// Where the producer's pool comes from.
+/// Where the producer's frames come from (its allocator's source).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum PipelineSource {
     /// Sealed shmem memfds ([`ShmemSource::new`]); works on every Linux.
@@ -226,9 +226,9 @@ pub struct Options {
     pub frames: u64,
     /// Bytes per frame (a multiple of 8).
     pub frame_size: usize,
-    /// Buffers in the producer's pool, which is also the most frames in flight.
+    /// The most frames in flight (the pipes baseline: buffer ids in its ledger).
     pub pool_size: usize,
-    /// Where the pool comes from (ignored by [`Mode::Pipes`], whose stages own private buffers).
+    /// Where the frames come from (ignored by [`Mode::Pipes`], whose stages own private buffers).
     pub source: PipelineSource,
     /// Zero-copy or the pipes baseline.
     pub mode: Mode,

@@ -33,7 +33,7 @@ pub struct Report {
     pub control_bytes: u64,
     /// fds sent between the stages (each buffer once per hop in zero-copy mode).
     pub fds_passed: u64,
-    /// Shared buffers the producer allocated (the pool; 0 for pipes).
+    /// Segments the producer's allocator took from the source for the frames (0 for pipes).
     pub buffers_allocated: u64,
     /// Frames whose every word the consumer checked.
     pub frames_verified: u64,
@@ -44,7 +44,7 @@ impl fmt::Display for Report {
         write!(
             f,
             "{:<9} {:>10.1} frames/s {:>9.1} MB/s  {:>7.3} s  {} frames of {} through {}, pool {}: \
-             {} frame bytes copied, {} control bytes, {} fds passed, {} buffers allocated, {} frames verified",
+             {} frame bytes copied, {} control bytes, {} fds passed, {} segments allocated, {} frames verified",
             self.mode,
             self.frames_per_sec,
             self.megabytes_per_sec,
@@ -83,7 +83,7 @@ impl fmt::Display for Comparison {
         let z = &self.zero_copy;
         writeln!(
             f,
-            "source {} ({}): {} frames of {}, pool of {} buffers; producer -> transform -> consumer",
+            "source {} ({}): {} frames of {}, at most {} in flight; producer -> transform -> consumer",
             z.source,
             z.source_name,
             z.frames,
@@ -93,7 +93,7 @@ impl fmt::Display for Comparison {
         writeln!(
             f,
             "{:<10} {:>10} {:>10} {:>9} {:>14} {:>14} {:>6} {:>8} {:>9}",
-            "mode", "frames/s", "MB/s", "seconds", "bytes copied", "control bytes", "fds", "buffers", "verified"
+            "mode", "frames/s", "MB/s", "seconds", "bytes copied", "control bytes", "fds", "segments", "verified"
         )?;
         for r in [&self.zero_copy, &self.pipes] {
             writeln!(

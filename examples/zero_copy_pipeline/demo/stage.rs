@@ -1,17 +1,24 @@
 //! A stage process: receives its channels from the parent, plays its role (producer,
 //! transform or consumer, zero-copy or through pipes), and reports its figures or its error.
 //!
-//! Zero-copy, the producer is a [`PoolOwner`], the transform and the consumer are
-//! [`PoolBorrower`]s: the library checks each message and fd; a stage checks what only the
-//! application knows (the frame due next, its length, the number of frames).
+//! Zero-copy, the producer allocates each frame from a caching allocator and shares it with
+//! both other stages by IPC handle ([`dmabuf_rt::ipc`]): the transform's handle and the
+//! consumer's travel with the frame, the transform passes the consumer's on (a handle is
+//! opened by the process it was made for; nothing is shared onward), and the block goes back
+//! to the producer's allocator once both released it. The library checks each packet, fd and
+//! handle; a stage checks what only the application knows (the frame due next, its length,
+//! the number of frames).
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::Instant;
 
-use dmabuf_rt::Error;
-use dmabuf_rt::share::{Channel, Expect, Frame, Incoming, Ledger, Peer, PoolBorrower, PoolMessage, PoolOwner};
+use dmabuf_rt::caching::CachingAllocator;
+use dmabuf_rt::ipc::{IpcExporter, IpcHandle, IpcImporter};
+use dmabuf_rt::share::{Channel, Frame, Incoming, Ledger, PoolMessage};
+use dmabuf_rt::{Access, Error, MemorySource};
 
+use super::messages::{self, Message};
 use super::options::{Fault, Mode, Options, Stage};
 use super::pipes::{PipeIn, PipeOut};
 use super::stats::StageStats;
@@ -101,13 +108,13 @@ fn run_stage(stage: Stage, o: &Options, a: OwnedFd, b: OwnedFd) -> Result<StageS
     let pipe_out = |fd: OwnedFd, name: &'static str| PipeOut::new(fd, name);
     match (o.mode, stage) {
         (Mode::ZeroCopy, Stage::Producer) => {
-            producer_shared(o, Peer::new(chan(a, "producer->transform")?), chan(b, "consumer->producer")?)
+            producer_shared(o, chan(a, "producer->transform")?, chan(b, "consumer->producer")?)
         }
         (Mode::Pipes, Stage::Producer) => {
             producer_pipes(o, pipe_out(a, "producer->transform pipe"), chan(b, "consumer->producer")?)
         }
         (Mode::ZeroCopy, Stage::Transform) => {
-            transform_shared(o, chan(a, "producer->transform")?, Peer::new(chan(b, "transform->consumer")?))
+            transform_shared(o, chan(a, "producer->transform")?, chan(b, "transform->consumer")?)
         }
         (Mode::Pipes, Stage::Transform) => {
             transform_pipes(o, pipe_in(a, "producer->transform pipe"), pipe_out(b, "transform->consumer pipe"))
@@ -155,13 +162,6 @@ fn due(o: &Options, seq: u64, incoming: Incoming, channel: &str) -> Result<Optio
     }
 }
 
-/// A borrower of the producer's pool, whose buffers must be of the source's fd kind and hold
-/// a frame.
-fn borrower(o: &Options) -> Result<PoolBorrower> {
-    let expect = Expect::new(o.source.segment_kind()).fd_kind(o.source.fd_kind()).min_len(o.frame_size);
-    Ok(PoolBorrower::new(o.pool_size, expect)?)
-}
-
 /// The next frame from a pipe, read into `buf`, or `None` at the end.
 fn next_piped(o: &Options, input: &mut PipeIn, buf: &mut [u8], seq: u64) -> Result<Option<Frame>> {
     let incoming = match input.header()? {
@@ -179,35 +179,100 @@ fn next_piped(o: &Options, input: &mut PipeIn, buf: &mut [u8], seq: u64) -> Resu
     Ok(frame)
 }
 
-fn producer_shared(o: &Options, mut out: Peer, ret: Channel) -> Result<StageStats> {
+/// The producer's frames: a caching allocator over the chosen source, whose blocks go to the
+/// two other stages by IPC handle. Its memory: the frames in flight, and as many again for
+/// blocks whose releases are still on their way back (a block returns to the allocator once
+/// both stages released it, which the consumer's return may overtake).
+fn frame_allocator(o: &Options, source: Box<dyn MemorySource>) -> Result<CachingAllocator> {
+    let block = o.frame_size.next_multiple_of(2 << 20) as u64;
+    let capacity = (2 * o.pool_size as u64 + 2) * block;
+    Ok(CachingAllocator::builder_boxed(source).capacity(capacity).build()?)
+}
+
+/// An exporter to the stage at the other end of `app`: a new channel pair, one end of which
+/// goes to the stage in a setup message.
+fn exporter_to(app: &Channel, name: &str) -> Result<IpcExporter> {
+    let (here, there) = Channel::pair(name)?;
+    app.send_bytes(&Message::Setup.encode(), &[there.as_fd()])?;
+    Ok(IpcExporter::new(here)?)
+}
+
+/// The importer the producer's setup message on `app` names.
+fn importer_from(app: &Channel, name: &str) -> Result<IpcImporter> {
+    match messages::recv(app)? {
+        (Message::Setup, mut fds) => Ok(IpcImporter::new(Channel::from_fd(fds.remove(0), name)?)),
+        (m, _) => Err(protocol(app.name(), format!("{m:?} where the setup message was due"))),
+    }
+}
+
+/// The consumer's return of frame `seq` (returns come in order).
+fn expect_return(ret: &Channel, seq: u64) -> Result<()> {
+    match messages::recv(ret)?.0 {
+        Message::Return { seq: got } if got == seq => Ok(()),
+        m => Err(protocol(ret.name(), format!("{m:?} where the return of frame {seq} was due"))),
+    }
+}
+
+fn producer_shared(o: &Options, out: Channel, ret: Channel) -> Result<StageStats> {
     let source = o.source.open()?;
-    let mut pool = PoolOwner::allocate(&*source, o.pool_size, o.frame_size)?;
-    let mut st = StageStats { source_name: source.name(), buffers: pool.len() as u64, ..Default::default() };
+    let mut st = StageStats { source_name: source.name(), ..Default::default() };
+    let frames = frame_allocator(o, source)?;
+    let to_transform = exporter_to(&out, "producer->transform (ipc)")?;
+    let to_consumer = exporter_to(&ret, "producer->consumer (ipc)")?;
     let start = Instant::now();
+    let mut returned = 0;
     for seq in 0..o.frames {
         crash_point(o, Stage::Producer, seq);
-        let id = loop {
-            match pool.take() {
-                Some(id) => break id,
-                None => drop(pool.recv_return(&ret)?),
-            }
-        };
-        produce_in_place(pool.buffer(id).expect("an id of the pool"), seq, o.frame_size)?;
+        while seq - returned >= o.pool_size as u64 {
+            expect_return(&ret, returned)?;
+            returned += 1;
+        }
+        let block = frames.allocate(o.frame_size, None)?;
+        produce_in_place(block.cpu_access(Access::Write)?, seq, o.frame_size)?;
+        let handles = vec![to_transform.export(&block, None)?, to_consumer.export(&block, None)?];
+        // Freed at once: the allocator keeps it (limbo) until both stages released it.
+        drop(block);
         if malformed_now(o, Stage::Producer, seq) {
-            out.channel().send_bytes(&GARBAGE, &[])?;
-            pool.put_back(id)?;
+            out.send_bytes(&GARBAGE, &[])?;
         } else {
-            st.fds_passed += u64::from(pool.send(&mut out, Frame { id, seq, len: o.frame_size as u64 })?);
+            messages::send(&out, &Message::Frame { seq, handles })?;
         }
         st.frames += 1;
     }
-    while pool.ledger().out_count() > 0 {
-        pool.recv_return(&ret)?;
+    while returned < o.frames {
+        expect_return(&ret, returned)?;
+        returned += 1;
     }
     st.elapsed_ns = start.elapsed().as_nanos() as u64;
-    out.send_end(o.frames)?;
-    st.control_bytes = ret.bytes_sent() + out.channel().bytes_sent();
+    messages::send(&out, &Message::End { count: o.frames })?;
+    st.buffers = frames.stats().num_device_alloc as u64;
+    // The two setup fds, and each segment's fd once per stage.
+    st.fds_passed =
+        out.fds_sent() + ret.fds_sent() + to_transform.channel().fds_sent() + to_consumer.channel().fds_sent();
+    st.control_bytes =
+        ret.bytes_sent() + out.bytes_sent() + to_transform.channel().bytes_sent() + to_consumer.channel().bytes_sent();
     Ok(st)
+}
+
+/// Frame `seq` (with `handles` handles) or the end, as the pipeline expects next on `channel`.
+fn due_frame(o: &Options, seq: u64, m: Message, handles: usize, channel: &str) -> Result<Option<IpcHandle>> {
+    match m {
+        Message::End { count } if count == seq && seq == o.frames => Ok(None),
+        Message::End { count } => {
+            Err(protocol(channel, format!("end of stream after {count} frames, but {seq} of {} arrived", o.frames)))
+        }
+        Message::Frame { seq: got, .. } if got != seq || seq >= o.frames => {
+            Err(protocol(channel, format!("frame {got} where frame {seq} of {} was due", o.frames)))
+        }
+        Message::Frame { handles: h, .. } if h.len() != handles => {
+            Err(protocol(channel, format!("a frame with {} handles, expected {handles}", h.len())))
+        }
+        Message::Frame { handles: h, .. } if h[0].len != o.frame_size as u64 => {
+            Err(protocol(channel, format!("frame of {} bytes, expected {}", h[0].len, o.frame_size)))
+        }
+        Message::Frame { handles: h, .. } => Ok(Some(*h.last().expect("checked"))),
+        m => Err(protocol(channel, format!("{m:?} where frame {seq} was due"))),
+    }
 }
 
 fn producer_pipes(o: &Options, mut out: PipeOut, ret: Channel) -> Result<StageStats> {
@@ -245,25 +310,35 @@ fn producer_pipes(o: &Options, mut out: PipeOut, ret: Channel) -> Result<StageSt
     Ok(st)
 }
 
-fn transform_shared(o: &Options, input: Channel, mut out: Peer) -> Result<StageStats> {
+fn transform_shared(o: &Options, input: Channel, out: Channel) -> Result<StageStats> {
     let mut st = StageStats { source_name: o.source.to_string(), ..Default::default() };
-    let mut frames = borrower(o)?;
+    let from_producer = importer_from(&input, "producer->transform (ipc)")?;
     let mut seq = 0;
-    while let Some(frame) = due(o, seq, frames.recv(&input)?, input.name())? {
+    loop {
+        let m = messages::recv(&input)?.0;
+        // The transform's own handle comes first; the consumer's is passed on as it is.
+        let mine = match &m {
+            Message::Frame { handles, .. } if handles.len() == 2 => Some(handles[0]),
+            _ => None,
+        };
+        let Some(theirs) = due_frame(o, seq, m, 2, input.name())? else { break };
         crash_point(o, Stage::Transform, seq);
+        let block = from_producer.open(&mine.expect("a frame of two handles"))?;
         if o.fault != Some(Fault::SkipTransform { seq }) {
-            transform_in_place(frames.segment(frame.id).expect("received"), seq, o.frame_size)?;
+            transform_in_place(block.cpu_access(Access::ReadWrite)?, seq, o.frame_size)?;
         }
+        // Released to the producer; the consumer's handle still holds the block.
+        drop(block);
         if malformed_now(o, Stage::Transform, seq) {
-            out.channel().send_bytes(&GARBAGE, &[])?;
+            out.send_bytes(&GARBAGE, &[])?;
         } else {
-            st.fds_passed += u64::from(frames.forward(&mut out, frame)?);
+            messages::send(&out, &Message::Frame { seq, handles: vec![theirs] })?;
         }
         st.frames += 1;
         seq += 1;
     }
-    out.send_end(seq)?;
-    st.control_bytes = out.channel().bytes_sent();
+    messages::send(&out, &Message::End { count: seq })?;
+    st.control_bytes = out.bytes_sent() + from_producer.channel().bytes_sent();
     Ok(st)
 }
 
@@ -290,21 +365,23 @@ fn transform_pipes(o: &Options, mut input: PipeIn, mut out: PipeOut) -> Result<S
 
 fn consumer_shared(o: &Options, input: Channel, ret: Channel) -> Result<StageStats> {
     let mut st = StageStats { source_name: o.source.to_string(), ..Default::default() };
-    let mut frames = borrower(o)?;
+    let from_producer = importer_from(&ret, "producer->consumer (ipc)")?;
     let mut seq = 0;
-    while let Some(frame) = due(o, seq, frames.recv(&input)?, input.name())? {
+    while let Some(handle) = due_frame(o, seq, messages::recv(&input)?.0, 1, input.name())? {
         crash_point(o, Stage::Consumer, seq);
-        verify_in_place(frames.segment(frame.id).expect("received"), seq, o.frame_size)?;
+        let block = from_producer.open(&handle)?;
+        verify_in_place(block.cpu_access(Access::Read)?, seq, o.frame_size)?;
+        drop(block);
         st.verified += 1;
         if malformed_now(o, Stage::Consumer, seq) {
             ret.send_bytes(&GARBAGE, &[])?;
         } else {
-            frames.give_back(&ret, frame)?;
+            messages::send(&ret, &Message::Return { seq })?;
         }
         st.frames += 1;
         seq += 1;
     }
-    st.control_bytes = ret.bytes_sent();
+    st.control_bytes = ret.bytes_sent() + from_producer.channel().bytes_sent();
     Ok(st)
 }
 

@@ -13,7 +13,7 @@ pub struct StageStats {
     pub control_bytes: u64,
     /// fds it sent.
     pub fds_passed: u64,
-    /// Shared buffers it allocated (the producer's pool).
+    /// Segments its allocator took from the source for the frames (the producer).
     pub buffers: u64,
     /// Frames whose every word it checked (the consumer).
     pub verified: u64,

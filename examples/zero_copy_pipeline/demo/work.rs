@@ -1,9 +1,9 @@
 //! The work each stage does on a frame: the producer fills it with a pattern, the transform
-//! rewrites every 8-byte word, the consumer checks every word. In place on a shared segment
-//! (streamed through one stack chunk inside a CPU-access bracket: shared memory is never a
-//! `&[u8]`), or on a stage's private buffer for the pipes baseline.
+//! rewrites every 8-byte word, the consumer checks every word. In place on a shared block
+//! (streamed through one stack chunk inside its CPU-access bracket, a [`CpuView`]: shared
+//! memory is never a `&[u8]`), or on a stage's private buffer for the pipes baseline.
 
-use dmabuf_rt::segment::{Access, Segment};
+use dmabuf_rt::CpuView;
 
 use super::{PipelineError, Result};
 
@@ -43,9 +43,8 @@ pub(super) fn verify_bytes(seq: u64, first_word: u64, buf: &[u8]) -> Result<()> 
     Ok(())
 }
 
-/// Writes frame `seq` into the buffer, chunk by chunk, inside a write access.
-pub(super) fn produce_in_place(seg: &Segment, seq: u64, len: usize) -> Result<()> {
-    let cpu = seg.cpu_access(Access::Write)?;
+/// Writes frame `seq` into the block, chunk by chunk, inside its write access `cpu`.
+pub(super) fn produce_in_place(cpu: CpuView<'_>, seq: u64, len: usize) -> Result<()> {
     let mut chunk = [0u8; CHUNK];
     for off in (0..len).step_by(CHUNK) {
         let n = CHUNK.min(len - off);
@@ -57,9 +56,8 @@ pub(super) fn produce_in_place(seg: &Segment, seq: u64, len: usize) -> Result<()
 }
 
 /// Rewrites every word of the frame where it lies: each chunk is read, transformed and
-/// written back inside one read-write access.
-pub(super) fn transform_in_place(seg: &Segment, seq: u64, len: usize) -> Result<()> {
-    let cpu = seg.cpu_access(Access::ReadWrite)?;
+/// written back inside one read-write access, `cpu`.
+pub(super) fn transform_in_place(cpu: CpuView<'_>, seq: u64, len: usize) -> Result<()> {
     let mut chunk = [0u8; CHUNK];
     for off in (0..len).step_by(CHUNK) {
         let n = CHUNK.min(len - off);
@@ -71,9 +69,8 @@ pub(super) fn transform_in_place(seg: &Segment, seq: u64, len: usize) -> Result<
     Ok(())
 }
 
-/// Checks every word of the frame inside a read access.
-pub(super) fn verify_in_place(seg: &Segment, seq: u64, len: usize) -> Result<()> {
-    let cpu = seg.cpu_access(Access::Read)?;
+/// Checks every word of the frame inside a read access, `cpu`.
+pub(super) fn verify_in_place(cpu: CpuView<'_>, seq: u64, len: usize) -> Result<()> {
     let mut chunk = [0u8; CHUNK];
     for off in (0..len).step_by(CHUNK) {
         let n = CHUNK.min(len - off);
