@@ -4,6 +4,8 @@
 //! - `alloc_pairs N raw|raii [LIVE]`: N warm 4 KiB alloc+free pairs, through `allocate_raw` +
 //!   `free_raw` (what C callers use) or an `Allocation` dropped, with LIVE blocks (default 0)
 //!   of mixed sizes held live meanwhile (the cost must not grow with them).
+//! - `alloc_pairs N arena [LIVE]`: the same as `raii` with 64 KiB blocks, which the
+//!   page-stitched arena serves (a home block made and freed per pair).
 //! - `alloc_pairs N random`: N operations of the random workload of `benches/allocator.rs`
 //!   (log-uniform sizes from 512 B to 4 MiB, about 1000 live blocks), after 200k warm-up ops.
 //! - `alloc_pairs N tlsf [LIVE]` / `tlsf-random`: the same work on xalloc's TLSF (the peer).
@@ -47,7 +49,7 @@ fn main() {
     let a =
         CachingAllocator::builder(SparseSource).config(Config::from_env().unwrap()).capacity(1 << 40).build().unwrap();
     match mode.as_str() {
-        "raw" | "raii" => {
+        "raw" | "raii" | "arena" => {
             let live: Vec<_> = (0..live_n).map(|i| a.allocate_raw(live_size(i, live_n), None).unwrap()).collect();
             drop(a.allocate(4096, None).unwrap());
             a.free_raw(a.allocate_raw(4096, None).unwrap()).unwrap();
@@ -57,8 +59,10 @@ fn main() {
                     a.free_raw(std::hint::black_box(x)).unwrap();
                 }
             } else {
+                // `arena`: 64 KiB blocks, which page-stitched arenas serve (home blocks).
+                let size = if mode == "arena" { 64 << 10 } else { 4096 };
                 for _ in 0..n {
-                    let x = a.allocate(std::hint::black_box(4096), None).unwrap();
+                    let x = a.allocate(std::hint::black_box(size), None).unwrap();
                     drop(std::hint::black_box(x));
                 }
             }

@@ -503,6 +503,29 @@ impl Arena {
         Some((Plan { first: (s, n as u32), more: Vec::new(), rebacked: 0, grown: 0 }, 0))
     }
 
+    /// The free run a home block of `n` units takes, as [`Arena::home_fit`] finds it where no
+    /// unit is given back (nothing to take again, so no cost); `None` otherwise (units given
+    /// back, or no free run holds `n`), for the general path to decide.
+    #[inline]
+    pub(crate) fn home_fit_backed(&self, n: usize) -> Option<u32> {
+        if self.n_holes > 0 {
+            return None;
+        }
+        self.free.fit(n as u32).map(|(s, _)| s)
+    }
+
+    /// Makes the home block of `n` units at free, backed units `[s, s + n)` (from
+    /// [`Arena::home_fit_backed`]), as [`Arena::make`] makes a one-run home plan; returns its
+    /// offset in the reservation.
+    #[inline]
+    pub(crate) fn make_home(&mut self, s: u32, n: usize) -> usize {
+        debug_assert!(self.n_holes == 0 && (s as usize) + n <= self.len);
+        self.free.occupy(s, n as u32);
+        set(&mut self.freed, s as usize, s as usize + 1, false);
+        self.home_live += 1;
+        (s as usize) << self.shift
+    }
+
     /// A block of `n` units made by growing: the free run at the end (if any) and new units
     /// after it, one run (a home block), and what it adds to the reserved bytes.
     pub(crate) fn grow_plan(&self, n: usize) -> (Plan, usize) {

@@ -213,7 +213,7 @@ impl CachingAllocator {
         let queue_id = queue.map(Queue::id);
         let key = QueueKey::of(queue_id);
         let mut pool = self.lock();
-        let got = match pool.try_quick(size, key) {
+        let got = match pool.try_quick(size, key).or_else(|| pool.try_arena_home(size, key)) {
             Some(h) => h,
             None => {
                 return self.allocate_slow(size, queue, Some(pool), |pool, b| self.wrap(pool, b, size, queue_id));
@@ -371,9 +371,23 @@ impl CachingAllocator {
         self.allocate_raw_slow(size, queue, pool)
     }
 
-    /// [`CachingAllocator::allocate_raw`] past its fast path, under the lock it took.
+    /// [`CachingAllocator::allocate_raw`] past the quick cache, under the lock it took: the
+    /// arena's fast path, then everything else.
     #[inline(never)]
     fn allocate_raw_slow<'a>(
+        &'a self,
+        size: usize,
+        queue: Option<&Queue>,
+        mut pool: MutexGuard<'a, Pool>,
+    ) -> Result<*mut u8> {
+        if let Some(b) = pool.try_arena_home(size, QueueKey::of(queue.map(Queue::id))) {
+            return Ok(pool.hand_out_raw(b) as *mut u8);
+        }
+        self.allocate_raw_slower(size, queue, pool)
+    }
+
+    /// [`CachingAllocator::allocate_raw`] past its fast paths, under the lock it took.
+    fn allocate_raw_slower<'a>(
         &'a self,
         size: usize,
         queue: Option<&Queue>,

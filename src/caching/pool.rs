@@ -694,7 +694,7 @@ impl Pool {
 
     /// Marks a block allocated for a request of `size` and accounts for it.
     #[inline(always)]
-    fn hand_out(&mut self, id: BlockId, size: usize, queue: QueueKey) -> Handed {
+    pub(super) fn hand_out(&mut self, id: BlockId, size: usize, queue: QueueKey) -> Handed {
         let b = &mut self.blocks[id as usize];
         b.allocated = true;
         b.requested = size;

@@ -7,11 +7,11 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use super::super::arena::{self, Arena, MAX_VIEW_RUNS, MIN_UNITS, Plan};
-use super::super::block::{BlockId, PoolKind, QueueKey};
+use super::super::block::{BlockId, MIN_BLOCK, PoolKind, QueueKey};
 use super::super::expandable::{self, Reservation};
 use super::super::snapshot::{BlockSnapshot, BlockState, HistoryKind, SegmentSnapshot};
 use super::super::stats;
-use super::{AllocParams, Pool, SegEntry};
+use super::{AllocParams, Handed, Pool, SegEntry};
 
 impl Pool {
     /// Whether a request of `rounded` bytes is served by its queue's arena: page stitching on,
@@ -81,6 +81,32 @@ impl Pool {
                 None
             }
         }
+    }
+
+    /// The allocation fast path of arena sizes (both APIs, after the quick cache): a home
+    /// block in the smallest free run that holds the request, where the queue's arena exists
+    /// and has given no units back, which is what [`Pool::allocate`] would hand out then (no
+    /// call, no cost, no ladder). `None` sends the caller there, changing nothing: any other
+    /// rounding, other sizes, no arena yet, units given back, or no free run that holds it.
+    #[inline]
+    pub(crate) fn try_arena_home(&mut self, size: usize, queue: QueueKey) -> Option<Handed> {
+        // Plain 512-byte rounding of a sane size, as the quick cache's fast path.
+        let below = size.wrapping_sub(1);
+        if below >= 1 << 40 || !self.config.roundup_power2_divisions.is_empty() {
+            return None;
+        }
+        let rounded = (below | (MIN_BLOCK - 1)) + 1;
+        if !self.uses_arena(rounded) {
+            return None;
+        }
+        let &si = self.arenas.get(&queue)?;
+        let (_, a) = self.arena_mut(si);
+        let n = a.units_for(rounded);
+        let s = a.home_fit_backed(n)?;
+        let va = a.make_home(s, n);
+        let id = self.new_block(si, (va, rounded), queue, PoolKind::for_size(rounded), None, None);
+        self.blocks[id as usize].arena = true;
+        Some(self.hand_out(id, size, queue))
     }
 
     /// Free memory of the arena for the request, with no call: a home block in the smallest
