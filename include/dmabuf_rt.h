@@ -380,8 +380,22 @@ enum dmabuf_rt_status dmabuf_rt_pointer_device(const void *ptr, int *device);
 // `handle` must be NULL (refused) or valid for writing a `dmabuf_rt_ipc_mem_handle`.
 enum dmabuf_rt_status dmabuf_rt_ipc_get_mem_handle(int device, void *ptr, struct dmabuf_rt_ipc_mem_handle *handle);
 
+// `dmabuf_rt_ipc_get_mem_handle` without waiting for the device: the work queued on `stream`
+// (a stream of `device`) so far travels with the handle as a fence, and the process that opens
+// it waits for that work (as a CUDA event recorded on the stream), not this one. Work on the
+// device's other streams is not waited for: order it before `stream` (an event) if it writes
+// the memory. Stream 0 is `dmabuf_rt_ipc_get_mem_handle` (the device is synchronized first).
+// Refused, saying why: what `dmabuf_rt_ipc_get_mem_handle` refuses, a stream that is not live
+// (`DMABUF_RT_INVALID_HANDLE`) or of another device (`DMABUF_RT_INVALID_ARGUMENT`), and a
+// stream whose earlier work failed (`DMABUF_RT_FAILED`).
+//
+// # Safety
+// `handle` must be NULL (refused) or valid for writing a `dmabuf_rt_ipc_mem_handle`.
+enum dmabuf_rt_status dmabuf_rt_ipc_get_mem_handle_on_stream(int device, void *ptr, dmabuf_rt_stream stream, struct dmabuf_rt_ipc_mem_handle *handle);
+
 // Opens a handle from `dmabuf_rt_ipc_get_mem_handle` made in another process and stores a
-// pointer to the memory in `*ptr`: device memory of `device` in this process (copies,
+// pointer to the memory in `*ptr` (once the producer's work it carries as a fence, from
+// `dmabuf_rt_ipc_get_mem_handle_on_stream`, is done): device memory of `device` in this process (copies,
 // memsets and `dmabuf_rt_pointer_device` take it) until `dmabuf_rt_ipc_close_mem_handle`.
 // Writes on either side are seen on the other after synchronization. Refused, saying why: a
 // malformed or forged handle, one already opened (`DMABUF_RT_INVALID_ARGUMENT`), a process

@@ -272,3 +272,108 @@ fn a_consumer_process_opens_handles_and_its_exit_releases_them() {
         assert_eq!(stats(0).allocations, 0);
     });
 }
+
+/// The gate the stream callback of the fence test waits behind.
+static GATE: (std::sync::Mutex<bool>, std::sync::Condvar) = (std::sync::Mutex::new(false), std::sync::Condvar::new());
+
+extern "C" fn wait_for_gate(_: dmabuf_rt_stream, _: dmabuf_rt_status, _: *mut c_void) {
+    let mut open = GATE.0.lock().unwrap();
+    while !*open {
+        open = GATE.1.wait(open).unwrap();
+    }
+}
+
+/// A handle made on a stream does not wait for the stream: its queued copy travels as a fence,
+/// the open waits for it and then sees the copy's bytes; bad streams are refused, saying why,
+/// from several threads at once.
+#[test]
+fn a_handle_made_on_a_stream_carries_its_work_as_a_fence() {
+    in_child("a_handle_made_on_a_stream_carries_its_work_as_a_fence", ENV, || {
+        let n = 256 * KB;
+        let p = alloc(0, n);
+        let mut s = 0;
+        // SAFETY: valid out-pointers; the callback ignores its user data.
+        ok(unsafe { dmabuf_rt_stream_create(0, &mut s) });
+        ok(unsafe { dmabuf_rt_stream_add_callback(s, Some(wait_for_gate), null_mut()) });
+        let bytes = pat(7, n);
+        // SAFETY: `bytes` lives until the stream has run the copy (synchronized below).
+        ok(unsafe { dmabuf_rt_memcpy(0, p, 0, bytes.as_ptr().cast(), n, DMABUF_RT_MEMCPY_HOST_TO_DEVICE, s) });
+        // The handle comes back while the stream is still held (a synchronizing call would
+        // never return: the test would fail on the timeout, not hang).
+        let (tx, rx) = std::sync::mpsc::channel();
+        let pp = p as usize;
+        std::thread::spawn(move || {
+            let mut h = dmabuf_rt_ipc_mem_handle { bytes: [0; 64] };
+            // SAFETY: a valid out-pointer.
+            let st = unsafe { dmabuf_rt_ipc_get_mem_handle_on_stream(0, pp as *mut c_void, s, &mut h) };
+            tx.send((st, h)).unwrap();
+        });
+        let (st, h) = rx.recv_timeout(Duration::from_secs(20)).expect("the handle waited for the stream");
+        ok(st);
+        // The open waits for the fence: not done while the gate is closed.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let q = open(1, &h).map(|q| q as usize);
+            tx.send(q.map(|q| (q, read(1, q as *mut c_void, n)))).unwrap();
+        });
+        assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "the open did not wait for the producer's copy");
+        *GATE.0.lock().unwrap() = true;
+        GATE.1.notify_all();
+        let (q, seen) = rx.recv_timeout(Duration::from_secs(30)).expect("the open never returned").expect("open");
+        assert!(seen == bytes, "the opened block does not hold the copy's bytes");
+        ok(dmabuf_rt_stream_synchronize(s));
+        ok(dmabuf_rt_ipc_close_mem_handle(1, q as *mut c_void));
+
+        // Bad streams, from 4 threads at once: a forged one, one of the other device, and 0
+        // (the synchronous form, which works).
+        let mut s1 = 0;
+        // SAFETY: a valid out-pointer.
+        ok(unsafe { dmabuf_rt_stream_create(1, &mut s1) });
+        std::thread::scope(|sc| {
+            for _ in 0..4 {
+                sc.spawn(|| {
+                    let p = pp as *mut c_void;
+                    for _ in 0..20 {
+                        let mut h = dmabuf_rt_ipc_mem_handle { bytes: [0; 64] };
+                        // SAFETY: valid out-pointers throughout.
+                        unsafe {
+                            refused(
+                                dmabuf_rt_ipc_get_mem_handle_on_stream(0, p, 0xdead_beef, &mut h),
+                                DMABUF_RT_INVALID_HANDLE,
+                                "stream",
+                            );
+                            refused(
+                                dmabuf_rt_ipc_get_mem_handle_on_stream(0, p, s1, &mut h),
+                                DMABUF_RT_INVALID_ARGUMENT,
+                                "belongs to device 1",
+                            );
+                            refused(
+                                dmabuf_rt_ipc_get_mem_handle_on_stream(0, null_mut(), s, &mut h),
+                                DMABUF_RT_INVALID_POINTER,
+                                "ptr",
+                            );
+                            refused(
+                                dmabuf_rt_ipc_get_mem_handle_on_stream(0, p, s, null_mut()),
+                                DMABUF_RT_INVALID_POINTER,
+                                "handle",
+                            );
+                        }
+                    }
+                });
+            }
+        });
+        let h = {
+            let mut h = dmabuf_rt_ipc_mem_handle { bytes: [0; 64] };
+            // SAFETY: a valid out-pointer.
+            ok(unsafe { dmabuf_rt_ipc_get_mem_handle_on_stream(0, p, 0, &mut h) });
+            h
+        };
+        let q = open(1, &h).expect("a handle of stream 0 opens");
+        assert!(read(1, q, n) == bytes);
+        ok(dmabuf_rt_ipc_close_mem_handle(1, q));
+        ok(dmabuf_rt_stream_destroy(s));
+        ok(dmabuf_rt_stream_destroy(s1));
+        ok(dmabuf_rt_device_free(0, p));
+        wait_until("limbo back to 0", || stats(0).limbo_bytes == 0);
+    });
+}

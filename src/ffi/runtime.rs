@@ -308,6 +308,23 @@ impl Runtime {
         crate::ipc::get_handle_raw(dev.allocator(), ptr, None)
     }
 
+    /// [`Runtime::ipc_get_handle`] without waiting: the work queued on `stream` (a stream of
+    /// `device`) so far travels with the handle as a fence, which the opening process waits
+    /// for ([`crate::ipc::get_handle_raw`] with a queue). A stream that failed refuses.
+    pub fn ipc_get_handle_on_stream(&self, device: usize, ptr: *mut u8, stream: usize) -> Result<IpcHandle> {
+        let dev = self.device(device)?;
+        let on = self.stream_device(stream)?;
+        if on != device {
+            return Err(Error::InvalidArgument {
+                what: format!(
+                    "IPC handle: stream {stream} belongs to device {on}, not to device {device} of the memory"
+                ),
+            });
+        }
+        let queue = self.stream(stream)?;
+        crate::ipc::get_handle_raw(dev.allocator(), ptr, Some(&queue))
+    }
+
     /// Opens a handle another process made ([`crate::ipc::open_handle`]); the block counts as
     /// memory of `device` here (copies, memsets, `pointer_device`) until `ipc_close`.
     pub fn ipc_open(&self, device: usize, handle: &IpcHandle) -> Result<*mut u8> {

@@ -43,8 +43,44 @@ pub unsafe extern "C" fn dmabuf_rt_ipc_get_mem_handle(
     })
 }
 
+/// `dmabuf_rt_ipc_get_mem_handle` without waiting for the device: the work queued on `stream`
+/// (a stream of `device`) so far travels with the handle as a fence, and the process that opens
+/// it waits for that work (as a CUDA event recorded on the stream), not this one. Work on the
+/// device's other streams is not waited for: order it before `stream` (an event) if it writes
+/// the memory. Stream 0 is `dmabuf_rt_ipc_get_mem_handle` (the device is synchronized first).
+/// Refused, saying why: what `dmabuf_rt_ipc_get_mem_handle` refuses, a stream that is not live
+/// (`DMABUF_RT_INVALID_HANDLE`) or of another device (`DMABUF_RT_INVALID_ARGUMENT`), and a
+/// stream whose earlier work failed (`DMABUF_RT_FAILED`).
+///
+/// # Safety
+/// `handle` must be NULL (refused) or valid for writing a `dmabuf_rt_ipc_mem_handle`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_ipc_get_mem_handle_on_stream(
+    device: c_int,
+    ptr: *mut c_void,
+    stream: dmabuf_rt_stream,
+    handle: *mut dmabuf_rt_ipc_mem_handle,
+) -> dmabuf_rt_status {
+    call("dmabuf_rt_ipc_get_mem_handle_on_stream", || {
+        let out_handle = out(handle, "handle")?;
+        if ptr.is_null() {
+            return Err(null("ptr"));
+        }
+        let rt = rt()?;
+        let device = device_id(rt, device)?;
+        let h = match stream {
+            0 => rt.ipc_get_handle(device, ptr.cast())?,
+            s => rt.ipc_get_handle_on_stream(device, ptr.cast(), super::handle(s))?,
+        };
+        // SAFETY: the caller's contract for `handle`.
+        unsafe { store(out_handle, dmabuf_rt_ipc_mem_handle { bytes: h.to_bytes() }) };
+        Ok(())
+    })
+}
+
 /// Opens a handle from `dmabuf_rt_ipc_get_mem_handle` made in another process and stores a
-/// pointer to the memory in `*ptr`: device memory of `device` in this process (copies,
+/// pointer to the memory in `*ptr` (once the producer's work it carries as a fence, from
+/// `dmabuf_rt_ipc_get_mem_handle_on_stream`, is done): device memory of `device` in this process (copies,
 /// memsets and `dmabuf_rt_pointer_device` take it) until `dmabuf_rt_ipc_close_mem_handle`.
 /// Writes on either side are seen on the other after synchronization. Refused, saying why: a
 /// malformed or forged handle, one already opened (`DMABUF_RT_INVALID_ARGUMENT`), a process
