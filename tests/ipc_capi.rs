@@ -292,8 +292,9 @@ fn a_handle_made_on_a_stream_carries_its_work_as_a_fence() {
         let n = 256 * KB;
         let p = alloc(0, n);
         let mut s = 0;
-        // SAFETY: valid out-pointers; the callback ignores its user data.
+        // SAFETY: a valid out-pointer.
         ok(unsafe { dmabuf_rt_stream_create(0, &mut s) });
+        // SAFETY: the callback ignores its user data.
         ok(unsafe { dmabuf_rt_stream_add_callback(s, Some(wait_for_gate), null_mut()) });
         let bytes = pat(7, n);
         // SAFETY: `bytes` lives until the stream has run the copy (synchronized below).
