@@ -336,29 +336,14 @@ fn a_handle_made_on_a_stream_carries_its_work_as_a_fence() {
                     let p = pp as *mut c_void;
                     for _ in 0..20 {
                         let mut h = dmabuf_rt_ipc_mem_handle { bytes: [0; 64] };
-                        // SAFETY: valid out-pointers throughout.
-                        unsafe {
-                            refused(
-                                dmabuf_rt_ipc_get_mem_handle_on_stream(0, p, 0xdead_beef, &mut h),
-                                DMABUF_RT_INVALID_HANDLE,
-                                "stream",
-                            );
-                            refused(
-                                dmabuf_rt_ipc_get_mem_handle_on_stream(0, p, s1, &mut h),
-                                DMABUF_RT_INVALID_ARGUMENT,
-                                "belongs to device 1",
-                            );
-                            refused(
-                                dmabuf_rt_ipc_get_mem_handle_on_stream(0, null_mut(), s, &mut h),
-                                DMABUF_RT_INVALID_POINTER,
-                                "ptr",
-                            );
-                            refused(
-                                dmabuf_rt_ipc_get_mem_handle_on_stream(0, p, s, null_mut()),
-                                DMABUF_RT_INVALID_POINTER,
-                                "handle",
-                            );
-                        }
+                        let get = |p: *mut c_void, s: dmabuf_rt_stream, h: *mut dmabuf_rt_ipc_mem_handle| {
+                            // SAFETY: `h` is null (refused) or a valid out-pointer.
+                            unsafe { dmabuf_rt_ipc_get_mem_handle_on_stream(0, p, s, h) }
+                        };
+                        refused(get(p, 0xdead_beef, &mut h), DMABUF_RT_INVALID_HANDLE, "stream");
+                        refused(get(p, s1, &mut h), DMABUF_RT_INVALID_ARGUMENT, "belongs to device 1");
+                        refused(get(null_mut(), s, &mut h), DMABUF_RT_INVALID_POINTER, "ptr");
+                        refused(get(p, s, null_mut()), DMABUF_RT_INVALID_POINTER, "handle");
                     }
                 });
             }
