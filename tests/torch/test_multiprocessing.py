@@ -114,6 +114,46 @@ def test_the_receivers_writes_are_seen_by_the_producer():
     assert p.exitcode == 0
 
 
+def _summer(conn):
+    """Receives one tensor on a Pipe and sends back its sum and how many elements are 5."""
+    try:
+        t = conn.recv()
+        conn.send(("ok", (float(t.double().sum().item()), int(t.eq(5.0).sum().item()))))
+        del t
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def test_a_tensor_sent_from_a_stream_carries_the_streams_work_as_a_fence():
+    # A Pipe pickles on the sending thread, under its current stream: the handle carries that
+    # stream's queued work (here ~1 GB of copies, then the tensor's own fill) as a fence, the
+    # producer does not wait for it, and the receiver's open does.
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=_summer, args=(there,))
+    p.start()
+    try:
+        n = 1 << 20
+        s = torch.dmabuf.Stream()
+        x = torch.zeros(n, device="dmabuf:0")
+        torch.dmabuf.synchronize(0)
+        big = torch.empty(48 << 20, dtype=torch.uint8, device="dmabuf:0")
+        host = torch.zeros(48 << 20, dtype=torch.uint8)
+        with torch.dmabuf.stream(s):
+            for _ in range(20):
+                big.copy_(host, non_blocking=True)
+            x.copy_(torch.full((n,), 5.0), non_blocking=True)
+            here.send(x)
+        kind, value = here.recv()
+        assert kind == "ok", value
+        assert value == (5.0 * n, n), f"the receiver read {value}, not the stream's copy"
+        s.synchronize()
+        del big
+    finally:
+        p.join(TIMEOUT)
+    assert p.exitcode == 0
+
+
 def _reshare(q, out):
     from multiprocessing.reduction import ForkingPickler
 

@@ -43,7 +43,11 @@ bool is_imported(const at::Tensor& t) {
 }
 
 // The IPC handle of the block that holds `t`'s storage (the storage's start is the block's):
-// the block is held until the process that opens the handle lets go.
+// the block is held until the process that opens the handle lets go. The work queued on the
+// current stream so far travels with the handle as a fence, which the opening process waits
+// for (as CUDA IPC sends an event of the current stream); on the default stream (0) the
+// device is synchronized first instead. (torch.multiprocessing.Queue pickles on its feeder
+// thread, whose current stream is the default; a Pipe pickles on the sending thread.)
 py::bytes ipc_get_handle(const at::Tensor& t) {
   TORCH_CHECK(t.device().type() == torch_dmabuf::kDmabuf, "ipc_get_handle: not a dmabuf tensor");
   TORCH_CHECK(!is_imported(t),
@@ -52,7 +56,10 @@ py::bytes ipc_get_handle(const at::Tensor& t) {
   void* ptr = t.storage().data_ptr().get();
   TORCH_CHECK(ptr != nullptr, "ipc_get_handle: a storage with no memory (0 bytes)");
   dmabuf_rt_ipc_mem_handle h;
-  torch_dmabuf::check(dmabuf_rt_ipc_get_mem_handle(t.device().index(), ptr, &h), "dmabuf_rt_ipc_get_mem_handle");
+  auto device = t.device().index();
+  auto stream = torch_dmabuf::handle(torch_dmabuf::current_stream(device));
+  torch_dmabuf::check(dmabuf_rt_ipc_get_mem_handle_on_stream(device, ptr, stream, &h),
+                      "dmabuf_rt_ipc_get_mem_handle_on_stream");
   return py::bytes(reinterpret_cast<const char*>(h.bytes), sizeof h.bytes);
 }
 
