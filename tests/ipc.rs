@@ -668,3 +668,22 @@ fn an_export_to_a_peer_that_reads_nothing_times_out() {
     wait_until("the hang-up's releases", || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
 }
+
+/// Process-wide handles name their holds by random numbers: another process of the user
+/// cannot take a handle made for someone else by counting (the real opener would be refused).
+#[test]
+fn process_wide_hold_numbers_cannot_be_guessed() {
+    use dmabuf_rt::ipc::{get_handle, revoke_handle};
+    let a = common::allocator("", 64 * MB as u64);
+    let blocks: Vec<Allocation> = (0..64).map(|_| a.allocate(4 * KB, None).unwrap()).collect();
+    let handles: Vec<IpcHandle> = blocks.iter().map(|b| get_handle(b, None).unwrap()).collect();
+    let mut holds: Vec<u64> = handles.iter().map(|h| h.export).collect();
+    holds.sort_unstable();
+    holds.dedup();
+    assert_eq!(holds.len(), 64, "two handles share a hold");
+    // 64 random 64-bit numbers lie this close together with a chance of about 1e-10.
+    assert!(holds.windows(2).all(|w| w[1] - w[0] > 1 << 20), "hold numbers follow each other: {holds:x?}");
+    for h in &handles {
+        revoke_handle(h).unwrap();
+    }
+}

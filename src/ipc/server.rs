@@ -15,7 +15,6 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -45,7 +44,6 @@ struct Server {
     pid: u32,
     token: u64,
     held: Mutex<HashMap<u64, (Exported, Option<OwnedFd>)>>,
-    next_hold: AtomicU64,
     /// One exporter per connected importer; those whose peer is gone are dropped as new ones
     /// come.
     exporters: Mutex<Vec<IpcExporter>>,
@@ -73,21 +71,29 @@ fn server() -> Result<&'static Arc<Server>> {
     Ok(s)
 }
 
-fn start() -> std::result::Result<Arc<Server>, String> {
-    let token = loop {
-        // RandomState is seeded from the OS's randomness.
-        let t = std::collections::hash_map::RandomState::new().build_hasher().finish();
+/// A random number other than 0, from the kernel's generator (`getrandom`), or where that
+/// fails from std's randomly seeded hasher.
+fn random_nonzero() -> u64 {
+    loop {
+        let mut b = [0u8; 8];
+        let t = match rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty()) {
+            Ok(8) => u64::from_ne_bytes(b),
+            _ => std::collections::hash_map::RandomState::new().build_hasher().finish(),
+        };
         if t != 0 {
-            break t;
+            return t;
         }
-    };
+    }
+}
+
+fn start() -> std::result::Result<Arc<Server>, String> {
+    let token = random_nonzero();
     let name = socket_name(std::process::id(), token);
     let listener = packet::listen_abstract(&name).map_err(|e| format!("the IPC socket (listen): {e}"))?;
     let server = Arc::new(Server {
         pid: std::process::id(),
         token,
         held: Mutex::new(HashMap::new()),
-        next_hold: AtomicU64::new(1),
         exporters: Mutex::default(),
     });
     let s = Arc::clone(&server);
@@ -143,7 +149,15 @@ pub fn get_handle_raw(allocator: &CachingAllocator, ptr: *mut u8, after: Option<
 fn hold(e: Exported, after: Option<&Queue>) -> Result<IpcHandle> {
     let fence = super::exporter::shareable(&e, after)?;
     let server = server()?;
-    let hold = server.next_hold.fetch_add(1, Ordering::Relaxed);
+    // Random, so that another process of the user cannot take a handle by guessing its hold
+    // (the real opener would then be refused).
+    let mut held = lock(&server.held);
+    let hold = loop {
+        let h = random_nonzero();
+        if !held.contains_key(&h) {
+            break h;
+        }
+    };
     let h = IpcHandle {
         pid: std::process::id(),
         export: hold,
@@ -152,7 +166,7 @@ fn hold(e: Exported, after: Option<&Queue>) -> Result<IpcHandle> {
         len: e.len as u64,
         token: server.token,
     };
-    lock(&server.held).insert(hold, (e, fence));
+    held.insert(hold, (e, fence));
     Ok(h)
 }
 
