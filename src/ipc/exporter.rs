@@ -62,11 +62,15 @@ pub(crate) fn shareable(e: &crate::caching::Exported, after: Option<&Queue>) -> 
     after.map(fence_after).transpose().map(Option::flatten)
 }
 
-/// A fence for the work `queue` has queued so far, which travels with a share: the read end
-/// of a pipe whose write end a callback on the queue writes one byte into, then closes, once
-/// that work is done. The importer watches it (readable: done; closed without a byte: the work
-/// failed, or this process died first). `None` if the queue has nothing queued; the queue's
-/// error if its work has failed.
+/// A fence for the work `queue` has queued so far, which travels with a share: one end of a
+/// Unix stream socket pair whose other end a callback on the queue sends one byte into, then
+/// closes, once that work is done. The importer watches it (readable: done; closed without a
+/// byte: the work failed, or this process died first). `None` if the queue has nothing
+/// queued; the queue's error if its work has failed.
+///
+/// A socket, not a pipe: the byte goes with `MSG_NOSIGNAL`, so an importer that let go of the
+/// fence first (dropped the block, exited, was killed) costs this process an `EPIPE`, not a
+/// `SIGPIPE` on whatever thread ran the callback (which kills a C or C++ host).
 fn fence_after(queue: &Queue) -> Result<Option<OwnedFd>> {
     // Work of the queue that failed never wrote what the importer would read: refused, as a
     // synchronize would be (an idle queue with an error would otherwise send no fence).
@@ -74,12 +78,16 @@ fn fence_after(queue: &Queue) -> Result<Option<OwnedFd>> {
         return Err(e);
     }
     if queue.is_idle() {
-        return Ok(None);
+        // Read again: work that failed between the two looks left the queue idle with its
+        // error (errors stay until cleared), and must not go out with no fence.
+        return queue.error().map_or(Ok(None), Err);
     }
-    let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).map_err(Error::io_rustix("pipe2"))?;
+    use rustix::net::{AddressFamily, SendFlags, SocketFlags, SocketType};
+    let (r, w) = rustix::net::socketpair(AddressFamily::UNIX, SocketType::STREAM, SocketFlags::CLOEXEC, None)
+        .map_err(Error::io_rustix("socketpair for a fence"))?;
     queue.callback(move |done| {
         if done.is_ok() {
-            let _ = rustix::io::write(&w, &[1]);
+            let _ = rustix::net::send(&w, &[1], SendFlags::NOSIGNAL);
         }
         drop(w);
     })?;

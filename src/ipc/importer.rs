@@ -325,14 +325,24 @@ impl Shared {
         Ok(())
     }
 
-    /// The event of export `export`'s fence: the read end of a pipe (readable once the
-    /// exporter's work is done; closed without a byte if it failed or the exporter died).
+    /// The event of export `export`'s fence: one end of a Unix stream socket pair (what
+    /// `IpcExporter` sends) or the read end of a pipe (readable once the exporter's work is
+    /// done; closed without a byte if it failed or the exporter died).
     fn fence(&self, export: u64, fd: std::os::fd::OwnedFd) -> Result<Event> {
         let st = rustix::fs::fstat(&fd).map_err(Error::io_rustix("fstat a share's fence"))?;
-        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Fifo {
-            return Err(self.channel.protocol_error(format!("export {export}: its fence is not a pipe")));
+        let ok = match rustix::fs::FileType::from_raw_mode(st.st_mode) {
+            rustix::fs::FileType::Fifo => true,
+            rustix::fs::FileType::Socket => {
+                rustix::net::sockopt::socket_type(&fd).is_ok_and(|t| t == rustix::net::SocketType::STREAM)
+            }
+            _ => false,
+        };
+        if !ok {
+            return Err(self
+                .channel
+                .protocol_error(format!("export {export}: its fence is not a pipe or a stream socket")));
         }
-        Event::from_readable_fd(fd)
+        Event::from_signal_fd(fd)
     }
 
     fn check_share(&self, st: &State, export: u64, serial: u64, len: u64, ranges: Vec<(u64, u64)>) -> Result<Share> {

@@ -25,6 +25,9 @@ pub(crate) enum WatchedFdKind {
     SyncFile,
     /// Any pollable fd: complete when readable.
     Readable,
+    /// One end of a pipe or stream socket a peer signals by sending one byte: complete when
+    /// the byte is there; failed if the peer closed it without one (end of file).
+    Signal,
 }
 
 /// Events made from kernel fences and pollable fds: the fence watcher completes them.
@@ -43,6 +46,12 @@ impl Event {
     /// a pipe); it fails if the fd reports an error or hang-up without becoming readable.
     pub fn from_readable_fd(fd: OwnedFd) -> Result<Self> {
         Self::watching(fd, WatchedFdKind::Readable)
+    }
+
+    /// An event that completes when a byte arrives on `fd` (the read end of a pipe, or one end
+    /// of a stream socket pair), and fails if the other end is closed without one.
+    pub(crate) fn from_signal_fd(fd: OwnedFd) -> Result<Self> {
+        Self::watching(fd, WatchedFdKind::Signal)
     }
 
     fn watching(fd: OwnedFd, kind: WatchedFdKind) -> Result<Self> {
@@ -196,6 +205,16 @@ fn outcome(p: &Pending, res: i32) -> std::result::Result<(), std::sync::Arc<str>
     let revents = PollFlags::from_bits_truncate(res as _);
     if !revents.contains(PollFlags::IN) {
         return Err(format!("fence fd reported {revents:?} without becoming readable").into());
+    }
+    if p.kind == WatchedFdKind::Signal {
+        // Readable: the byte, or the end of file of a peer that closed without it (a socket
+        // reports both as readable). The watcher owns this fd and nothing else reads it.
+        let mut b = [0u8; 1];
+        return match rustix::io::read(&p.fd, &mut b) {
+            Ok(1) => Ok(()),
+            Ok(_) => Err("the fence's other end was closed without signalling it".into()),
+            Err(e) => Err(format!("reading the fence: {e}").into()),
+        };
     }
     if p.kind == WatchedFdKind::SyncFile {
         match sys::sync_file::status(p.fd.as_fd()) {
