@@ -95,14 +95,13 @@ fn a_deferred_free_is_applied_in_order_and_seen_once_the_count_is_zero() {
                 p2.end();
             })
         });
-        let mut scratch = Vec::new();
         let mut applied = Vec::new();
-        list.drain_oldest_first(&mut scratch, |n| applied.push(n.value));
+        list.drain_oldest_first(|n| applied.push(n.value));
         let hook = freer.join().unwrap();
         while !pending.is_zero() {
             thread::yield_now();
         }
-        list.drain_oldest_first(&mut scratch, |n| applied.push(n.value));
+        list.drain_oldest_first(|n| applied.push(n.value));
         assert_eq!(applied, ["requested", "completed"]);
         hook.join().unwrap();
     });
@@ -134,12 +133,11 @@ fn a_deferred_free_on_two_queues_wakes_the_sleeper_once_both_markers_passed() {
             p.end();
             marker
         });
-        let mut scratch = Vec::new();
         let mut applied = Vec::new();
-        list.drain_oldest_first(&mut scratch, |n| applied.push(n.value));
+        list.drain_oldest_first(|n| applied.push(n.value));
         let marker = freer.join().unwrap();
         assert!(pending.wait_zero(std::time::Duration::from_secs(3600)), "woken with waits outstanding");
-        list.drain_oldest_first(&mut scratch, |n| applied.push(n.value));
+        list.drain_oldest_first(|n| applied.push(n.value));
         assert_eq!(applied, ["requested", "passed", "passed"]);
         marker.join().unwrap();
     });

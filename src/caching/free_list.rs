@@ -83,21 +83,10 @@ impl<T> FreeList<T> {
 
     /// Takes every node pushed so far and hands them to `f` oldest first: the order the frees
     /// were made in, which a deferred free relies on (its request before its completion).
-    /// `scratch` is reused storage for reversing a chain of more than one node.
+    /// The chain is reversed in place ([`Drain::oldest_first`]): nothing is allocated.
     #[inline]
-    pub fn drain_oldest_first(&self, scratch: &mut Vec<Box<Node<T>>>, mut f: impl FnMut(Box<Node<T>>)) {
-        let mut drained = self.take_all();
-        let Some(first) = drained.next() else { return };
-        if drained.is_done() {
-            // One node (the common case): nothing to reorder.
-            f(first);
-            return;
-        }
-        scratch.push(first);
-        scratch.extend(drained);
-        while let Some(n) = scratch.pop() {
-            f(n);
-        }
+    pub fn drain_oldest_first(&self, f: impl FnMut(Box<Node<T>>)) {
+        self.take_all().oldest_first().for_each(f);
     }
 
     /// True when nothing is waiting (a hint: a push may land right after).
@@ -208,6 +197,23 @@ impl<T> Drain<T> {
     pub fn is_done(&self) -> bool {
         self.next.is_null()
     }
+
+    /// The same nodes in the opposite order: oldest first, for a drain from
+    /// [`FreeList::take_all`] (newest first). The chain is reversed in place.
+    pub fn oldest_first(mut self) -> Drain<T> {
+        let mut prev: *mut Node<T> = ptr::null_mut();
+        let mut cur = std::mem::replace(&mut self.next, ptr::null_mut());
+        while !cur.is_null() {
+            // SAFETY: the drain owns every node of its chain alone (see `next`), each visited
+            // once here; the pusher's write of `next` happened-before the swap that took it.
+            let cell = unsafe { &(*cur).next };
+            // SAFETY: as above: no one else can reach this node's `next`.
+            let next = cell.with_mut(|n| unsafe { std::mem::replace(&mut *n, prev) });
+            prev = cur;
+            cur = next;
+        }
+        Drain { next: prev }
+    }
 }
 
 impl<T> Iterator for Drain<T> {
@@ -281,18 +287,17 @@ mod tests {
         assert!(!list.is_empty());
         assert_eq!(list.take_all().map(|n| n.value).collect::<Vec<_>>(), [4, 3, 2, 1, 0]);
         assert!(list.is_empty());
-        let mut scratch = Vec::new();
         let mut order = Vec::new();
         list.push(Node::new(7));
-        list.drain_oldest_first(&mut scratch, |n| order.push(n.value));
+        list.drain_oldest_first(|n| order.push(n.value));
         assert_eq!(order, [7], "one node");
         for i in 0..5 {
             list.push(Node::new(i));
         }
         order.clear();
-        list.drain_oldest_first(&mut scratch, |n| order.push(n.value));
+        list.drain_oldest_first(|n| order.push(n.value));
         assert_eq!(order, [0, 1, 2, 3, 4]);
-        assert!(scratch.is_empty() && list.is_empty());
+        assert!(list.is_empty());
     }
 
     #[test]

@@ -148,9 +148,6 @@ pub(crate) struct Pool {
     nodes: Vec<Box<Node<FreeMsg>>>,
     /// Deferred frees waiting for more than one marker: the markers still to pass.
     deferred_waits: HashMap<BlockId, u32>,
-    /// Scratch for draining the free list in push order.
-    #[allow(clippy::vec_box, reason = "the nodes are boxes in the list and are recycled as boxes")]
-    scratch: Vec<Box<Node<FreeMsg>>>,
     /// The queues blocks were allocated on, to tell whether one still has work in flight.
     queues: HashMap<QueueKey, QueueHandle, FxBuild>,
     /// Every block of every live segment by address, and the queues that used raw blocks:
@@ -205,7 +202,6 @@ impl Pool {
             nodes: Vec::new(),
             deferred_waits: HashMap::new(),
             held: HashMap::new(),
-            scratch: Vec::new(),
             queues: HashMap::default(),
             raw: RawTable::default(),
             quick: Quick::default(),

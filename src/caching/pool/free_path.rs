@@ -44,20 +44,16 @@ impl Pool {
         self.held.is_empty() && self.gone.is_empty() && self.quick_free_now(id)
     }
 
-    /// `drain` for more than one node: `first` (the newest) and the `rest`, applied oldest
-    /// first (a deferred free's request before its completion).
+    /// `drain` for more than one node: `newest` and the `older` ones, applied oldest first (a
+    /// deferred free's request before its completion; the chain is reversed in place).
     #[cold]
     #[inline(never)]
-    fn drain_many(&mut self, first: Box<Node<FreeMsg>>, rest: Drain<FreeMsg>) {
-        let mut scratch = std::mem::take(&mut self.scratch);
-        scratch.push(first);
-        scratch.extend(rest);
-        while let Some(n) = scratch.pop() {
+    fn drain_many(&mut self, newest: Box<Node<FreeMsg>>, older: Drain<FreeMsg>) {
+        for n in older.oldest_first().chain(std::iter::once(newest)) {
             let m = n.value;
             self.recycle(n);
             self.apply(m);
         }
-        self.scratch = scratch;
     }
 
     pub(super) fn recycle(&mut self, node: Box<Node<FreeMsg>>) {
