@@ -6,6 +6,8 @@
 //! in its environment) with its end of the IPC channel as stdin; a second channel for control
 //! (handles one way, answers the other) crosses as the first packet of the first.
 
+#![allow(unsafe_code)] // fork(2) in the fork case's producer, and its child's alarm and pause
+
 mod common;
 
 use common::{open_fds, serial};
@@ -686,4 +688,89 @@ fn process_wide_hold_numbers_cannot_be_guessed() {
     for h in &handles {
         revoke_handle(h).unwrap();
     }
+}
+
+/// The producer of the fork case, in a child process of its own (see below).
+#[test]
+fn fork_producer_entry() {
+    if std::env::var(FORK_ROLE_ENV).is_err() {
+        return;
+    }
+    let fd = std::io::stdin().as_fd().try_clone_to_owned().unwrap();
+    let control = Channel::from_fd(fd, "fork producer control").unwrap();
+    // The producer makes the IPC pair, so that the consumer's end names it as its peer.
+    let (mine, theirs) = Channel::pair("fork producer ipc").unwrap();
+    control.send_with_fd(&[0u8; 1], theirs.as_fd()).unwrap();
+    drop(theirs);
+    let a = common::allocator("", 64 * MB as u64);
+    let q = Queue::new().unwrap();
+    let x = a.allocate(64 * KB, Some(&q)).unwrap();
+    let gate = common::QueueGate::close(&q);
+    let exp = IpcExporter::new(mine).unwrap();
+    let h = exp.export(&x, Some(&q)).unwrap();
+    // A child forked without exec keeps every fd of this process, the fence's end included,
+    // and does nothing until it is killed (or its alarm ends it).
+    // SAFETY: the child calls only async-signal-safe functions (alarm, pause) and never returns.
+    let child = unsafe { libc::fork() };
+    if child == 0 {
+        // SAFETY: an async-signal-safe call in the forked child.
+        unsafe { libc::alarm(120) };
+        loop {
+            // SAFETY: as above.
+            unsafe { libc::pause() };
+        }
+    }
+    assert!(child > 0, "fork failed");
+    control.send(&ctl(child as u64, Some(&h))).unwrap();
+    // Exits when told: with its queue's work still held (1: the fence is never signalled),
+    // or right after the work is done (2: signalled just before the exit).
+    if control.recv::<[u8; 1]>().unwrap().msg[0] == 2 {
+        drop(gate);
+        q.synchronize().unwrap();
+    }
+    std::process::exit(0);
+}
+
+const FORK_ROLE_ENV: &str = "IPC_TEST_FORK_PRODUCER";
+
+/// A producer that exits with a fenced share pending, after forking a child that keeps the
+/// fence's other end open: the consumer's block fails (the exporting process exited before
+/// signalling) instead of waiting as long as the child lives.
+#[test]
+fn a_fence_fails_when_its_producer_exits_even_if_a_forked_child_keeps_it_open() {
+    let _serial = serial();
+    // Signalled just before the exit: ready, whichever the watcher sees first.
+    for _ in 0..10 {
+        let r = fork_case(2);
+        assert!(r.is_ok(), "a fence signalled before its producer exited: {r:?}");
+    }
+    let e = fork_case(1).expect_err("a fence whose producer exited without signalling must fail");
+    assert!(!matches!(e, Error::Timeout { .. }), "still waiting while the forked child lives: {e}");
+    assert!(e.to_string().contains("exited"), "{e}");
+}
+
+/// Runs the fork case's producer, tells it `how` to exit, and returns the block's readiness.
+fn fork_case(how: u8) -> dmabuf_rt::Result<()> {
+    let (control, theirs) = Channel::pair("fork control").unwrap();
+    let mut producer = Command::new(std::env::current_exe().unwrap())
+        .args(["fork_producer_entry", "--exact", "--nocapture", "--test-threads=1"])
+        .env(FORK_ROLE_ENV, "1")
+        .stdin(Stdio::from(theirs.into_fd()))
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let ipc = control.recv::<[u8; 1]>().unwrap().fd.expect("the IPC channel's end");
+    let imp = IpcImporter::new(Channel::from_fd(ipc, "fork consumer ipc").unwrap());
+    let (grandchild, h) = cmd_of(&control.recv::<Ctl>().unwrap().msg);
+    let kill_grandchild = || {
+        let pid = rustix::process::Pid::from_raw(grandchild as i32).unwrap();
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    };
+    let b = imp.open(&h.unwrap()).unwrap();
+    assert!(!b.is_ready(), "the producer's queue is held: its fence cannot have signalled");
+    control.send(&[how]).unwrap();
+    assert!(producer.wait().unwrap().success());
+    let r = b.wait_ready(Some(Duration::from_secs(30)));
+    kill_grandchild();
+    r
 }

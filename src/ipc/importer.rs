@@ -283,7 +283,7 @@ impl Shared {
                 Msg::Share { export, serial, len, pid, ranges } => {
                     let share = self.check_share(st, export, serial, len, ranges)?;
                     let ready = match fd {
-                        Some(fd) => Some(self.fence(export, fd)?),
+                        Some(fd) => Some(self.fence(export, fd, pid)?),
                         None => None,
                     };
                     st.shares.insert(export, Share { pid, ready, ..share });
@@ -328,7 +328,7 @@ impl Shared {
     /// The event of export `export`'s fence: one end of a Unix stream socket pair (what
     /// `IpcExporter` sends) or the read end of a pipe (readable once the exporter's work is
     /// done; closed without a byte if it failed or the exporter died).
-    fn fence(&self, export: u64, fd: std::os::fd::OwnedFd) -> Result<Event> {
+    fn fence(&self, export: u64, fd: std::os::fd::OwnedFd, pid: u64) -> Result<Event> {
         let st = rustix::fs::fstat(&fd).map_err(Error::io_rustix("fstat a share's fence"))?;
         let ok = match rustix::fs::FileType::from_raw_mode(st.st_mode) {
             rustix::fs::FileType::Fifo => true,
@@ -342,7 +342,25 @@ impl Shared {
                 .channel
                 .protocol_error(format!("export {export}: its fence is not a pipe or a stream socket")));
         }
-        Event::from_signal_fd(fd)
+        Event::from_signal_fd(fd, self.exporter_pidfd(pid))
+    }
+
+    /// A pidfd of the exporting process, whose exit fails its pending fences: a child it
+    /// forked without exec keeps the fence's other end open, so the fence's close alone does
+    /// not tell. Only where the share's `pid` is the channel's peer as the kernel saw it
+    /// connect (`SO_PEERCRED`, in this process's pid namespace): a pid from another namespace
+    /// or from a peer that did not make the channel names some other process here. `None`
+    /// otherwise, or where the process is gone already (the fence alone decides then).
+    fn exporter_pidfd(&self, pid: u64) -> Option<std::os::fd::OwnedFd> {
+        if cfg!(miri) {
+            return None;
+        }
+        let cred = rustix::net::sockopt::socket_peercred(&self.channel).ok()?;
+        let peer = cred.pid.as_raw_nonzero().get();
+        if u64::try_from(peer).ok()? != pid {
+            return None;
+        }
+        rustix::process::pidfd_open(cred.pid, rustix::process::PidfdFlags::empty()).ok()
     }
 
     fn check_share(&self, st: &State, export: u64, serial: u64, len: u64, ranges: Vec<(u64, u64)>) -> Result<Share> {

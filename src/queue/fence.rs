@@ -49,9 +49,15 @@ impl Event {
     }
 
     /// An event that completes when a byte arrives on `fd` (the read end of a pipe, or one end
-    /// of a stream socket pair), and fails if the other end is closed without one.
-    pub(crate) fn from_signal_fd(fd: OwnedFd) -> Result<Self> {
-        Self::watching(fd, WatchedFdKind::Signal)
+    /// of a stream socket pair), and fails if the other end is closed without one, or, with
+    /// `exit` (a pidfd of the process that is to send the byte), if that process exits first:
+    /// a child it forked without exec keeps a copy of the other end open, so the close alone
+    /// would not come while the child lives.
+    pub(crate) fn from_signal_fd(fd: OwnedFd, exit: Option<OwnedFd>) -> Result<Self> {
+        let ev = Self::new();
+        let generation = ev.begin_record();
+        watch_with_exit(fd, ev.clone(), generation, WatchedFdKind::Signal, exit)?;
+        Ok(ev)
     }
 
     fn watching(fd: OwnedFd, kind: WatchedFdKind) -> Result<Self> {
@@ -73,6 +79,10 @@ struct Pending {
     event: Event,
     generation: u64,
     kind: WatchedFdKind,
+    /// A pidfd whose process's exit fails the event (see [`Event::from_signal_fd`]).
+    exit: Option<OwnedFd>,
+    /// The poll of `exit` on the ring, once watched.
+    exit_id: Option<u64>,
 }
 
 #[derive(Default)]
@@ -119,13 +129,24 @@ fn lock(w: &Watcher) -> std::sync::MutexGuard<'_, WatcherInbox> {
 
 /// Completes `event`'s `generation` when `fd` becomes readable.
 pub(crate) fn watch(fd: OwnedFd, event: Event, generation: u64, kind: WatchedFdKind) -> Result<()> {
+    watch_with_exit(fd, event, generation, kind, None)
+}
+
+/// [`watch`], and fails the event if the process of pidfd `exit` exits first.
+fn watch_with_exit(
+    fd: OwnedFd,
+    event: Event,
+    generation: u64,
+    kind: WatchedFdKind,
+    exit: Option<OwnedFd>,
+) -> Result<()> {
     let w = watcher()?;
     {
         let mut s = lock(w);
         if let Some(why) = &s.dead {
             return Err(Error::OperationFailed { reason: format!("fence watcher stopped: {why}").into() });
         }
-        s.incoming.push(Pending { fd, event, generation, kind });
+        s.incoming.push(Pending { fd, event, generation, kind, exit, exit_id: None });
     }
     rustix::io::write(&w.wake, &1u64.to_ne_bytes()).map_err(Error::io_rustix("wake the fence watcher"))?;
     Ok(())
@@ -153,6 +174,8 @@ fn run(mut ring: PollRing) {
 /// Serves until the ring fails; returns why.
 fn serve(ring: &mut PollRing, watched: &mut HashMap<u64, Pending>) -> String {
     let mut next_id = WAKE + 1;
+    // The polls of pidfds (`Pending::exit`), by ring id: the id of the fence they belong to.
+    let mut exits: HashMap<u64, u64> = HashMap::new();
     loop {
         let done = match ring.wait() {
             Ok(d) => d,
@@ -163,12 +186,22 @@ fn serve(ring: &mut PollRing, watched: &mut HashMap<u64, Pending>) -> String {
                 ring.drain_wake();
                 let Ok(w) = watcher() else { return "watcher missing".into() };
                 let new = std::mem::take(&mut lock(w).incoming);
-                for p in new {
+                for mut p in new {
                     let id = next_id;
                     next_id += 1;
                     let fd = p.fd.try_clone();
                     match fd.and_then(|fd| ring.poll_in(fd, id)) {
                         Ok(()) => {
+                            // The process's exit too, if given (if it cannot be watched, the
+                            // fence alone decides, as without one).
+                            if let Some(pidfd) = p.exit.as_ref().and_then(|f| f.try_clone().ok()) {
+                                let exit_id = next_id;
+                                next_id += 1;
+                                if ring.poll_in(pidfd, exit_id).is_ok() {
+                                    p.exit_id = Some(exit_id);
+                                    exits.insert(exit_id, id);
+                                }
+                            }
                             watched.insert(id, p);
                         }
                         Err(e) => p.event.complete(p.generation, Err(format!("cannot watch fence: {e}").into())),
@@ -184,15 +217,46 @@ fn serve(ring: &mut PollRing, watched: &mut HashMap<u64, Pending>) -> String {
                     watched.iter().filter(|(_, p)| p.event.is_unobserved()).map(|(&id, _)| id).collect();
                 for id in orphans {
                     if ring.cancel(id).is_ok() {
-                        watched.remove(&id);
+                        if let Some(exit_id) = watched.remove(&id).and_then(|p| p.exit_id) {
+                            let _ = ring.cancel(exit_id);
+                            exits.remove(&exit_id);
+                        }
+                    }
+                }
+            } else if let Some(fence_id) = exits.remove(&id) {
+                // A pidfd: its process exited (or the poll was cancelled, with its fence done).
+                drop(fd);
+                if res >= 0 {
+                    if let Some(p) = watched.remove(&fence_id) {
+                        let _ = ring.cancel(fence_id);
+                        // It may have signalled just before it exited (its poll's completion not
+                        // seen yet): what the fence holds now decides.
+                        let result = match signalled_now(&p.fd) {
+                            Some(revents) => outcome(&p, i32::from(revents.bits() as i16)),
+                            None => Err("the process that was to signal the fence exited before it did".into()),
+                        };
+                        p.event.complete(p.generation, result);
                     }
                 }
             } else if let Some(p) = watched.remove(&id) {
                 drop(fd);
+                if let Some(exit_id) = p.exit_id {
+                    let _ = ring.cancel(exit_id);
+                    exits.remove(&exit_id);
+                }
                 let result = outcome(&p, res);
                 p.event.complete(p.generation, result);
             }
         }
+    }
+}
+
+/// The fence's poll flags if it is readable (or hung up) now, without waiting.
+fn signalled_now(fd: &OwnedFd) -> Option<PollFlags> {
+    let mut p = [rustix::event::PollFd::new(fd, PollFlags::IN)];
+    match rustix::event::poll(&mut p, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 })) {
+        Ok(1) => Some(p[0].revents()),
+        _ => None,
     }
 }
 
