@@ -774,3 +774,82 @@ fn fork_case(how: u8) -> dmabuf_rt::Result<()> {
     kill_grandchild();
     r
 }
+
+const FD_ROLE_ENV: &str = "IPC_TEST_OUT_OF_FDS";
+
+/// The exporter of the out-of-fds case, in a child process of its own: makes two handles,
+/// prints them, then on each line of stdin: `take` uses up every fd it may open, `free`
+/// gives them back, `exit` exits.
+#[test]
+fn out_of_fds_exporter_entry() {
+    use std::io::BufRead;
+    if std::env::var(FD_ROLE_ENV).is_err() {
+        return;
+    }
+    let lim = rustix::process::Rlimit { current: Some(256), maximum: Some(256) };
+    rustix::process::setrlimit(rustix::process::Resource::Nofile, lim).unwrap();
+    let a = common::allocator("", 64 * MB as u64);
+    let blocks: Vec<Allocation> = (0..2).map(|_| a.allocate(64 * KB, None).unwrap()).collect();
+    for b in &blocks {
+        let h = dmabuf_rt::ipc::get_handle(b, None).unwrap();
+        println!("handle {}", h.to_bytes().iter().map(|b| format!("{b:02x}")).collect::<String>());
+    }
+    let mut taken = Vec::new();
+    for line in std::io::stdin().lock().lines() {
+        match line.unwrap().as_str() {
+            "take" => {
+                while let Ok(fd) = rustix::fs::open("/dev/null", rustix::fs::OFlags::RDONLY, 0.into()) {
+                    taken.push(fd);
+                }
+                println!("taken {}", taken.len());
+            }
+            "free" => {
+                taken.clear();
+                println!("freed");
+            }
+            _ => std::process::exit(0),
+        }
+    }
+}
+
+/// A process out of file descriptors refuses the IPC connections it cannot accept (the
+/// importer is told at once that the exporter hung up, not left waiting) and serves again
+/// once it has fds: before, `accept`'s EMFILE stopped the process's IPC socket for good.
+#[test]
+fn the_ipc_socket_survives_running_out_of_fds() {
+    use std::io::{BufRead, BufReader, Write};
+    let _serial = serial();
+    let mut exporter = Command::new(std::env::current_exe().unwrap())
+        .args(["out_of_fds_exporter_entry", "--exact", "--nocapture", "--test-threads=1", "-q"])
+        .env(FD_ROLE_ENV, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut to = exporter.stdin.take().unwrap();
+    let mut from = BufReader::new(exporter.stdout.take().unwrap()).lines();
+    let mut next = |prefix: &str| loop {
+        let l = from.next().expect("the exporter's output ended").unwrap();
+        if let Some(rest) = l.strip_prefix(prefix) {
+            return rest.to_string();
+        }
+    };
+    let unhex = |s: &str| {
+        let b: Vec<u8> = (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect();
+        IpcHandle::from_bytes(&b).unwrap()
+    };
+    let (h1, h2) = (unhex(&next("handle ")), unhex(&next("handle ")));
+    writeln!(to, "take").unwrap();
+    next("taken ");
+    let t = Instant::now();
+    let e = dmabuf_rt::ipc::open_handle(&h1).expect_err("an exporter with no fd to accept with");
+    assert!(matches!(e, Error::PeerGone { .. }), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(20), "the refusal took {:?}", t.elapsed());
+    writeln!(to, "free").unwrap();
+    next("freed");
+    let got = dmabuf_rt::ipc::open_handle(&h2).expect("the exporter serves again once it has fds");
+    assert_eq!(got.len(), 64 * KB);
+    drop(got);
+    writeln!(to, "exit").unwrap();
+    assert!(exporter.wait().unwrap().success());
+}

@@ -277,6 +277,9 @@ impl Shared {
             }
         };
         log::debug!("{}: {why}; releasing what it held", self.channel.name());
+        // Hung up on this side too, so that a peer waiting for an answer (its request could not
+        // be answered) learns at once, not when its wait runs out.
+        let _ = rustix::net::shutdown(self.channel.as_fd(), rustix::net::Shutdown::Both);
         let held = {
             let mut st = self.lock();
             st.gone = Some(why);

@@ -97,22 +97,65 @@ fn start() -> std::result::Result<Arc<Server>, String> {
         exporters: Mutex::default(),
     });
     let s = Arc::clone(&server);
+    let reserve = spare_fd();
     std::thread::Builder::new()
         .name("dmabuf-rt-ipc-accept".into())
-        .spawn(move || accept_loop(listener, s))
+        .spawn(move || accept_loop(listener, s, reserve))
         .map_err(|e| format!("the IPC socket's thread: {e}"))?;
     Ok(server)
 }
 
-fn accept_loop(listener: std::os::fd::OwnedFd, server: Arc<Server>) {
+/// An fd kept in reserve by the accept loop (see there).
+fn spare_fd() -> Option<std::os::fd::OwnedFd> {
+    rustix::fs::open("/dev/null", rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC, 0.into()).ok()
+}
+
+/// `reserve`: an fd kept in reserve (opened before the thread starts, while fds are there).
+/// When the process is out of fds, it is given up to accept the connection waiting at the head
+/// of the queue and close it at once (that process's open fails: the exporter hung up), so that
+/// `accept` does not fail again at once, forever; then taken again.
+fn accept_loop(listener: std::os::fd::OwnedFd, server: Arc<Server>, mut reserve: Option<std::os::fd::OwnedFd>) {
+    use rustix::io::Errno;
     let me = rustix::process::getuid().as_raw();
+    let spare = spare_fd;
     loop {
+        // A connection first: `accept` takes its fd before it waits, so out of fds it fails
+        // at once, pending connection or not.
+        let mut pending = [rustix::event::PollFd::new(&listener, rustix::event::PollFlags::IN)];
+        match rustix::event::poll(&mut pending, None) {
+            Ok(_) | Err(Errno::INTR) => {}
+            Err(e) => {
+                log::error!("the IPC socket stopped accepting: poll: {e}");
+                return;
+            }
+        }
         let (fd, uid) = match packet::accept(listener.as_fd()) {
             Ok(got) => got,
-            Err(rustix::io::Errno::INTR | rustix::io::Errno::CONNABORTED) => continue,
-            Err(e) => {
+            Err(Errno::INTR | Errno::CONNABORTED | Errno::AGAIN) => continue,
+            Err(e @ (Errno::MFILE | Errno::NFILE | Errno::NOBUFS | Errno::NOMEM)) => {
+                if reserve.take().is_some() {
+                    if rustix::net::accept_with(listener.as_fd(), rustix::net::SocketFlags::CLOEXEC).is_ok() {
+                        log::warn!(
+                            "the IPC socket refused a process: {e} (this process is out of file descriptors or memory)"
+                        );
+                    }
+                    reserve = spare();
+                } else {
+                    // No fd in reserve either: nothing to accept with until some other fd
+                    // closes, which nothing announces; look again shortly (an error path only).
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                    reserve = spare();
+                }
+                continue;
+            }
+            Err(e @ (Errno::BADF | Errno::INVAL | Errno::NOTSOCK | Errno::OPNOTSUPP)) => {
                 log::error!("the IPC socket stopped accepting: {e}");
                 return;
+            }
+            // Anything else concerns that one connection (its peer's credentials, say).
+            Err(e) => {
+                log::warn!("the IPC socket could not take a connection: {e}");
+                continue;
             }
         };
         if uid != me {
