@@ -269,7 +269,8 @@ fn ten_thousand_shared_blocks_cost_an_fd_per_segment_not_per_block() {
     // (The first fd sent is the control channel's.)
     let sent = exp.channel().fds_sent() - 1;
     println!("10,000 blocks: the consumer holds {fds} more fds, {segments} segments; the producer sent {sent}");
-    assert!(segments >= 1 && fds <= segments, "{fds} fds for {segments} segments");
+    // An fd per segment, and the importer's pidfd of the producer (whose exit fails fences).
+    assert!(segments >= 1 && fds <= segments + 1, "{fds} fds for {segments} segments");
     assert_eq!(sent, segments);
     assert!(segments < 20, "{segments} segments for 10,000 small blocks");
     drop(xs);
@@ -739,18 +740,23 @@ const FORK_ROLE_ENV: &str = "IPC_TEST_FORK_PRODUCER";
 #[test]
 fn a_fence_fails_when_its_producer_exits_even_if_a_forked_child_keeps_it_open() {
     let _serial = serial();
-    // Signalled just before the exit: ready, whichever the watcher sees first.
-    for _ in 0..10 {
-        let r = fork_case(2);
-        assert!(r.is_ok(), "a fence signalled before its producer exited: {r:?}");
+    // The importer made before the exit (it watches a pidfd of the producer) or after it (the
+    // producer is known gone).
+    for late in [false, true] {
+        // Signalled just before the exit: ready, whichever the watcher sees first.
+        for _ in 0..10 {
+            let r = fork_case(2, late);
+            assert!(r.is_ok(), "a fence signalled before its producer exited (late {late}): {r:?}");
+        }
+        let e = fork_case(1, late).expect_err("a fence whose producer exited without signalling must fail");
+        assert!(!matches!(e, Error::Timeout { .. }), "still waiting while the forked child lives (late {late}): {e}");
+        assert!(e.to_string().contains("exited"), "{e}");
     }
-    let e = fork_case(1).expect_err("a fence whose producer exited without signalling must fail");
-    assert!(!matches!(e, Error::Timeout { .. }), "still waiting while the forked child lives: {e}");
-    assert!(e.to_string().contains("exited"), "{e}");
 }
 
 /// Runs the fork case's producer, tells it `how` to exit, and returns the block's readiness.
-fn fork_case(how: u8) -> dmabuf_rt::Result<()> {
+/// `late`: the importer is made (and the block opened) only once the producer has exited.
+fn fork_case(how: u8, late: bool) -> dmabuf_rt::Result<()> {
     let (control, theirs) = Channel::pair("fork control").unwrap();
     let mut producer = Command::new(std::env::current_exe().unwrap())
         .args(["fork_producer_entry", "--exact", "--nocapture", "--test-threads=1"])
@@ -760,17 +766,24 @@ fn fork_case(how: u8) -> dmabuf_rt::Result<()> {
         .spawn()
         .unwrap();
     let ipc = control.recv::<[u8; 1]>().unwrap().fd.expect("the IPC channel's end");
-    let imp = IpcImporter::new(Channel::from_fd(ipc, "fork consumer ipc").unwrap());
+    let ipc = Channel::from_fd(ipc, "fork consumer ipc").unwrap();
     let (grandchild, h) = cmd_of(&control.recv::<Ctl>().unwrap().msg);
     let kill_grandchild = || {
         let pid = rustix::process::Pid::from_raw(grandchild as i32).unwrap();
         let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
     };
-    let b = imp.open(&h.unwrap()).unwrap();
-    assert!(!b.is_ready(), "the producer's queue is held: its fence cannot have signalled");
-    control.send(&[how]).unwrap();
-    assert!(producer.wait().unwrap().success());
-    let r = b.wait_ready(Some(Duration::from_secs(30)));
+    let r = if late {
+        control.send(&[how]).unwrap();
+        assert!(producer.wait().unwrap().success());
+        IpcImporter::new(ipc).open(&h.unwrap()).and_then(|b| b.wait_ready(Some(Duration::from_secs(30))))
+    } else {
+        let imp = IpcImporter::new(ipc);
+        let b = imp.open(&h.unwrap()).unwrap();
+        assert!(!b.is_ready(), "the producer's queue is held: its fence cannot have signalled");
+        control.send(&[how]).unwrap();
+        assert!(producer.wait().unwrap().success());
+        b.wait_ready(Some(Duration::from_secs(30)))
+    };
     kill_grandchild();
     r
 }

@@ -26,6 +26,40 @@ pub struct IpcImporter {
 struct Shared {
     channel: Channel,
     state: Mutex<State>,
+    /// The channel's peer as the kernel recorded it (see [`Peer`]).
+    peer: Peer,
+}
+
+/// The process at the other end of the channel, taken when the importer is made: its pid as
+/// `SO_PEERCRED` gives it (in this process's pid namespace) and a pidfd of it, whose exit
+/// fails the fences it has not signalled (a child it forked without exec keeps a fence's other
+/// end open, so the fence's close alone does not tell).
+enum Peer {
+    /// A pidfd of the process with this pid.
+    Alive(u32, std::os::fd::OwnedFd),
+    /// The process with this pid had exited already (or its pid was not ours to watch).
+    Exited(u32),
+    /// Not known (not a socket with credentials, no pidfds here, Miri): fences alone decide.
+    Unknown,
+}
+
+impl Peer {
+    fn of(channel: &Channel) -> Peer {
+        if cfg!(miri) {
+            return Peer::Unknown;
+        }
+        let Ok(cred) = rustix::net::sockopt::socket_peercred(channel) else { return Peer::Unknown };
+        let pid = cred.pid.as_raw_nonzero().get() as u32;
+        if pid == std::process::id() {
+            // This process (a pair it made itself): nothing to learn from its own exit.
+            return Peer::Unknown;
+        }
+        match rustix::process::pidfd_open(cred.pid, rustix::process::PidfdFlags::empty()) {
+            Ok(fd) => Peer::Alive(pid, fd),
+            Err(rustix::io::Errno::SRCH) => Peer::Exited(pid),
+            Err(_) => Peer::Unknown,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -66,7 +100,8 @@ impl std::fmt::Debug for IpcImporter {
 impl IpcImporter {
     /// An importer on `channel` (the other end's process exports with an `IpcExporter`).
     pub fn new(channel: Channel) -> Self {
-        Self { shared: Arc::new(Shared { channel, state: Mutex::new(State::default()) }) }
+        let peer = Peer::of(&channel);
+        Self { shared: Arc::new(Shared { channel, state: Mutex::new(State::default()), peer }) }
     }
 
     /// Opens the block `handle` names. Its export must have arrived on this channel already
@@ -342,25 +377,16 @@ impl Shared {
                 .channel
                 .protocol_error(format!("export {export}: its fence is not a pipe or a stream socket")));
         }
-        Event::from_signal_fd(fd, self.exporter_pidfd(pid))
-    }
-
-    /// A pidfd of the exporting process, whose exit fails its pending fences: a child it
-    /// forked without exec keeps the fence's other end open, so the fence's close alone does
-    /// not tell. Only where the share's `pid` is the channel's peer as the kernel saw it
-    /// connect (`SO_PEERCRED`, in this process's pid namespace): a pid from another namespace
-    /// or from a peer that did not make the channel names some other process here. `None`
-    /// otherwise, or where the process is gone already (the fence alone decides then).
-    fn exporter_pidfd(&self, pid: u64) -> Option<std::os::fd::OwnedFd> {
-        if cfg!(miri) {
-            return None;
+        // Only where the share's pid is the channel's peer: a pid from another namespace, or
+        // from a peer that did not make the channel, names some other process here.
+        match &self.peer {
+            Peer::Alive(p, pidfd) if u64::from(*p) == pid => Event::from_signal_fd(fd, pidfd.try_clone().ok()),
+            Peer::Exited(p) if u64::from(*p) == pid && !crate::queue::fence_readable_now(&fd) => {
+                // Gone before its share was read, without signalling: the work never finished.
+                Ok(Event::failed("the process that was to signal the fence exited before it did"))
+            }
+            _ => Event::from_signal_fd(fd, None),
         }
-        let cred = rustix::net::sockopt::socket_peercred(&self.channel).ok()?;
-        let peer = cred.pid.as_raw_nonzero().get();
-        if u64::try_from(peer).ok()? != pid {
-            return None;
-        }
-        rustix::process::pidfd_open(cred.pid, rustix::process::PidfdFlags::empty()).ok()
     }
 
     fn check_share(&self, st: &State, export: u64, serial: u64, len: u64, ranges: Vec<(u64, u64)>) -> Result<Share> {

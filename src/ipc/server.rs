@@ -132,7 +132,7 @@ fn accept_loop(listener: std::os::fd::OwnedFd, server: Arc<Server>, mut reserve:
         let (fd, uid) = match packet::accept(listener.as_fd()) {
             Ok(got) => got,
             Err(Errno::INTR | Errno::CONNABORTED | Errno::AGAIN) => continue,
-            Err(e @ (Errno::MFILE | Errno::NFILE | Errno::NOBUFS | Errno::NOMEM)) => {
+            Err(e @ (Errno::MFILE | Errno::NFILE)) => {
                 if reserve.take().is_some() {
                     if rustix::net::accept_with(listener.as_fd(), rustix::net::SocketFlags::CLOEXEC).is_ok() {
                         log::warn!(
@@ -152,9 +152,12 @@ fn accept_loop(listener: std::os::fd::OwnedFd, server: Arc<Server>, mut reserve:
                 log::error!("the IPC socket stopped accepting: {e}");
                 return;
             }
-            // Anything else concerns that one connection (its peer's credentials, say).
+            // Anything else (no memory, a security module's refusal, the peer's credentials)
+            // may last while the connection stays queued, and `poll` would say so at once
+            // again: look again shortly (an error path only).
             Err(e) => {
                 log::warn!("the IPC socket could not take a connection: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(10));
                 continue;
             }
         };

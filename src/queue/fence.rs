@@ -194,7 +194,7 @@ fn serve(ring: &mut PollRing, watched: &mut HashMap<u64, Pending>) -> String {
                         Ok(()) => {
                             // The process's exit too, if given (if it cannot be watched, the
                             // fence alone decides, as without one).
-                            if let Some(pidfd) = p.exit.as_ref().and_then(|f| f.try_clone().ok()) {
+                            if let Some(pidfd) = p.exit.take() {
                                 let exit_id = next_id;
                                 next_id += 1;
                                 if ring.poll_in(pidfd, exit_id).is_ok() {
@@ -248,6 +248,22 @@ fn serve(ring: &mut PollRing, watched: &mut HashMap<u64, Pending>) -> String {
                 p.event.complete(p.generation, result);
             }
         }
+    }
+}
+
+/// Whether `fd` is readable (or hung up) now, without waiting: a fence whose byte (or end of
+/// file) is there.
+pub(crate) fn readable_now(fd: &OwnedFd) -> bool {
+    signalled_now(fd).is_some()
+}
+
+/// An event already failed with `reason` (a fence whose sender is known to be gone).
+impl Event {
+    pub(crate) fn failed(reason: &str) -> Self {
+        let ev = Self::new();
+        let generation = ev.begin_record();
+        ev.complete(generation, Err(reason.into()));
+        ev
     }
 }
 

@@ -42,6 +42,7 @@
 mod engine;
 mod event;
 mod fence;
+pub(crate) use fence::readable_now as fence_readable_now;
 pub(crate) use fence::sweep as sweep_fences;
 mod id;
 mod marker;
