@@ -203,7 +203,13 @@ impl IpcImporter {
     }
 
     fn await_answer(&self, hold: u64, request: u64, pid: u32, timeout: std::time::Duration) -> Result<u64> {
-        self.shared.channel.send_bytes(&Msg::Request { hold, request }.encode(), &[])?;
+        if let Err(e) = self.shared.channel.send_bytes(&Msg::Request { hold, request }.encode(), &[]) {
+            if matches!(e, Error::PeerGone { .. }) {
+                // Hung up before it read this: later opens reconnect rather than reuse it.
+                self.shared.lock().gone.get_or_insert_with(|| "the exporter hung up".into());
+            }
+            return Err(e);
+        }
         let deadline = std::time::Instant::now() + timeout;
         loop {
             {
