@@ -10,8 +10,10 @@
 //! The runtime is process-wide and reads its environment once, so every test runs in a child
 //! process of its own ([`in_child`]) with the environment it needs.
 
+mod common;
+
+use common::isolate::in_child;
 use std::ffi::{CStr, c_int, c_void};
-use std::process::Command;
 use std::ptr::null_mut;
 use std::sync::{Arc, Barrier};
 
@@ -20,25 +22,6 @@ use dmabuf_rt::ffi::capi::*;
 
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
-const CHILD: &str = "HOSTILE_ARENA_CAPI_CHILD";
-
-/// Runs `f` in a fresh child process (this test binary, only test `name`) with `env` set;
-/// the parent asserts the child passed and prints its output.
-fn in_child(name: &str, env: &[(&str, &str)], f: impl FnOnce()) {
-    if std::env::var(CHILD).as_deref() == Ok(name) {
-        f();
-        return;
-    }
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", name, "--nocapture", "--test-threads=1"]).env(CHILD, name).env("DMABUF_RT_LOG", "off");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let out = cmd.output().unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    println!("--- child {name} ---\n{text}");
-    assert!(out.status.success(), "child {name} failed: {:?}\n{text}", out.status);
-}
 
 const ENV: &[(&str, &str)] = &[("DMABUF_RT_DEVICES", "shmem,shmem"), ("DMABUF_RT_CAPACITY", "512M")];
 

@@ -6,11 +6,13 @@
 //! per open/close cycle, a close racing a copy still queued on a stream, and a forked child.
 //!
 //! Every case runs in a child process of its own (this test binary, the one test,
-//! `HOSTILE_IPC2_CHILD=<name>`): the runtime and the IPC socket are process-wide, and a hang in
+//! `DMABUF_RT_ISOLATED_TEST=<name>`, `tests/common/isolate.rs`): the runtime and the IPC socket are process-wide, and a hang in
 //! one case must not stall the others.
 
+mod common;
+
+use common::isolate::in_child;
 use std::ffi::{CStr, c_int, c_void};
-use std::process::Command;
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier, mpsc};
@@ -22,28 +24,10 @@ use dmabuf_rt::ffi::capi::*;
 use dmabuf_rt::ipc::{self, IpcHandle};
 use dmabuf_rt::source::ShmemSource;
 
-const CHILD: &str = "HOSTILE_IPC2_CHILD";
 const KB: usize = 1 << 10;
 const ENV: &[(&str, &str)] = &[("DMABUF_RT_DEVICES", "shmem,shmem"), ("DMABUF_RT_CAPACITY", "256M")];
 /// Hang detection (generous: CI may run under emulation).
 const WATCHDOG: Duration = Duration::from_secs(20);
-
-/// Runs `f` in a fresh child process (this test binary, only test `name`) with `env` set.
-fn in_child(name: &str, env: &[(&str, &str)], f: impl FnOnce()) {
-    if std::env::var(CHILD).as_deref() == Ok(name) {
-        f();
-        return;
-    }
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", name, "--nocapture", "--test-threads=1"]).env(CHILD, name).env("DMABUF_RT_LOG", "off");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let out = cmd.output().unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    println!("--- child {name} ---\n{text}");
-    assert!(out.status.success(), "child {name} failed: {:?}\n{text}", out.status);
-}
 
 /// Runs `f` on a thread of its own and fails if it does not finish within `limit`.
 fn within<T: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {

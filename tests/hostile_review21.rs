@@ -17,6 +17,7 @@ mod common;
 
 use std::time::Duration;
 
+use common::isolate::{self, in_child};
 use common::{Rng, serial};
 use dmabuf_rt::Error;
 use dmabuf_rt::caching::stats::AGGREGATE;
@@ -267,38 +268,8 @@ fn the_fast_path_agrees_with_the_general_path_step_by_step() {
 // Child processes (the C runtime is process-wide; signal dispositions are too).
 // ---------------------------------------------------------------------------------------------
 
-const CHILD: &str = "HOSTILE_REVIEW21_CHILD";
 const HANDLE_ENV: &str = "HOSTILE_REVIEW21_HANDLE";
 const ENV: &[(&str, &str)] = &[("DMABUF_RT_DEVICES", "shmem,shmem"), ("DMABUF_RT_CAPACITY", "512M")];
-
-fn child(name: &str, env: &[(&str, &str)]) -> std::process::Command {
-    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", name, "--nocapture", "--test-threads=1"]).env(CHILD, name).env("DMABUF_RT_LOG", "off");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd
-}
-
-/// Runs `f` in a child process of its own (this binary, test `name` only, with `env`); the
-/// parent asserts it exited 0, and says so if a signal killed it.
-fn in_child(name: &str, env: &[(&str, &str)], f: impl FnOnce()) {
-    if std::env::var(CHILD).as_deref() == Ok(name) {
-        f();
-        return;
-    }
-    let out = child(name, env).output().unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    println!("--- child {name} ---\n{text}");
-    use std::os::unix::process::ExitStatusExt;
-    if let Some(sig) = out.status.signal() {
-        panic!(
-            "child {name} was killed by signal {sig}{}\n{text}",
-            if sig == libc::SIGPIPE { " (SIGPIPE)" } else { "" }
-        );
-    }
-    assert!(out.status.success(), "child {name} failed: {:?}\n{text}", out.status);
-}
 
 /// The signal disposition of a C or C++ program: SIGPIPE terminates the process (Rust's
 /// runtime ignores it before `main`, so a Rust test binary never sees it by default).
@@ -405,7 +376,7 @@ fn a_consumer_killed_while_its_open_waits_for_the_fence_does_not_kill_the_c_prod
     use dmabuf_rt::ffi::capi::*;
     const NAME: &str = "a_consumer_killed_while_its_open_waits_for_the_fence_does_not_kill_the_c_producer";
     if let Ok(hexed) = std::env::var(HANDLE_ENV) {
-        if std::env::var(CHILD).as_deref() != Ok("consumer") {
+        if std::env::var(isolate::CHILD_ENV).as_deref() != Ok("consumer") {
             return;
         }
         // The consumer: its open waits for the producer's stream, which never finishes
@@ -453,8 +424,9 @@ fn a_consumer_killed_while_its_open_waits_for_the_fence_does_not_kill_the_c_prod
         };
         assert!(stats().limbo_bytes > 0, "the freed block waits in limbo");
         let hexed: String = h.bytes.iter().map(|b| format!("{b:02x}")).collect();
-        let mut consumer = child(NAME, ENV)
-            .env(CHILD, "consumer")
+        let mut consumer = isolate::command(NAME, ENV)
+            .env(isolate::CHILD_ENV, "consumer")
+            .env("DMABUF_RT_LOG", "off")
             .env(HANDLE_ENV, hexed)
             .stdout(std::process::Stdio::null())
             .spawn()

@@ -7,42 +7,22 @@
 //! handles are refused from several threads at once.
 //!
 //! The runtime is process-wide and reads its environment once, so every case runs in a child
-//! process of its own (this test binary, the one test, `IPC_CAPI_CHILD=<name>`).
+//! process of its own (this test binary, the one test, `DMABUF_RT_ISOLATED_TEST=<name>`, `tests/common/isolate.rs`).
 
+mod common;
+
+use common::isolate::{self, in_child};
 use std::ffi::{CStr, c_int, c_void};
-use std::process::Command;
 use std::ptr::null_mut;
 use std::time::{Duration, Instant};
 
 use dmabuf_rt::ffi::capi::dmabuf_rt_status::*;
 use dmabuf_rt::ffi::capi::*;
 
-const CHILD: &str = "IPC_CAPI_CHILD";
 const HANDLES: &str = "IPC_CAPI_HANDLES";
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
 const ENV: &[(&str, &str)] = &[("DMABUF_RT_DEVICES", "shmem,shmem"), ("DMABUF_RT_CAPACITY", "256M")];
-
-/// Runs `f` in a fresh child process (this test binary, only test `name`) with `env` set.
-fn in_child(name: &str, env: &[(&str, &str)], f: impl FnOnce()) {
-    if std::env::var(CHILD).as_deref() == Ok(name) {
-        f();
-        return;
-    }
-    let out = child(name, env).output().unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    println!("--- child {name} ---\n{text}");
-    assert!(out.status.success(), "child {name} failed: {:?}\n{text}", out.status);
-}
-
-fn child(name: &str, env: &[(&str, &str)]) -> Command {
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", name, "--nocapture", "--test-threads=1"]).env(CHILD, name).env("DMABUF_RT_LOG", "off");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd
-}
 
 fn last_error() -> String {
     let p = dmabuf_rt_last_error();
@@ -233,7 +213,7 @@ fn a_handle_opens_as_device_memory_and_bad_calls_are_refused() {
 fn a_consumer_process_opens_handles_and_its_exit_releases_them() {
     if let Ok(handles) = std::env::var(HANDLES) {
         // The consumer.
-        if std::env::var(CHILD).as_deref() != Ok("consumer") {
+        if std::env::var(isolate::CHILD_ENV).as_deref() != Ok("consumer") {
             return;
         }
         let hs: Vec<_> = handles.split(',').map(unhex).collect();
@@ -262,8 +242,13 @@ fn a_consumer_process_opens_handles_and_its_exit_releases_them() {
         ok(dmabuf_rt_device_free(0, ps[2]));
         assert!(stats(0).limbo_bytes >= (sizes[1] + sizes[2]) as u64);
         let name = "a_consumer_process_opens_handles_and_its_exit_releases_them";
-        let mut consumer = child(name, ENV);
-        let out = consumer.env(CHILD, "consumer").env(HANDLES, hs.join(",")).output().unwrap();
+        let mut consumer = isolate::command(name, ENV);
+        let out = consumer
+            .env(isolate::CHILD_ENV, "consumer")
+            .env("DMABUF_RT_LOG", "off")
+            .env(HANDLES, hs.join(","))
+            .output()
+            .unwrap();
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         assert!(out.status.success(), "consumer: {text}");
         assert_eq!(&read(0, ps[0], 17), b"consumer was here");

@@ -37,16 +37,8 @@ pub struct ChildOutput {
 /// Re-executes this test binary to run test `name` alone, with `env` added, and waits for it
 /// at most `limit` (then kills it). Returns its output; the caller asserts on it.
 pub fn run_child(name: &str, env: &[(&str, &str)], limit: Duration) -> ChildOutput {
-    let exe = std::env::current_exe().expect("current_exe");
-    let mut cmd = Command::new(exe);
-    cmd.args([name, "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, name)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
+    let mut cmd = command(name, env);
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = cmd.spawn().expect("spawn the test binary");
     let drain = |r: Option<Box<dyn Read + Send>>| {
         std::thread::spawn(move || {
@@ -75,6 +67,36 @@ pub fn run_child(name: &str, env: &[(&str, &str)], limit: Duration) -> ChildOutp
     let (stdout, stderr) = (out.join().unwrap(), err.join().unwrap());
     let ok = status == "exit status: 0" && stdout.contains("test result: ok. 1 passed");
     ChildOutput { ok, status, stdout, stderr }
+}
+
+/// The command that re-executes this test binary to run test `name` alone (as the child: see
+/// [`is_child`]), with `env` added; for a test that starts the child itself (its own pipes, a
+/// process it talks to while it runs).
+pub fn command(name: &str, env: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().expect("current_exe"));
+    cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]).env(CHILD_ENV, name);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+/// How long [`in_child`] gives a body (generous: the kernel lane runs under emulation).
+pub const IN_CHILD_LIMIT: Duration = Duration::from_secs(300);
+
+/// Runs the body `f` of test `name` in a child process of its own, with `env` added and the
+/// library's log off: in the child (re-executed by the parent) it runs `f`; in the parent it
+/// waits for the child ([`isolated`], at most [`IN_CHILD_LIMIT`]) and fails with the child's
+/// output (and the signal that killed it, if one did) unless it passed. For a runtime, a socket
+/// or a signal disposition that is process-wide.
+#[track_caller]
+pub fn in_child(name: &str, env: &[(&str, &str)], f: impl FnOnce()) {
+    if is_child(name) {
+        f();
+        return;
+    }
+    let env: Vec<(&str, &str)> = std::iter::once(("DMABUF_RT_LOG", "off")).chain(env.iter().copied()).collect();
+    isolated(name, &env, IN_CHILD_LIMIT);
 }
 
 /// Runs test `name` in a child (see the module docs) and fails if the child failed, with its
