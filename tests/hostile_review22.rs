@@ -2,14 +2,15 @@
 //! list's in-place reversal. It found one bug, fixed: the pidfd was opened when the share was
 //! read, so a producer that had exited (and been reaped) by then was not watched and the fence
 //! waited as long as its forked child lived; the importer now takes the pidfd when it is made,
-//! and a producer known gone fails the fences it did not signal. Child-process cases re-execute this binary (`producer_entry`, with
+//! and a producer known gone fails the fences it did not signal. Its two cases of that (the
+//! share read after the exit, signalled or not) are `When::ReadAfter` of
+//! `tests/ipc.rs::a_fence_fails_when_its_producer_exits_even_if_a_forked_child_keeps_it_open`. Child-process cases re-execute this binary (`producer_entry`, with
 //! `HR22_ROLE` set) with a control channel as stdin; the producer makes the IPC pair, so the
 //! importer's `SO_PEERCRED` names it.
 
-#![allow(unsafe_code)] // fork(2) in the producer, and its child's alarm and pause
-
 mod common;
 
+use common::control::{Ctl, cmd_of, ctl};
 use common::{open_fds, serial};
 
 use std::os::fd::AsFd;
@@ -17,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use dmabuf_rt::Error;
-use dmabuf_rt::ipc::{HANDLE_BYTES, IpcExporter, IpcHandle, IpcImporter};
+use dmabuf_rt::ipc::{IpcExporter, IpcHandle, IpcImporter};
 use dmabuf_rt::queue::Queue;
 use dmabuf_rt::share::Channel;
 
@@ -25,24 +26,7 @@ const ROLE_ENV: &str = "HR22_ROLE";
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
 
-type Ctl = [u8; HANDLE_BYTES + 8];
-
-fn ctl(cmd: u64, h: Option<&IpcHandle>) -> Ctl {
-    let mut m = [0u8; HANDLE_BYTES + 8];
-    m[..8].copy_from_slice(&cmd.to_le_bytes());
-    if let Some(h) = h {
-        m[8..].copy_from_slice(&h.to_bytes());
-    }
-    m
-}
-
-fn cmd_of(m: &Ctl) -> (u64, Option<IpcHandle>) {
-    (u64::from_le_bytes(m[..8].try_into().unwrap()), IpcHandle::from_bytes(&m[8..]).ok())
-}
-
-/// Roles: `fork-exit` (export one fenced block, fork a child that keeps every fd, exit at once
-/// with the fence unsignalled, or, `fork-exit-signalled`, after signalling it) and `hold-N`
-/// (export N fenced blocks, then wait to be told to exit).
+/// Role `hold-N`: export N fenced blocks, then wait to be told to exit.
 #[test]
 fn producer_entry() {
     let Ok(role) = std::env::var(ROLE_ENV) else { return };
@@ -53,41 +37,18 @@ fn producer_entry() {
     drop(theirs);
     let a = common::allocator("", 64 * MB as u64);
     let q = Queue::new().unwrap();
-    let gate = common::QueueGate::close(&q);
+    let _gate = common::QueueGate::close(&q);
     let exp = IpcExporter::new(mine).unwrap();
-    if let Some(n) = role.strip_prefix("hold-") {
-        let n: usize = n.parse().unwrap();
-        let mut keep = Vec::new();
-        for _ in 0..n {
-            let x = a.allocate(64 * KB, Some(&q)).unwrap();
-            let h = exp.export(&x, Some(&q)).unwrap();
-            control.send(&ctl(0, Some(&h))).unwrap();
-            keep.push(x);
-        }
-        // Until told (or the test's end of the control channel closes).
-        let _ = control.recv::<[u8; 1]>();
-        std::process::exit(0);
+    let n: usize = role.strip_prefix("hold-").expect("a hold-N role").parse().unwrap();
+    let mut keep = Vec::new();
+    for _ in 0..n {
+        let x = a.allocate(64 * KB, Some(&q)).unwrap();
+        let h = exp.export(&x, Some(&q)).unwrap();
+        control.send(&ctl(0, Some(&h))).unwrap();
+        keep.push(x);
     }
-    let x = a.allocate(64 * KB, Some(&q)).unwrap();
-    let h = exp.export(&x, Some(&q)).unwrap();
-    if role == "fork-exit-signalled" {
-        drop(gate);
-        q.synchronize().unwrap();
-    } else {
-        std::mem::forget(gate);
-    }
-    // SAFETY: the child calls only async-signal-safe functions (alarm, pause), never returns.
-    let child = unsafe { libc::fork() };
-    if child == 0 {
-        // SAFETY: async-signal-safe calls in the forked child.
-        unsafe { libc::alarm(20) };
-        loop {
-            // SAFETY: as above.
-            unsafe { libc::pause() };
-        }
-    }
-    assert!(child > 0, "fork failed");
-    control.send(&ctl(child as u64, Some(&h))).unwrap();
+    // Until told (or the test's end of the control channel closes).
+    let _ = control.recv::<[u8; 1]>();
     std::process::exit(0);
 }
 
@@ -103,49 +64,6 @@ fn spawn(role: &str) -> (Child, Channel, IpcImporter) {
     let ipc = control.recv::<[u8; 1]>().unwrap().fd.expect("the IPC channel's end");
     let imp = IpcImporter::new(Channel::from_fd(ipc, "hr22 consumer ipc").unwrap());
     (child, control, imp)
-}
-
-fn kill(pid: u64) {
-    if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
-        let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
-    }
-}
-
-/// The producer exported a fenced block, forked a child (which keeps the fence's other end and
-/// the channel open) and exited without signalling; the importer opens the block only after the
-/// producer was reaped (opens are lazy: the SHARE is read at the first `open`). The fence must
-/// still fail soon, not wait as long as the forked child lives.
-#[test]
-fn fence_fails_when_producer_exited_before_the_share_was_read() {
-    let (mut producer, control, imp) = spawn("fork-exit");
-    let (grandchild, h) = cmd_of(&control.recv::<Ctl>().unwrap().msg);
-    assert!(producer.wait().unwrap().success());
-    let r = (|| {
-        let b = imp.open(&h.unwrap())?;
-        b.wait_ready(Some(Duration::from_secs(3)))
-    })();
-    kill(grandchild);
-    let e = r.expect_err("a fence whose producer exited without signalling cannot be ready");
-    assert!(
-        !matches!(e, Error::Timeout { .. }),
-        "still waiting on a fence whose producer exited (before the importer read the share) while its forked \
-         child lives: {e}"
-    );
-}
-
-/// Passing check: signalled, then the producer exits (and is reaped) before the importer reads
-/// the share: ready.
-#[test]
-fn fence_signalled_before_exit_is_ready_when_read_late() {
-    let (mut producer, control, imp) = spawn("fork-exit-signalled");
-    let (grandchild, h) = cmd_of(&control.recv::<Ctl>().unwrap().msg);
-    assert!(producer.wait().unwrap().success());
-    let r = (|| {
-        let b = imp.open(&h.unwrap())?;
-        b.wait_ready(Some(Duration::from_secs(3)))
-    })();
-    kill(grandchild);
-    r.expect("a fence signalled before its producer exited is ready");
 }
 
 /// Blocks opened with a pending fence (watched with a pidfd of the live producer) and dropped:

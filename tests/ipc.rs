@@ -10,6 +10,7 @@
 
 mod common;
 
+use common::control::{Ctl, cmd_of, ctl};
 use common::{open_fds, serial};
 
 use std::os::fd::AsFd;
@@ -19,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use dmabuf_rt::caching::stats::AGGREGATE;
 use dmabuf_rt::caching::{Allocation, CachingAllocator};
-use dmabuf_rt::ipc::{HANDLE_BYTES, IpcExporter, IpcHandle, IpcImporter};
+use dmabuf_rt::ipc::{IpcExporter, IpcHandle, IpcImporter};
 use dmabuf_rt::queue::{HostBuffer, Queue};
 use dmabuf_rt::segment::Access;
 use dmabuf_rt::share::Channel;
@@ -54,23 +55,6 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
 
 // ---------------------------------------------------------------------------------------------
 // The child side.
-
-/// Control messages: a handle, or a command with a number.
-type Ctl = [u8; HANDLE_BYTES + 8];
-
-fn ctl(cmd: u64, h: Option<&IpcHandle>) -> Ctl {
-    let mut m = [0u8; HANDLE_BYTES + 8];
-    m[..8].copy_from_slice(&cmd.to_le_bytes());
-    if let Some(h) = h {
-        m[8..].copy_from_slice(&h.to_bytes());
-    }
-    m
-}
-
-fn cmd_of(m: &Ctl) -> (u64, Option<IpcHandle>) {
-    let cmd = u64::from_le_bytes(m[..8].try_into().unwrap());
-    (cmd, IpcHandle::from_bytes(&m[8..]).ok())
-}
 
 const HANDLE: u64 = 1;
 const VERIFY: u64 = 2;
@@ -740,23 +724,34 @@ const FORK_ROLE_ENV: &str = "IPC_TEST_FORK_PRODUCER";
 #[test]
 fn a_fence_fails_when_its_producer_exits_even_if_a_forked_child_keeps_it_open() {
     let _serial = serial();
-    // The importer made before the exit (it watches a pidfd of the producer) or after it (the
+    // The block opened before the exit; the importer made before it (watching a pidfd of the
+    // producer) but the share read (at the open) after it; the importer made after it (the
     // producer is known gone).
-    for late in [false, true] {
+    for when in [When::OpenedBefore, When::ReadAfter, When::MadeAfter] {
         // Signalled just before the exit: ready, whichever the watcher sees first.
         for _ in 0..10 {
-            let r = fork_case(2, late);
-            assert!(r.is_ok(), "a fence signalled before its producer exited (late {late}): {r:?}");
+            let r = fork_case(2, when);
+            assert!(r.is_ok(), "a fence signalled before its producer exited ({when:?}): {r:?}");
         }
-        let e = fork_case(1, late).expect_err("a fence whose producer exited without signalling must fail");
-        assert!(!matches!(e, Error::Timeout { .. }), "still waiting while the forked child lives (late {late}): {e}");
+        let e = fork_case(1, when).expect_err("a fence whose producer exited without signalling must fail");
+        assert!(!matches!(e, Error::Timeout { .. }), "still waiting while the forked child lives ({when:?}): {e}");
         assert!(e.to_string().contains("exited"), "{e}");
     }
 }
 
+/// When the fork case's importer sees the producer's share, against the producer's exit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum When {
+    /// The importer is made and the block opened before the exit.
+    OpenedBefore,
+    /// The importer is made before the exit, the block opened (its share read) after it.
+    ReadAfter,
+    /// The importer is made, and the block opened, after the exit.
+    MadeAfter,
+}
+
 /// Runs the fork case's producer, tells it `how` to exit, and returns the block's readiness.
-/// `late`: the importer is made (and the block opened) only once the producer has exited.
-fn fork_case(how: u8, late: bool) -> dmabuf_rt::Result<()> {
+fn fork_case(how: u8, when: When) -> dmabuf_rt::Result<()> {
     let (control, theirs) = Channel::pair("fork control").unwrap();
     let mut producer = Command::new(std::env::current_exe().unwrap())
         .args(["fork_producer_entry", "--exact", "--nocapture", "--test-threads=1"])
@@ -772,17 +767,28 @@ fn fork_case(how: u8, late: bool) -> dmabuf_rt::Result<()> {
         let pid = rustix::process::Pid::from_raw(grandchild as i32).unwrap();
         let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
     };
-    let r = if late {
+    let mut exit = || {
         control.send(&[how]).unwrap();
         assert!(producer.wait().unwrap().success());
-        IpcImporter::new(ipc).open(&h.unwrap()).and_then(|b| b.wait_ready(Some(Duration::from_secs(30))))
-    } else {
-        let imp = IpcImporter::new(ipc);
-        let b = imp.open(&h.unwrap()).unwrap();
-        assert!(!b.is_ready(), "the producer's queue is held: its fence cannot have signalled");
-        control.send(&[how]).unwrap();
-        assert!(producer.wait().unwrap().success());
-        b.wait_ready(Some(Duration::from_secs(30)))
+    };
+    let wait = |b: dmabuf_rt::ipc::ImportedBlock| b.wait_ready(Some(Duration::from_secs(30)));
+    let r = match when {
+        When::OpenedBefore => {
+            let imp = IpcImporter::new(ipc);
+            let b = imp.open(&h.unwrap()).unwrap();
+            assert!(!b.is_ready(), "the producer's queue is held: its fence cannot have signalled");
+            exit();
+            wait(b)
+        }
+        When::ReadAfter => {
+            let imp = IpcImporter::new(ipc);
+            exit();
+            imp.open(&h.unwrap()).and_then(wait)
+        }
+        When::MadeAfter => {
+            exit();
+            IpcImporter::new(ipc).open(&h.unwrap()).and_then(wait)
+        }
     };
     kill_grandchild();
     r

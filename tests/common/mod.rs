@@ -61,6 +61,7 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+pub mod control;
 pub mod isolate;
 pub mod seccomp;
 
