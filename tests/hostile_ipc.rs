@@ -9,6 +9,8 @@
 
 mod common;
 
+use common::wait::{wait_until, within};
+
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
@@ -21,6 +23,9 @@ use dmabuf_rt::queue::Queue;
 use dmabuf_rt::segment::Access;
 use dmabuf_rt::share::Channel;
 use dmabuf_rt::source::ShmemSource;
+
+/// How long the bounded waits of this file wait.
+const WAIT: Duration = Duration::from_secs(10);
 
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
@@ -42,15 +47,6 @@ fn pair() -> (IpcExporter, IpcImporter) {
     (IpcExporter::new(a).unwrap(), IpcImporter::new(b))
 }
 
-#[track_caller]
-fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < Duration::from_secs(10), "never happened: {what}");
-        std::thread::yield_now();
-    }
-}
-
 /// A RELEASE packet as the wire carries it (tag 3, 0, export).
 fn release_packet(export: u64) -> Vec<u8> {
     let mut b = Vec::new();
@@ -69,19 +65,6 @@ fn blocked_queue() -> (Queue, mpsc::Sender<()>) {
     })
     .unwrap();
     (q, tx)
-}
-
-/// Runs `f` on a thread of its own and fails if it does not finish within `limit` (a hang is
-/// reported instead of hanging the suite; the stuck threads are left behind).
-fn within<T: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(limit) {
-        Ok(v) => v,
-        Err(_) => panic!("hang: {what} did not finish within {limit:?}"),
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -157,7 +140,7 @@ fn a_block_exported_twice_stays_in_limbo_until_both_are_released() {
     assert_eq!(limbo(&a), size);
     a.check_invariants().unwrap();
     drop(g1);
-    wait_until("one release", || exp.held() == 1);
+    wait_until("one release", WAIT, || exp.held() == 1);
     assert_eq!(limbo(&a), size, "one of two holds released the block");
     let churn: Vec<_> = (0..16).map(|_| a.allocate(40 * KB, None).unwrap()).collect();
     for y in &churn {
@@ -168,7 +151,7 @@ fn a_block_exported_twice_stays_in_limbo_until_both_are_released() {
     assert!(v == pat(11, 40 * KB), "a block still held once was reused");
     a.check_invariants().unwrap();
     drop(g2);
-    wait_until("both releases", || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("both releases", WAIT, || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
 }
 
@@ -189,12 +172,12 @@ fn a_peer_releasing_twice_or_unknown_exports_frees_nothing_else() {
     }
     // y's release comes last: once it is applied, everything before it was too.
     theirs.send_bytes(&release_packet(h3.export), &[]).unwrap();
-    wait_until("y's release", || exp.held() == 1);
+    wait_until("y's release", WAIT, || exp.held() == 1);
     assert!(exp.peer_gone().is_none(), "{:?}", exp.peer_gone());
     assert_eq!(limbo(&a), 8 * KB as i64, "x is held by export {} still", h2.export);
     a.check_invariants().unwrap();
     drop(theirs);
-    wait_until("the hang-up", || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the hang-up", WAIT, || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
 }
 
@@ -217,25 +200,25 @@ fn a_deferred_free_of_a_shared_block_waits_for_the_queue_and_the_importer() {
         assert!(again.iter().all(|y| y.as_ptr() != addr), "reused while the queue and importer hold it");
         if release_first {
             drop(got);
-            wait_until("the release", || exp.held() == 0);
+            wait_until("the release", WAIT, || exp.held() == 0);
             a.check_invariants().unwrap();
             assert_eq!(limbo(&a), 0, "not freed yet here, so not in limbo");
             drop(go);
             q.synchronize().unwrap();
-            wait_until("the deferred free", || {
+            wait_until("the deferred free", WAIT, || {
                 a.check_invariants().unwrap();
                 a.stats().active_bytes[AGGREGATE].current == 4 * 64 * KB as i64
             });
         } else {
             drop(go);
             q.synchronize().unwrap();
-            wait_until("limbo", || limbo(&a) == 64 * KB as i64);
+            wait_until("limbo", WAIT, || limbo(&a) == 64 * KB as i64);
             a.check_invariants().unwrap();
             let mut v = vec![0; 64 * KB];
             got.read(0, &mut v).unwrap();
             assert!(v == pat(21, 64 * KB));
             drop(got);
-            wait_until("the release", || exp.held() == 0 && limbo(&a) == 0);
+            wait_until("the release", WAIT, || exp.held() == 0 && limbo(&a) == 0);
         }
         a.check_invariants().unwrap();
         drop(again);
@@ -260,11 +243,11 @@ fn a_raw_deferred_free_of_a_shared_block_goes_through_limbo() {
     a.check_invariants().unwrap();
     drop(go);
     q.synchronize().unwrap();
-    wait_until("limbo", || limbo(&a) == 32 * KB as i64);
+    wait_until("limbo", WAIT, || limbo(&a) == 32 * KB as i64);
     a.check_invariants().unwrap();
     assert!(a.free_raw(p).unwrap_err().to_string().contains("limbo"));
     drop(got);
-    wait_until("the release", || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the release", WAIT, || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
     assert_eq!(a.stats().active_bytes[AGGREGATE].current, 0);
 }
@@ -286,7 +269,7 @@ fn free_raw_sized_of_a_block_in_limbo_is_refused_as_free_raw_refuses_it() {
     assert_eq!(limbo(&a), 16 * KB as i64);
     a.check_invariants().unwrap();
     drop(got);
-    wait_until("the release", || limbo(&a) == 0);
+    wait_until("the release", WAIT, || limbo(&a) == 0);
     a.check_invariants().unwrap();
 }
 
@@ -322,7 +305,7 @@ fn empty_cache_leaves_blocks_in_limbo_alone() {
         assert!(v == pat(40 + i as u8, g.len()), "block {i} changed under empty_cache");
     }
     drop(got);
-    wait_until("the releases", || limbo(&a) == 0 && exp.held() == 0);
+    wait_until("the releases", WAIT, || limbo(&a) == 0 && exp.held() == 0);
     a.empty_cache();
     a.check_invariants().unwrap();
     let s = a.stats();
@@ -350,7 +333,7 @@ fn the_allocator_dropped_while_exports_are_outstanding() {
         assert!(v == pat(60 + i as u8, g.len()), "block {i} lost after the allocator's drop");
     }
     drop(got);
-    wait_until("the releases", || exp.held() == 0);
+    wait_until("the releases", WAIT, || exp.held() == 0);
     assert!(exp.peer_gone().is_none());
     within("the exporter's drop", Duration::from_secs(20), move || drop((exp, imp)));
 }
@@ -390,7 +373,7 @@ fn opens_racing_the_exporters_drop_are_clean() {
     dropper.join().unwrap();
     assert!(opened.len() >= 20);
     assert_eq!(opened.len() + gone, 200);
-    wait_until("the exporter's releases", || limbo(&a) == 0);
+    wait_until("the exporter's releases", WAIT, || limbo(&a) == 0);
     a.check_invariants().unwrap();
     drop(opened);
     assert!(matches!(imp.open(&hs[0]), Err(Error::PeerGone { .. }) | Err(Error::InvalidArgument { .. })));
@@ -459,7 +442,7 @@ fn export_free_release_from_many_threads_never_shows_stale_bytes() {
     stop.store(true, Ordering::Release);
     churner.join().unwrap();
     assert_eq!(bad.load(Ordering::Relaxed), 0, "an import read a block that was reused");
-    wait_until("every release", || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("every release", WAIT, || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
     a.empty_cache();
     let s = a.stats();
@@ -494,7 +477,7 @@ fn a_block_in_limbo_of_a_dropped_queue() {
         assert!(v == pat(80 + i as u8, g.len()), "block {i} of the dropped queue changed while held");
     }
     drop(got);
-    wait_until("the releases", || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the releases", WAIT, || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
     drop(others);
     a.empty_cache();
@@ -539,7 +522,7 @@ fn the_limbo_under_other_settings() {
             got.read(0, &mut v).unwrap();
             assert!(v == pat(7, n), "{conf} {n}: the imported block changed");
             drop(got);
-            wait_until("the release", || limbo(&a) == 0 && exp.held() == 0);
+            wait_until("the release", WAIT, || limbo(&a) == 0 && exp.held() == 0);
             a.check_invariants().unwrap_or_else(|e| panic!("{conf} {n}: {e}"));
             drop(again);
             a.empty_cache();
@@ -581,7 +564,7 @@ fn export_raw_racing_free_raw() {
         g.read(0, &mut v).unwrap();
         assert!(v.iter().all(|&b| b == 0x3C), "round {r}: the import changed");
         drop(g);
-        wait_until("the release", || exp.held() == 0 && limbo(&a) == 0);
+        wait_until("the release", WAIT, || exp.held() == 0 && limbo(&a) == 0);
         for x in q {
             a.free_raw(x).unwrap();
         }
@@ -630,7 +613,7 @@ fn held_does_not_block_while_an_export_waits_for_a_peer_that_does_not_read() {
     drop(theirs);
     let sent = producer.join().unwrap();
     assert!(sent < 5000, "a peer that never read took 5000 shares");
-    wait_until("the hang-up", || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the hang-up", WAIT, || exp.held() == 0 && limbo(&a) == 0);
 }
 
 /// A handle names its exporting process (`pid`), but `open` never checks it: two producers
@@ -671,7 +654,7 @@ fn history_and_stat_resets_with_a_block_in_limbo() {
     let _ = a.snapshot().to_json();
     a.check_invariants().unwrap();
     drop(g);
-    wait_until("the release", || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the release", WAIT, || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
     let ev: Vec<_> = a.history().into_iter().filter(|e| e.addr == addr).map(|e| e.kind).collect();
     let n = |k: HistoryKind| ev.iter().filter(|&&e| e == k).count();
@@ -702,7 +685,7 @@ fn an_importer_does_not_keep_every_released_segment_forever() {
         let g = imp.open(&exp.export(&x, None).unwrap()).unwrap();
         drop(g);
         drop(x);
-        wait_until("the release", || exp.held() == 0 && limbo(&a) == 0);
+        wait_until("the release", WAIT, || exp.held() == 0 && limbo(&a) == 0);
         a.empty_cache();
         assert_eq!(a.stats().reserved_bytes[AGGREGATE].current, 0, "round {r}");
     }

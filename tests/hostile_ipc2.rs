@@ -11,6 +11,8 @@
 
 mod common;
 
+use common::wait::{wait_until, within};
+
 use common::isolate::in_child;
 use std::ffi::{CStr, c_int, c_void};
 use std::ptr::null_mut;
@@ -28,27 +30,6 @@ const KB: usize = 1 << 10;
 const ENV: &[(&str, &str)] = &[("DMABUF_RT_DEVICES", "shmem,shmem"), ("DMABUF_RT_CAPACITY", "256M")];
 /// Hang detection (generous: CI may run under emulation).
 const WATCHDOG: Duration = Duration::from_secs(20);
-
-/// Runs `f` on a thread of its own and fails if it does not finish within `limit`.
-fn within<T: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(limit) {
-        Ok(v) => v,
-        Err(_) => panic!("hang: {what} did not finish within {limit:?}"),
-    }
-}
-
-#[track_caller]
-fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < WATCHDOG, "never happened: {what}");
-        std::thread::yield_now();
-    }
-}
 
 fn allocator() -> CachingAllocator {
     CachingAllocator::builder(ShmemSource::new().reserve(false))
@@ -207,7 +188,7 @@ fn racing_opens_of_one_handle_one_wins_none_waits_for_the_timeout() {
             let wins = results.iter().filter(|r| r.is_ok()).count();
             assert_eq!(wins, 1, "round {round}: {wins} opens of one handle succeeded: {results:?}");
             drop(results);
-            wait_until("limbo back to 0", || a.stats().limbo_bytes.current == 0);
+            wait_until("limbo back to 0", WATCHDOG, || a.stats().limbo_bytes.current == 0);
             a.check_invariants().unwrap();
         }
         assert_eq!(ipc::unopened_handles(), 0);
@@ -244,7 +225,7 @@ fn an_open_stuck_connecting_to_a_full_listen_queue_does_not_block_other_opens() 
         });
         let tid = tid_rx.recv().unwrap();
         // Until that thread sits in connect(2).
-        wait_until("the forged open to block in connect", || {
+        wait_until("the forged open to block in connect", WATCHDOG, || {
             std::fs::read_to_string(format!("/proc/self/task/{tid}/syscall"))
                 .ok()
                 .and_then(|s| s.split_whitespace().next().and_then(|n| n.parse::<i64>().ok()))
@@ -296,7 +277,7 @@ fn a_consumer_dying_mid_request_releases_the_block() {
         raw_send(fd, &request_packet(h.export));
         // SAFETY: plain syscall.
         unsafe { libc::close(fd) };
-        wait_until("the dead consumer's hold released", || a.stats().limbo_bytes.current == 0);
+        wait_until("the dead consumer's hold released", WATCHDOG, || a.stats().limbo_bytes.current == 0);
         a.check_invariants().unwrap();
         // Garbage on the socket does not stop the producer either.
         let fd = raw_connect(h.pid, h.token);
@@ -347,7 +328,7 @@ fn two_handles_of_one_pointer_opened_in_one_process_need_two_closes() {
             "two opens, and the second close was refused (the second open replaced and released the first): {}",
             last_error()
         );
-        wait_until("the release", || stats(0).limbo_bytes == 0);
+        wait_until("the release", WATCHDOG, || stats(0).limbo_bytes == 0);
     });
 }
 
@@ -365,12 +346,12 @@ fn open_close_cycles_do_not_leak_fds() {
         for _ in 0..5 {
             cycle();
         }
-        wait_until("limbo 0", || stats(0).limbo_bytes == 0);
+        wait_until("limbo 0", WATCHDOG, || stats(0).limbo_bytes == 0);
         let before = open_fds();
         for _ in 0..200 {
             cycle();
         }
-        wait_until("limbo 0", || stats(0).limbo_bytes == 0);
+        wait_until("limbo 0", WATCHDOG, || stats(0).limbo_bytes == 0);
         let after = open_fds();
         assert!(after <= before + 4, "fds: {before} before 200 open/close cycles, {after} after");
     });
@@ -408,7 +389,7 @@ fn close_waits_for_a_copy_queued_on_another_devices_stream() {
         ok(unsafe { dmabuf_rt_stream_add_callback(s, Some(block_stream), null_mut()) });
         // SAFETY: both sides are device memory.
         ok(unsafe { dmabuf_rt_memcpy(1, r, 0, q.cast_const(), n, DMABUF_RT_MEMCPY_DEVICE_TO_DEVICE, s) });
-        wait_until("the stream to block", || IN_CALLBACK.load(Ordering::SeqCst));
+        wait_until("the stream to block", WATCHDOG, || IN_CALLBACK.load(Ordering::SeqCst));
         let (tx, rx) = mpsc::channel();
         let qa = q as usize;
         std::thread::spawn(move || {

@@ -12,6 +12,8 @@
 
 mod common;
 
+use common::wait::{wait_until, within};
+
 use common::{open_fds, serial};
 
 use std::os::fd::{AsFd, OwnedFd};
@@ -36,28 +38,6 @@ fn pair() -> (IpcExporter, IpcImporter) {
 
 fn limbo(a: &CachingAllocator) -> i64 {
     a.stats().limbo_bytes.current
-}
-
-/// Bounded polling: `done` must hold within `limit`.
-#[track_caller]
-fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < limit, "never happened within {limit:?}: {what}");
-        std::thread::yield_now();
-    }
-}
-
-/// Runs `f` on a thread of its own and fails if it does not finish within `limit`.
-fn within<T: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(limit) {
-        Ok(v) => v,
-        Err(_) => panic!("hang: {what} did not finish within {limit:?}"),
-    }
 }
 
 /// Blocks `q` until the returned sender sends (or is dropped).

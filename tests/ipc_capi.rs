@@ -11,13 +11,18 @@
 
 mod common;
 
+use common::wait::wait_until;
+
 use common::isolate::{self, in_child};
 use std::ffi::{CStr, c_int, c_void};
 use std::ptr::null_mut;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dmabuf_rt::ffi::capi::dmabuf_rt_status::*;
 use dmabuf_rt::ffi::capi::*;
+
+/// How long the bounded waits of this file wait.
+const WAIT: Duration = Duration::from_secs(30);
 
 const HANDLES: &str = "IPC_CAPI_HANDLES";
 const KB: usize = 1 << 10;
@@ -96,15 +101,6 @@ fn stats(device: c_int) -> dmabuf_rt_stats {
     // SAFETY: a valid out-pointer.
     ok(unsafe { dmabuf_rt_device_stats(device, &mut s) });
     s
-}
-
-#[track_caller]
-fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < Duration::from_secs(30), "never happened: {what}");
-        std::thread::yield_now();
-    }
 }
 
 fn hex(h: &dmabuf_rt_ipc_mem_handle) -> String {
@@ -197,7 +193,7 @@ fn a_handle_opens_as_device_memory_and_bad_calls_are_refused() {
         });
         ok(dmabuf_rt_ipc_close_mem_handle(1, q));
         refused(dmabuf_rt_ipc_close_mem_handle(1, q), DMABUF_RT_INVALID_POINTER, "");
-        wait_until("the release", || stats(0).limbo_bytes == 0);
+        wait_until("the release", WAIT, || stats(0).limbo_bytes == 0);
         for x in again {
             ok(dmabuf_rt_device_free(0, x));
         }
@@ -252,7 +248,7 @@ fn a_consumer_process_opens_handles_and_its_exit_releases_them() {
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         assert!(out.status.success(), "consumer: {text}");
         assert_eq!(&read(0, ps[0], 17), b"consumer was here");
-        wait_until("the consumer's releases", || stats(0).limbo_bytes == 0);
+        wait_until("the consumer's releases", WAIT, || stats(0).limbo_bytes == 0);
         ok(dmabuf_rt_device_free(0, ps[0]));
         assert_eq!(stats(0).allocations, 0);
     });
@@ -345,6 +341,6 @@ fn a_handle_made_on_a_stream_carries_its_work_as_a_fence() {
         ok(dmabuf_rt_stream_destroy(s));
         ok(dmabuf_rt_stream_destroy(s1));
         ok(dmabuf_rt_device_free(0, p));
-        wait_until("limbo back to 0", || stats(0).limbo_bytes == 0);
+        wait_until("limbo back to 0", WAIT, || stats(0).limbo_bytes == 0);
     });
 }
