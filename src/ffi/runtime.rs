@@ -300,19 +300,17 @@ impl Runtime {
     }
 
     /// A process-wide IPC handle for the device allocation that starts at `ptr`
-    /// ([`crate::ipc::get_handle`]), after the device's queued work: the block is held until
-    /// the process that opens the handle closes it (freed here meanwhile, it waits in limbo).
-    pub fn ipc_get_handle(&self, device: usize, ptr: *mut u8) -> Result<IpcHandle> {
+    /// ([`crate::ipc::get_handle`]): the block is held until the process that opens the handle
+    /// closes it (freed here meanwhile, it waits in limbo). With no `stream`, after the device's
+    /// queued work; with one (a stream of `device`), without waiting: the work queued on it so
+    /// far travels with the handle as a fence, which the opening process waits for
+    /// ([`crate::ipc::get_handle_raw`] with a queue), and a stream that failed refuses.
+    pub fn ipc_get_handle(&self, device: usize, ptr: *mut u8, stream: Option<usize>) -> Result<IpcHandle> {
         let dev = self.device(device)?;
-        dev.synchronize()?;
-        crate::ipc::get_handle_raw(dev.allocator(), ptr, None)
-    }
-
-    /// [`Runtime::ipc_get_handle`] without waiting: the work queued on `stream` (a stream of
-    /// `device`) so far travels with the handle as a fence, which the opening process waits
-    /// for ([`crate::ipc::get_handle_raw`] with a queue). A stream that failed refuses.
-    pub fn ipc_get_handle_on_stream(&self, device: usize, ptr: *mut u8, stream: usize) -> Result<IpcHandle> {
-        let dev = self.device(device)?;
+        let Some(stream) = stream else {
+            dev.synchronize()?;
+            return crate::ipc::get_handle_raw(dev.allocator(), ptr, None);
+        };
         let on = self.stream_device(stream)?;
         if on != device {
             return Err(Error::InvalidArgument {

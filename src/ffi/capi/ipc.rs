@@ -30,17 +30,8 @@ pub unsafe extern "C" fn dmabuf_rt_ipc_get_mem_handle(
     ptr: *mut c_void,
     handle: *mut dmabuf_rt_ipc_mem_handle,
 ) -> dmabuf_rt_status {
-    call("dmabuf_rt_ipc_get_mem_handle", || {
-        let handle = out(handle, "handle")?;
-        if ptr.is_null() {
-            return Err(null("ptr"));
-        }
-        let rt = rt()?;
-        let h = rt.ipc_get_handle(device_id(rt, device)?, ptr.cast())?;
-        // SAFETY: the caller's contract for `handle`.
-        unsafe { store(handle, dmabuf_rt_ipc_mem_handle { bytes: h.to_bytes() }) };
-        Ok(())
-    })
+    // SAFETY: the caller's contract, passed on.
+    unsafe { get_mem_handle("dmabuf_rt_ipc_get_mem_handle", device, ptr, 0, handle) }
 }
 
 /// `dmabuf_rt_ipc_get_mem_handle` without waiting for the device: the work queued on `stream`
@@ -61,17 +52,29 @@ pub unsafe extern "C" fn dmabuf_rt_ipc_get_mem_handle_on_stream(
     stream: dmabuf_rt_stream,
     handle: *mut dmabuf_rt_ipc_mem_handle,
 ) -> dmabuf_rt_status {
-    call("dmabuf_rt_ipc_get_mem_handle_on_stream", || {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { get_mem_handle("dmabuf_rt_ipc_get_mem_handle_on_stream", device, ptr, stream, handle) }
+}
+
+/// The body of both: a handle after the device's work (stream 0) or with `stream`'s as a fence.
+///
+/// # Safety
+/// `handle` must be NULL (refused) or valid for writing a `dmabuf_rt_ipc_mem_handle`.
+unsafe fn get_mem_handle(
+    name: &'static str,
+    device: c_int,
+    ptr: *mut c_void,
+    stream: dmabuf_rt_stream,
+    handle: *mut dmabuf_rt_ipc_mem_handle,
+) -> dmabuf_rt_status {
+    call(name, || {
         let out_handle = out(handle, "handle")?;
         if ptr.is_null() {
             return Err(null("ptr"));
         }
         let rt = rt()?;
-        let device = device_id(rt, device)?;
-        let h = match stream {
-            0 => rt.ipc_get_handle(device, ptr.cast())?,
-            s => rt.ipc_get_handle_on_stream(device, ptr.cast(), super::handle(s))?,
-        };
+        let stream = (stream != 0).then(|| super::handle(stream));
+        let h = rt.ipc_get_handle(device_id(rt, device)?, ptr.cast(), stream)?;
         // SAFETY: the caller's contract for `handle`.
         unsafe { store(out_handle, dmabuf_rt_ipc_mem_handle { bytes: h.to_bytes() }) };
         Ok(())
