@@ -117,7 +117,6 @@ fn spare_fd() -> Option<std::os::fd::OwnedFd> {
 fn accept_loop(listener: std::os::fd::OwnedFd, server: Arc<Server>, mut reserve: Option<std::os::fd::OwnedFd>) {
     use rustix::io::Errno;
     let me = rustix::process::getuid().as_raw();
-    let spare = spare_fd;
     loop {
         // A connection first: `accept` takes its fd before it waits, so out of fds it fails
         // at once, pending connection or not.
@@ -139,12 +138,12 @@ fn accept_loop(listener: std::os::fd::OwnedFd, server: Arc<Server>, mut reserve:
                             "the IPC socket refused a process: {e} (this process is out of file descriptors or memory)"
                         );
                     }
-                    reserve = spare();
+                    reserve = spare_fd();
                 } else {
                     // No fd in reserve either: nothing to accept with until some other fd
                     // closes, which nothing announces; look again shortly (an error path only).
                     std::thread::sleep(std::time::Duration::from_millis(10));
-                    reserve = spare();
+                    reserve = spare_fd();
                 }
                 continue;
             }
