@@ -20,11 +20,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier, mpsc};
 use std::time::{Duration, Instant};
 
-use dmabuf_rt::caching::{CachingAllocator, Config};
+use dmabuf_rt::caching::CachingAllocator;
 use dmabuf_rt::ffi::capi::dmabuf_rt_status::*;
 use dmabuf_rt::ffi::capi::*;
 use dmabuf_rt::ipc::{self, IpcHandle};
-use dmabuf_rt::source::ShmemSource;
 
 const KB: usize = 1 << 10;
 const ENV: &[(&str, &str)] = &[("DMABUF_RT_DEVICES", "shmem,shmem"), ("DMABUF_RT_CAPACITY", "256M")];
@@ -32,11 +31,7 @@ const ENV: &[(&str, &str)] = &[("DMABUF_RT_DEVICES", "shmem,shmem"), ("DMABUF_RT
 const WATCHDOG: Duration = Duration::from_secs(20);
 
 fn allocator() -> CachingAllocator {
-    CachingAllocator::builder(ShmemSource::new().reserve(false))
-        .config(Config::parse("").unwrap())
-        .capacity(64 << 20)
-        .build()
-        .unwrap()
+    common::allocator("", 64 << 20)
 }
 
 fn pat(tag: u8, n: usize) -> Vec<u8> {
