@@ -113,5 +113,11 @@ fn main() {
         }
         other => panic!("unknown mode {other:?}: raw, raii, random, tlsf or tlsf-random"),
     }
-    println!("{n} × {mode} ({live_n} live), {} allocations", a.stats().simple().num_allocs);
+    let st = a.stats();
+    println!(
+        "{n} × {mode} ({live_n} live), {} allocations, {} remaps, peak reserved / peak allocated {:.3}",
+        st.simple().num_allocs,
+        st.num_remaps,
+        st.reserved_bytes[0].peak as f64 / st.allocated_bytes[0].peak.max(1) as f64
+    );
 }

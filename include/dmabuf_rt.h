@@ -399,7 +399,9 @@ enum dmabuf_rt_status dmabuf_rt_ipc_get_mem_handle_on_stream(int device, void *p
 // memsets and `dmabuf_rt_pointer_device` take it) until `dmabuf_rt_ipc_close_mem_handle`.
 // Writes on either side are seen on the other after synchronization. Refused, saying why: a
 // malformed or forged handle, one already opened (`DMABUF_RT_INVALID_ARGUMENT`), a process
-// that is gone or does not answer within 30 s (`DMABUF_RT_FAILED`).
+// that is gone or does not answer within 30 s (`DMABUF_RT_FAILED`). A process in another
+// network namespace is reached through `pidfd_getfd` where the kernel permits it; where it
+// does not, `DMABUF_RT_FAILED`, and the message says what would permit it.
 //
 // # Safety
 // `handle` must be NULL (refused) or point to a handle; `ptr` must be NULL (refused) or valid

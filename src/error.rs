@@ -69,6 +69,19 @@ pub enum Error {
         why: String,
     },
 
+    /// The kernel refused to let this process take something of another process (its fds,
+    /// through `pidfd_getfd`).
+    #[error("{what}: {source}; {why}")]
+    NotPermitted {
+        /// What was to be taken, and from which process.
+        what: String,
+        /// The kernel's answer.
+        #[source]
+        source: io::Error,
+        /// What the kernel checks, and what would permit it.
+        why: String,
+    },
+
     /// udmabuf's per-buffer limit.
     #[error(
         "udmabuf refuses a {requested}-byte buffer: its size_limit_mb parameter caps one buffer at {limit_mb} MiB \
@@ -290,7 +303,7 @@ pub enum ErrorKind {
     OutOfMemory,
     /// A process or system limit (open files, locked memory, address space, threads).
     ResourceLimit,
-    /// Access to a device node denied.
+    /// Access to a device node, or to another process's fds, denied.
     PermissionDenied,
     /// The source or device cannot do this.
     NotSupported,
@@ -326,6 +339,7 @@ impl Error {
             Error::Open { source, .. } if source.kind() == io::ErrorKind::PermissionDenied => {
                 ErrorKind::PermissionDenied
             }
+            Error::NotPermitted { .. } => ErrorKind::PermissionDenied,
             Error::Unsupported { .. } => ErrorKind::NotSupported,
             Error::Timeout { .. } => ErrorKind::Timeout,
             Error::WouldDeadlock { .. } => ErrorKind::WouldDeadlock,

@@ -211,7 +211,7 @@ fn an_open_stuck_connecting_to_a_full_listen_queue_does_not_block_other_opens() 
         // SAFETY: plain syscall.
         assert_eq!(unsafe { libc::listen(listener, 0) }, 0);
         let filler = raw_connect(pid, token);
-        let forged = IpcHandle { pid, export: 1, segment: 1, offset: 0, len: 4096, token };
+        let forged = IpcHandle { pid, door: 0, export: 1, segment: 1, offset: 0, len: 4096, token };
         let (tid_tx, tid_rx) = mpsc::channel();
         let stuck = std::thread::spawn(move || {
             // SAFETY: plain syscall.

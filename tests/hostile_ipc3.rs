@@ -81,7 +81,7 @@ fn share_msg(export: u64) -> Vec<u8> {
 }
 
 fn handle(export: u64) -> IpcHandle {
-    IpcHandle { pid: 1, export, segment: SERIAL_NO, offset: 0, len: 100, token: 0 }
+    IpcHandle { pid: 1, door: 0, export, segment: SERIAL_NO, offset: 0, len: 100, token: 0 }
 }
 
 /// A raw exporter end and an importer, the segment already sent.

@@ -407,6 +407,11 @@ fn a_consumer_killed_while_its_open_waits_for_the_fence_does_not_kill_the_c_prod
         // SAFETY: a valid out-pointer.
         ok(unsafe { dmabuf_rt_device_alloc(0, 64 * KB, &mut p) });
         let mut h = dmabuf_rt_ipc_mem_handle { bytes: [0; 64] };
+        // The IPC server started first (its socket and its door, a socket pair both ends of
+        // which stay here): not among the fds the fence's check looks at.
+        let other = common::allocator("", 64 << 20);
+        let warm = other.allocate(4 * KB, None).unwrap();
+        dmabuf_rt::ipc::revoke_handle(&dmabuf_rt::ipc::get_handle(&warm, None).unwrap()).unwrap();
         let pipes = pipe_fds();
         // SAFETY: a valid out-pointer.
         ok(unsafe { dmabuf_rt_ipc_get_mem_handle_on_stream(0, p, s, &mut h) });

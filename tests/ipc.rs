@@ -374,7 +374,7 @@ fn a_share_whose_fence_is_never_signalled_fails_its_reads() {
     let segment_msg = [le(&[1 | (2 << 32)]), le(&[7])].concat();
     let share = [le(&[2 | (1 << 32), 1, 7, 100, 1]), le(&[0, 4096])].concat();
     let seg: Segment = dmabuf_rt::MemorySource::create_segment(&ShmemSource::new(), 64 * KB).unwrap();
-    let h = IpcHandle { pid: 1, export: 1, segment: 7, offset: 0, len: 100, token: 0 };
+    let h = IpcHandle { pid: 1, door: 0, export: 1, segment: 7, offset: 0, len: 100, token: 0 };
     let (a, b) = Channel::pair("fence").unwrap();
     let imp = IpcImporter::new(b);
     let (r, w) = rustix::pipe::pipe().unwrap();
@@ -481,7 +481,7 @@ fn a_hostile_exporter_is_refused_with_the_cause() {
         }
         m
     };
-    let h = |export, segment, offset, len| IpcHandle { pid: 1, export, segment, offset, len, token: 0 };
+    let h = |export, segment, offset, len| IpcHandle { pid: 1, door: 0, export, segment, offset, len, token: 0 };
     let memfd = ShmemSource::new();
     let seg: Segment = dmabuf_rt::MemorySource::create_segment(&memfd, 64 * KB).unwrap();
     let (pipe_r, _pipe_w) = rustix::pipe::pipe().unwrap();

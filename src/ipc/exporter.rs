@@ -227,7 +227,7 @@ impl Shared {
             drop(hold);
             return Err(err);
         }
-        Ok(IpcHandle { pid, export, segment: serial, offset: first, len, token: 0 })
+        Ok(IpcHandle { pid, door: 0, export, segment: serial, offset: first, len, token: 0 })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {

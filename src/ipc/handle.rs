@@ -7,7 +7,8 @@
 use crate::error::{Error, Result};
 
 const MAGIC: [u8; 4] = *b"DMBH";
-const VERSION: u16 = 1;
+/// Version 2 added [`IpcHandle::door`] (bytes 12..16, reserved in version 1).
+const VERSION: u16 = 2;
 
 /// The size of [`IpcHandle::to_bytes`].
 pub const HANDLE_BYTES: usize = 64;
@@ -19,6 +20,12 @@ pub const HANDLE_BYTES: usize = 64;
 pub struct IpcHandle {
     /// The exporting process.
     pub pid: u32,
+    /// 0 for a handle of a [`Channel`](crate::share::Channel) export; else the fd number, in
+    /// the exporting process, of its IPC *door*: a socket through which a process that cannot
+    /// reach the exporter's IPC socket (another network namespace) connects with
+    /// `pidfd_getfd` (see [`crate::ipc::open_handle`]). Never 0 for a door (the door is moved
+    /// to fd 3 or above).
+    pub door: u32,
     /// The export's number on its channel (from 1).
     pub export: u64,
     /// The segment's [`serial`](crate::Segment::serial) in the exporting process.
@@ -34,12 +41,14 @@ pub struct IpcHandle {
 }
 
 impl IpcHandle {
-    /// The 64-byte form: `DMBH`, version, pid, export, segment, offset, len, token, zero padding.
+    /// The 64-byte form: `DMBH`, version (2), 2 zero bytes, pid, door, export, segment,
+    /// offset, len, token, zero padding (all little-endian).
     pub fn to_bytes(&self) -> [u8; HANDLE_BYTES] {
         let mut b = [0u8; HANDLE_BYTES];
         b[0..4].copy_from_slice(&MAGIC);
         b[4..6].copy_from_slice(&VERSION.to_le_bytes());
         b[8..12].copy_from_slice(&self.pid.to_le_bytes());
+        b[12..16].copy_from_slice(&self.door.to_le_bytes());
         for (i, v) in [self.export, self.segment, self.offset, self.len, self.token].into_iter().enumerate() {
             b[16 + 8 * i..24 + 8 * i].copy_from_slice(&v.to_le_bytes());
         }
@@ -60,12 +69,13 @@ impl IpcHandle {
         if version != VERSION {
             return Err(bad(format!("version {version}, this library reads {VERSION}")));
         }
-        if b[6..8].iter().chain(&b[12..16]).chain(&b[56..]).any(|&x| x != 0) {
+        if b[6..8].iter().chain(&b[56..]).any(|&x| x != 0) {
             return Err(bad("nonzero reserved bytes".into()));
         }
         let u64_at = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
         let h = IpcHandle {
             pid: u32::from_le_bytes(b[8..12].try_into().expect("4 bytes")),
+            door: u32::from_le_bytes(b[12..16].try_into().expect("4 bytes")),
             export: u64_at(16),
             segment: u64_at(24),
             offset: u64_at(32),
@@ -85,7 +95,7 @@ mod tests {
 
     #[test]
     fn handles_round_trip_and_bad_bytes_are_refused() {
-        let h = IpcHandle { pid: 42, export: 3, segment: 9, offset: 4096, len: 5000, token: 77 };
+        let h = IpcHandle { pid: 42, door: 5, export: 3, segment: 9, offset: 4096, len: 5000, token: 77 };
         assert_eq!(IpcHandle::from_bytes(&h.to_bytes()).unwrap(), h);
         let b = h.to_bytes();
         assert!(IpcHandle::from_bytes(&b[..63]).unwrap_err().to_string().contains("63 bytes"));

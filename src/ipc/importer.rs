@@ -104,6 +104,14 @@ impl IpcImporter {
         Self { shared: Arc::new(Shared { channel, state: Mutex::new(State::default()), peer }) }
     }
 
+    /// An importer on `channel`, whose exporting process is `pid`, watched through `pidfd`:
+    /// for a connection this process made itself (a socket pair whose other end it handed to
+    /// the exporter), whose credentials name this process, not the exporter.
+    pub(crate) fn with_peer(channel: Channel, pid: u32, pidfd: std::os::fd::OwnedFd) -> Self {
+        let peer = Peer::Alive(pid, pidfd);
+        Self { shared: Arc::new(Shared { channel, state: Mutex::new(State::default()), peer }) }
+    }
+
     /// Opens the block `handle` names. Its export must have arrived on this channel already
     /// (the exporter sends it before returning the handle), so this never waits for the peer.
     /// Refused, saying why: a handle this channel carried no export for (forged, from another

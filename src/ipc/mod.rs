@@ -32,7 +32,9 @@
 //! - process-wide handles, as CUDA's ([`get_handle`], [`open_handle`]): any process of the
 //!   same user that gets the handle's 64 bytes opens it; the first handle starts this
 //!   process's IPC socket (an abstract Unix socket named by the pid and a random token the
-//!   handle carries), and an importing process connects once per exporting process.
+//!   handle carries), and an importing process connects once per exporting process; one that
+//!   cannot reach that socket (another network namespace) takes the exporter's *door* with
+//!   `pidfd_getfd` where the kernel permits it, and connects through it.
 //!
 //! - [`IpcHandle`] (`handle.rs`), the protocol's packets (`wire.rs`), [`IpcExporter`]
 //!   (`exporter.rs`), [`IpcImporter`] and [`ImportedBlock`] (`importer.rs`), process-wide

@@ -11,10 +11,22 @@
 //! it, exits or dies. A handle opens once (it is consumed); a handle never opened keeps its
 //! block held until [`revoke_handle`] or the end of the process. Peers of another user are
 //! refused (`SO_PEERCRED`).
+//!
+//! A process that cannot reach that socket (abstract names are per network namespace: a
+//! container with a network of its own) comes in through the *door* instead, where the kernel
+//! lets it take another process's fds (`pidfd_getfd`: the same user in the same user
+//! namespace, or `CAP_SYS_PTRACE`, and no Yama rule against it). The door is one end of a socket
+//! pair that the exporting process keeps open, at the fd number the handle carries. The
+//! importer takes a copy of it with `pidfd_getfd`, makes a socket pair of its own, and sends
+//! one end through the door with the handle's token; the exporter serves that end as it would
+//! an accepted connection, so shares, grants, fences and releases (and the release of
+//! everything when the importer dies: the hang-up) are the same on both paths. Where the kernel
+//! refuses `pidfd_getfd`, the open fails with [`Error::NotPermitted`], saying what would permit
+//! it.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -43,6 +55,9 @@ struct Server {
     /// The process it runs in (a forked child's copy has no accept thread).
     pid: u32,
     token: u64,
+    /// The door's end that importers take with `pidfd_getfd` (kept open, never used here); its
+    /// fd number goes in every handle.
+    door: OwnedFd,
     held: Mutex<HashMap<u64, (Exported, Option<OwnedFd>)>>,
     /// One exporter per connected importer; those whose peer is gone are dropped as new ones
     /// come.
@@ -90,9 +105,13 @@ fn start() -> std::result::Result<Arc<Server>, String> {
     let token = random_nonzero();
     let name = socket_name(std::process::id(), token);
     let listener = packet::listen_abstract(&name).map_err(|e| format!("the IPC socket (listen): {e}"))?;
+    let (door_in, door) = packet::seqpacket_pair().map_err(|e| format!("the IPC door (socketpair): {e}"))?;
+    // At fd 3 or above: a handle's door 0 means none (fd 0 is free only if stdin was closed).
+    let door = rustix::io::fcntl_dupfd_cloexec(&door, 3).map_err(|e| format!("the IPC door (dup): {e}"))?;
     let server = Arc::new(Server {
         pid: std::process::id(),
         token,
+        door,
         held: Mutex::new(HashMap::new()),
         exporters: Mutex::default(),
     });
@@ -100,7 +119,7 @@ fn start() -> std::result::Result<Arc<Server>, String> {
     let reserve = spare_fd();
     std::thread::Builder::new()
         .name("dmabuf-rt-ipc-accept".into())
-        .spawn(move || accept_loop(listener, s, reserve))
+        .spawn(move || accept_loop(listener, door_in, s, reserve))
         .map_err(|e| format!("the IPC socket's thread: {e}"))?;
     Ok(server)
 }
@@ -110,23 +129,33 @@ fn spare_fd() -> Option<std::os::fd::OwnedFd> {
     rustix::fs::open("/dev/null", rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC, 0.into()).ok()
 }
 
+/// Serves connections from the IPC socket (`listener`) and through the door (`door_in`).
+///
 /// `reserve`: an fd kept in reserve (opened before the thread starts, while fds are there).
 /// When the process is out of fds, it is given up to accept the connection waiting at the head
 /// of the queue and close it at once (that process's open fails: the exporter hung up), so that
 /// `accept` does not fail again at once, forever; then taken again.
-fn accept_loop(listener: std::os::fd::OwnedFd, server: Arc<Server>, mut reserve: Option<std::os::fd::OwnedFd>) {
+fn accept_loop(listener: OwnedFd, door_in: OwnedFd, server: Arc<Server>, mut reserve: Option<OwnedFd>) {
+    use rustix::event::{PollFd, PollFlags};
     use rustix::io::Errno;
     let me = rustix::process::getuid().as_raw();
     loop {
         // A connection first: `accept` takes its fd before it waits, so out of fds it fails
         // at once, pending connection or not.
-        let mut pending = [rustix::event::PollFd::new(&listener, rustix::event::PollFlags::IN)];
+        let mut pending = [PollFd::new(&listener, PollFlags::IN), PollFd::new(&door_in, PollFlags::IN)];
         match rustix::event::poll(&mut pending, None) {
             Ok(_) | Err(Errno::INTR) => {}
             Err(e) => {
                 log::error!("the IPC socket stopped accepting: poll: {e}");
                 return;
             }
+        }
+        let (at_socket, at_door) = (!pending[0].revents().is_empty(), !pending[1].revents().is_empty());
+        if at_door {
+            answer_door(door_in.as_fd(), &server, me);
+        }
+        if !at_socket {
+            continue;
         }
         let (fd, uid) = match packet::accept(listener.as_fd()) {
             Ok(got) => got,
@@ -160,20 +189,70 @@ fn accept_loop(listener: std::os::fd::OwnedFd, server: Arc<Server>, mut reserve:
                 continue;
             }
         };
-        if uid != me {
-            log::warn!("the IPC socket refused a process of user {uid} (this process is user {me})");
-            continue;
+        serve(&server, fd, uid, me, "socket");
+    }
+}
+
+/// Serves a connected importer (from the socket or through the door) of user `uid`: an
+/// exporter of its own, answering its REQUESTs from the held blocks. Another user's is refused.
+fn serve(server: &Arc<Server>, fd: OwnedFd, uid: u32, me: u32, way: &str) {
+    if uid != me {
+        log::warn!("the IPC {way} refused a process of user {uid} (this process is user {me})");
+        return;
+    }
+    let channel = Channel::from_connected(fd, "ipc handle peer");
+    let requests: Arc<dyn HeldBlocks> = Arc::clone(server) as Arc<dyn HeldBlocks>;
+    match IpcExporter::with_requests(channel, Some(requests)) {
+        Ok(e) => {
+            let mut all = lock(&server.exporters);
+            all.retain(|e| e.peer_gone().is_none());
+            all.push(e);
         }
-        let channel = Channel::from_connected(fd, "ipc handle peer");
-        let requests: Arc<dyn HeldBlocks> = Arc::clone(&server) as Arc<dyn HeldBlocks>;
-        match IpcExporter::with_requests(channel, Some(requests)) {
-            Ok(e) => {
-                let mut all = lock(&server.exporters);
-                all.retain(|e| e.peer_gone().is_none());
-                all.push(e);
-            }
-            Err(e) => log::error!("the IPC socket could not serve a peer: {e}"),
+        Err(e) => log::error!("the IPC {way} could not serve a peer: {e}"),
+    }
+}
+
+/// The one packet an importer sends through the door: the handle's token and one fd, the
+/// end of its socket pair that becomes the connection.
+const KNOCK_BYTES: usize = 8;
+
+/// A knock at the door: the token of this process's handles and one connected
+/// `SOCK_SEQPACKET` socket, which is served as an accepted connection. Anything else is
+/// refused and its fds closed (the knocking process sees its end hang up).
+fn answer_door(door_in: BorrowedFd<'_>, server: &Arc<Server>, me: u32) {
+    let mut buf = [0u8; KNOCK_BYTES + 1];
+    let (len, mut fds) = match packet::recv(door_in, &mut buf) {
+        Ok(packet::Packet::Data { len, fds, truncated: false }) => (len, fds),
+        Ok(packet::Packet::Data { truncated: true, .. }) => {
+            log::warn!(
+                "the IPC door refused a knock: too long, or its fd did not fit (this process may be out of file \
+                 descriptors)"
+            );
+            return;
         }
+        // The door's other end is this process's own: no end of file; an empty packet.
+        Ok(_) => return,
+        Err(rustix::io::Errno::INTR | rustix::io::Errno::AGAIN) => return,
+        Err(e) => {
+            // Whatever this is may last while the knock stays queued, and `poll` would say so
+            // at once again: look again shortly (an error path only).
+            log::warn!("the IPC door could not take a knock: {e}");
+            std::thread::sleep(Duration::from_millis(10));
+            return;
+        }
+    };
+    if len != KNOCK_BYTES || buf[..KNOCK_BYTES] != server.token.to_le_bytes() || fds.len() != 1 {
+        log::warn!("the IPC door refused a knock: {len} bytes and {} fds, or not this process's token", fds.len());
+        return;
+    }
+    let fd = fds.pop().expect("one fd");
+    if !packet::is_seqpacket(fd.as_fd()).unwrap_or(false) || packet::prepare_inherited(fd.as_fd()).is_err() {
+        log::warn!("the IPC door refused a knock: its fd is not a connected SOCK_SEQPACKET socket");
+        return;
+    }
+    match rustix::net::sockopt::socket_peercred(&fd) {
+        Ok(cred) => serve(server, fd, cred.uid.as_raw(), me, "door"),
+        Err(e) => log::warn!("the IPC door refused a knock: the credentials of its socket: {e}"),
     }
 }
 
@@ -205,6 +284,7 @@ fn hold(e: Exported, after: Option<&Queue>) -> Result<IpcHandle> {
     };
     let h = IpcHandle {
         pid: std::process::id(),
+        door: server.door.as_raw_fd() as u32,
         export: hold,
         segment: e.segment.serial(),
         offset: e.ranges[0].0 as u64,
@@ -241,7 +321,7 @@ type Clients = Mutex<HashMap<(u32, u32, u64), Arc<IpcImporter>>>;
 
 static CLIENTS: OnceLock<Clients> = OnceLock::new();
 
-fn client(pid: u32, token: u64) -> Result<Arc<IpcImporter>> {
+fn client(pid: u32, token: u64, door: u32) -> Result<Arc<IpcImporter>> {
     let clients = CLIENTS.get_or_init(Mutex::default);
     let key = (std::process::id(), pid, token);
     if let Some(i) = lock(clients).get(&key) {
@@ -251,33 +331,99 @@ fn client(pid: u32, token: u64) -> Result<Arc<IpcImporter>> {
     }
     // Connected without the lock: a process whose listen queue is full must not hold up the
     // opens of other processes' handles.
-    let (fd, uid) = packet::connect_abstract(&socket_name(pid, token), OPEN_TIMEOUT).map_err(|e| Error::PeerGone {
-        channel: format!(
-            "the IPC socket of process {pid} ({e}: the process is gone, does not accept, or the handle is forged or \
-             from another network namespace)"
-        ),
-    })?;
-    let me = rustix::process::getuid().as_raw();
-    if uid != me {
-        return Err(Error::InvalidArgument {
-            what: format!("IPC handle: process {pid} runs as user {uid}, not this process's {me}"),
-        });
-    }
+    let name = format!("ipc handles of process {pid}");
+    let i = match packet::connect_abstract(&socket_name(pid, token), OPEN_TIMEOUT) {
+        Ok((fd, uid)) => {
+            let me = rustix::process::getuid().as_raw();
+            if uid != me {
+                return Err(Error::InvalidArgument {
+                    what: format!("IPC handle: process {pid} runs as user {uid}, not this process's {me}"),
+                });
+            }
+            IpcImporter::new(Channel::from_connected(fd, &name))
+        }
+        Err(e) if door == 0 => {
+            return Err(Error::PeerGone {
+                channel: format!(
+                    "the IPC socket of process {pid} ({e}: the process is gone, does not accept, or the handle is \
+                     forged or from another network namespace)"
+                ),
+            });
+        }
+        Err(e) => {
+            let (fd, pidfd) = through_door(pid, door, token, e)?;
+            IpcImporter::with_peer(Channel::from_connected(fd, &format!("{name} (through its door)")), pid, pidfd)
+        }
+    };
     let mut all = lock(clients);
     // Another thread may have connected meanwhile: one connection per process is kept.
     if let Some(i) = all.get(&key).filter(|i| !i.is_gone()) {
         return Ok(Arc::clone(i));
     }
-    let i = Arc::new(IpcImporter::new(Channel::from_connected(fd, &format!("ipc handles of process {pid}"))));
+    let i = Arc::new(i);
     all.insert(key, Arc::clone(&i));
     Ok(i)
 }
 
+/// A connection to process `pid` through its door (fd `door` there; see the module docs), made
+/// because its IPC socket could not be reached (`socket_err`): the end of a socket pair made
+/// here whose other end went through the door with `token`, and a pidfd of the process.
+fn through_door(pid: u32, door: u32, token: u64, socket_err: rustix::io::Errno) -> Result<(OwnedFd, OwnedFd)> {
+    use rustix::io::Errno;
+    let unreachable = |why: String| Error::PeerGone {
+        channel: format!("the IPC socket of process {pid} ({socket_err}), and its door ({why})"),
+    };
+    let Some(raw) = rustix::process::Pid::from_raw(pid as i32) else {
+        return Err(unreachable(format!("pid {pid} cannot be a process: the handle is forged")));
+    };
+    let pidfd = match rustix::process::pidfd_open(raw, rustix::process::PidfdFlags::empty()) {
+        Ok(fd) => fd,
+        Err(Errno::SRCH) => return Err(unreachable("no such process: it exited".into())),
+        Err(e) => return Err(unreachable(format!("pidfd_open: {e}"))),
+    };
+    let taken = rustix::process::pidfd_getfd(&pidfd, door as i32, rustix::process::PidfdGetfdFlags::empty());
+    let door_fd = match taken {
+        Ok(fd) => fd,
+        Err(e @ (Errno::PERM | Errno::ACCESS)) => {
+            return Err(Error::NotPermitted {
+                what: format!(
+                    "IPC handle: taking the door (fd {door}) of process {pid}, whose IPC socket this process cannot \
+                     reach ({socket_err}: another network namespace?), with pidfd_getfd"
+                ),
+                source: e.into(),
+                why: "the kernel allows it to a process of the same user in the same user namespace that may \
+                      ptrace the exporter (Yama's kernel.yama.ptrace_scope 0, the exporter dumpable), or to one \
+                      with CAP_SYS_PTRACE over it; or share the network namespace (or a Channel) instead"
+                    .into(),
+            });
+        }
+        Err(Errno::SRCH) => return Err(unreachable("pidfd_getfd: the process exited".into())),
+        Err(Errno::BADF) => {
+            return Err(unreachable(format!("the process has no fd {door}: the handle is forged or not its own")));
+        }
+        Err(Errno::NOSYS) => return Err(unreachable("pidfd_getfd: this kernel has none (Linux 5.6 or later)".into())),
+        Err(e) => return Err(unreachable(format!("pidfd_getfd: {e}"))),
+    };
+    if !packet::is_seqpacket(door_fd.as_fd()).unwrap_or(false) {
+        return Err(unreachable(format!("its fd {door} is not a SOCK_SEQPACKET socket: the handle is forged")));
+    }
+    // The door is shared by every process that knocks: a send that cannot go through (the
+    // exporter no longer answers its door) gives up rather than waiting forever.
+    rustix::net::sockopt::set_socket_timeout(&door_fd, rustix::net::sockopt::Timeout::Send, Some(OPEN_TIMEOUT))
+        .map_err(Error::io_rustix("setsockopt(SO_SNDTIMEO) on an IPC door"))?;
+    let (mine, theirs) = packet::seqpacket_pair().map_err(Error::io_rustix("socketpair for an IPC door"))?;
+    packet::send(door_fd.as_fd(), &token.to_le_bytes(), &[theirs.as_fd()])
+        .map_err(|e| unreachable(format!("knocking: {e}")))?;
+    Ok((mine, pidfd))
+}
+
 /// Opens a handle from [`get_handle`] made in another process (or this one): connects to the
 /// exporting process once, asks for the block and maps it (each of its segments once per
-/// process). A handle opens once. Refused, saying why: a handle of a channel export (token 0),
-/// a process that is gone, a handle forged or already opened, an answer slower than
-/// [`OPEN_TIMEOUT`].
+/// process). A handle opens once. A process whose IPC socket this one cannot reach (another
+/// network namespace) is reached through its door with `pidfd_getfd` (see the module docs).
+/// Refused, saying why: a handle of a channel export (token 0), a process that is gone, a
+/// handle forged or already opened, an answer slower than [`OPEN_TIMEOUT`], and
+/// [`Error::NotPermitted`] where the kernel does not let this process take the door.
 pub fn open_handle(handle: &IpcHandle) -> Result<ImportedBlock> {
     if handle.token == 0 {
         return Err(Error::InvalidArgument {
@@ -285,7 +431,7 @@ pub fn open_handle(handle: &IpcHandle) -> Result<ImportedBlock> {
                 .into(),
         });
     }
-    let importer = client(handle.pid, handle.token)?;
+    let importer = client(handle.pid, handle.token, handle.door)?;
     let export = importer.request(handle.export, handle.pid, OPEN_TIMEOUT)?;
     importer.open(&IpcHandle { export, token: 0, ..*handle }).inspect_err(|_| {
         // A handle that does not match the block it named (forged): the hold is let go.
