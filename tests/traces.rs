@@ -151,7 +151,14 @@ fn a_repeated_trace_settles_with_trimming_off() {
     ] {
         let ops = trace(name);
         assert_eq!(ops.iter().filter(|op| **op == TraceOp::Step).count(), markers, "{name}: step markers");
-        let r = replay_with(&ops, ReplaySource::Virtual, 1 << 40, &cfg, &ReplayOptions { repeat: 4 }).unwrap();
+        let r = replay_with(
+            &ops,
+            ReplaySource::Virtual,
+            1 << 40,
+            &cfg,
+            &ReplayOptions { repeat: 4, ..ReplayOptions::default() },
+        )
+        .unwrap();
         println!("{name}: {} steps, {} warm, {} warm source calls", r.steps, r.warm_steps, r.warm_source_calls);
         assert_eq!(r.ooms, 0, "{name}");
         assert_eq!(r.steps, 4 * (markers as u64 + 1), "{name}: steps");
@@ -168,7 +175,14 @@ fn the_trim_policy_holds_its_bound_on_every_trace() {
     // trace once reached 1.0996 that way).
     let c = Config::parse("page_stitching:False").unwrap();
     for name in TRACES {
-        let r = replay_with(&trace(name), ReplaySource::Virtual, 1 << 40, &c, &ReplayOptions { repeat: 2 }).unwrap();
+        let r = replay_with(
+            &trace(name),
+            ReplaySource::Virtual,
+            1 << 40,
+            &c,
+            &ReplayOptions { repeat: 2, ..ReplayOptions::default() },
+        )
+        .unwrap();
         println!("{name}: reserved / allocated {:.4}", r.ratio);
         assert!(
             r.ratio <= c.trim_ratio + 0.005,
@@ -189,8 +203,14 @@ fn the_stitched_arena_holds_its_bound_and_calls_nothing_once_warm() {
     for cfg in ["", "stitch_unit_kb:16", "stitch_unit_kb:32"] {
         let c = Config::parse(cfg).unwrap();
         for name in TRACES {
-            let r =
-                replay_with(&trace(name), ReplaySource::Virtual, 1 << 40, &c, &ReplayOptions { repeat: 4 }).unwrap();
+            let r = replay_with(
+                &trace(name),
+                ReplaySource::Virtual,
+                1 << 40,
+                &c,
+                &ReplayOptions { repeat: 4, ..ReplayOptions::default() },
+            )
+            .unwrap();
             println!(
                 "{name} [{cfg}]: reserved / allocated {:.4}, warm source calls {}, warm remaps {}",
                 r.ratio, r.warm_source_calls, r.warm_remaps
@@ -214,5 +234,32 @@ fn the_stitched_arena_holds_its_bound_and_calls_nothing_once_warm() {
             // step: a block is stitched (which exercises the views, not only home blocks).
             assert!(r.remaps > 0, "{name} [{cfg}]: no block was stitched");
         }
+    }
+}
+
+/// `ReplayApi::Raw` (raw pointers, as C and PyTorch callers hold blocks) drives the allocator
+/// to the same decisions as `Allocation`s: every figure but the time is equal, on every trace,
+/// at full capacity and at a capacity that makes some requests fail.
+#[test]
+fn a_raw_replay_decides_as_an_owned_one() {
+    use dmabuf_rt::caching::replay::ReplayApi;
+    let c = Config::default();
+    for name in TRACES {
+        let ops = trace(name);
+        let run = |api, capacity| {
+            let opts = ReplayOptions { repeat: 2, api };
+            let mut r = replay_with(&ops, ReplaySource::Virtual, capacity, &c, &opts).unwrap();
+            r.ns_per_op = 0.0;
+            format!("{r:?}")
+        };
+        let owned = run(ReplayApi::Owned, 1 << 40);
+        assert_eq!(run(ReplayApi::Raw, 1 << 40), owned, "{name}");
+        let peak = replay_with(&ops, ReplaySource::Virtual, 1 << 40, &c, &ReplayOptions::default())
+            .unwrap()
+            .peak_allocated_bytes;
+        let tight = peak * 3 / 4;
+        let (o, r) = (run(ReplayApi::Owned, tight), run(ReplayApi::Raw, tight));
+        assert!(o.contains("ooms: ") && !o.contains("ooms: 0,"), "{name}: no request failed at 3/4 of the peak: {o}");
+        assert_eq!(r, o, "{name} at 3/4 of its peak");
     }
 }

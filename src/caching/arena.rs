@@ -210,7 +210,7 @@ impl Arena {
             n_holes: 0,
             freed: Vec::new(),
             home_units,
-            free: FreeRuns::new(),
+            free: FreeRuns::with_capacity(home_units),
             home_live: 0,
             views: HashMap::default(),
             cached: HashMap::default(),

@@ -26,19 +26,28 @@ fn class(k: u32) -> usize {
     (EXACT + (fl - 4) * 16 + sl) as usize
 }
 
+/// The tags of one unit, meaningful only at a free run's ends (written there, and read only
+/// there): together, so that a run's first unit has its length and links in one cache line.
+/// Indexed by [`HEAD_LEN`], [`NEXT`], [`PREV`], [`TAIL_START`]. (An array, not a struct: a
+/// table of them is allocated zeroed, pages the kernel supplies on first write, where a
+/// struct's would be written element by element.)
+type Tags = [u32; 4];
+/// At a run's first unit: its length.
+const HEAD_LEN: usize = 0;
+/// At a run's first unit: the next and previous runs of its class.
+const NEXT: usize = 1;
+const PREV: usize = 2;
+/// At a run's last unit: its first unit.
+const TAIL_START: usize = 3;
+
 /// The free runs of units `[0, len)` (see the module docs).
 #[derive(Debug, Default)]
 pub(crate) struct FreeRuns {
     /// One bit per unit, set while it is free.
     free: Vec<u64>,
     len: usize,
-    /// At a run's first unit: its length.
-    head_len: Vec<u32>,
-    /// At a run's last unit: its first unit.
-    tail_start: Vec<u32>,
-    /// At a run's first unit: the next and previous runs of its class.
-    next: Vec<u32>,
-    prev: Vec<u32>,
+    /// The runs' tags, one entry per unit (see [`Tags`]).
+    tags: Vec<Tags>,
     /// The first run of each class.
     heads: Vec<u32>,
     /// One bit per class, set while it has runs.
@@ -47,9 +56,18 @@ pub(crate) struct FreeRuns {
 }
 
 impl FreeRuns {
-    /// No units.
-    pub(crate) fn new() -> Self {
-        Self { heads: vec![NIL; CLASSES], ..Self::default() }
+    /// No units, with room for `units` (the most the arena can have): the per-unit tables are
+    /// allocated zeroed at once, so that growing never copies them, and a large table's pages
+    /// (zero pages from the kernel until written) cost memory only where a run's tags are
+    /// written, not per unit: an arena of large blocks touches a small share of them. (Tags are
+    /// only ever read where they were written: at a free run's ends.)
+    pub(crate) fn with_capacity(units: usize) -> Self {
+        Self {
+            free: vec![0; units.div_ceil(64)],
+            tags: vec![[0; 4]; units],
+            heads: vec![NIL; CLASSES],
+            ..Self::default()
+        }
     }
 
     /// Units covered (`[0, units)`).
@@ -70,24 +88,27 @@ impl FreeRuns {
     }
 
     /// Units `[len, new_len)` are added, busy (the caller vacates those it does not use).
+    /// Within the capacity this only counts them; past it, the tables grow (by half as much
+    /// again at least, so that growing one unit at a time costs amortized constant time).
     pub(crate) fn grow(&mut self, new_len: usize) {
         debug_assert!(new_len >= self.len);
-        self.free.resize(new_len.div_ceil(64), 0);
-        for v in [&mut self.head_len, &mut self.tail_start, &mut self.next, &mut self.prev] {
-            v.resize(new_len, NIL);
+        if new_len > self.tags.len() {
+            let cap = new_len.max(self.tags.len() * 3 / 2);
+            self.free.resize(cap.div_ceil(64), 0);
+            self.tags.resize(cap, [0; 4]);
         }
         self.len = new_len;
     }
 
     fn link(&mut self, s: u32, k: u32) {
-        self.head_len[s as usize] = k;
-        self.tail_start[(s + k - 1) as usize] = s;
+        self.tags[s as usize][HEAD_LEN] = k;
+        self.tags[(s + k - 1) as usize][TAIL_START] = s;
         let c = class(k);
         let h = self.heads[c];
-        self.next[s as usize] = h;
-        self.prev[s as usize] = NIL;
+        self.tags[s as usize][NEXT] = h;
+        self.tags[s as usize][PREV] = NIL;
         if h != NIL {
-            self.prev[h as usize] = s;
+            self.tags[h as usize][PREV] = s;
         }
         self.heads[c] = s;
         self.nonempty[c / 64] |= 1 << (c % 64);
@@ -96,8 +117,8 @@ impl FreeRuns {
 
     /// Takes the run that starts at `s` out of its class; returns its length.
     fn unlink(&mut self, s: u32) -> u32 {
-        let k = self.head_len[s as usize];
-        let (n, p) = (self.next[s as usize], self.prev[s as usize]);
+        let k = self.tags[s as usize][HEAD_LEN];
+        let (n, p) = (self.tags[s as usize][NEXT], self.tags[s as usize][PREV]);
         let c = class(k);
         if p == NIL {
             self.heads[c] = n;
@@ -105,10 +126,10 @@ impl FreeRuns {
                 self.nonempty[c / 64] &= !(1 << (c % 64));
             }
         } else {
-            self.next[p as usize] = n;
+            self.tags[p as usize][NEXT] = n;
         }
         if n != NIL {
-            self.prev[n as usize] = p;
+            self.tags[n as usize][PREV] = p;
         }
         self.runs -= 1;
         k
@@ -119,7 +140,7 @@ impl FreeRuns {
         debug_assert!(k > 0 && (s + k) as usize <= self.len);
         fill(&mut self.free, s as usize, (s + k) as usize, true);
         if s > 0 && bit(&self.free, s as usize - 1) {
-            let ls = self.tail_start[s as usize - 1];
+            let ls = self.tags[s as usize - 1][TAIL_START];
             k += self.unlink(ls);
             s = ls;
         }
@@ -171,14 +192,14 @@ impl FreeRuns {
             if r == NIL {
                 break;
             }
-            let k = self.head_len[r as usize];
+            let k = self.tags[r as usize][HEAD_LEN];
             if k >= n && best.is_none_or(|(bs, bk)| (k, r) < (bk, bs)) && !skip.iter().any(|t| t.0 == r) {
                 best = Some((r, k));
                 if k == n {
                     break;
                 }
             }
-            r = self.next[r as usize];
+            r = self.tags[r as usize][NEXT];
         }
         best
     }
@@ -231,8 +252,8 @@ impl FreeRuns {
     fn class_runs(&self, c: usize, out: &mut Vec<(u32, std::cmp::Reverse<u32>)>) {
         let mut r = self.heads[c];
         while r != NIL {
-            out.push((self.head_len[r as usize], std::cmp::Reverse(r)));
-            r = self.next[r as usize];
+            out.push((self.tags[r as usize][HEAD_LEN], std::cmp::Reverse(r)));
+            r = self.tags[r as usize][NEXT];
         }
         out.sort_unstable();
     }
@@ -298,17 +319,17 @@ impl FreeRuns {
                 end += 1;
             }
             let k = (end - u) as u32;
-            if self.head_len[u] != k || self.tail_start[end - 1] != u as u32 {
+            if self.tags[u][HEAD_LEN] != k || self.tags[end - 1][TAIL_START] != u as u32 {
                 return Err(format!(
                     "free run [{u}, {end}) has tags {} / {}",
-                    self.head_len[u],
-                    self.tail_start[end - 1]
+                    self.tags[u][HEAD_LEN],
+                    self.tags[end - 1][TAIL_START]
                 ));
             }
             let c = class(k);
             let mut r = self.heads[c];
             while r != NIL && r != u as u32 {
-                r = self.next[r as usize];
+                r = self.tags[r as usize][NEXT];
             }
             if r == NIL {
                 return Err(format!("free run [{u}, {end}) is not listed in class {c}"));
@@ -321,7 +342,7 @@ impl FreeRuns {
                 let (mut r, mut n) = (self.heads[c], 0);
                 while r != NIL {
                     n += 1;
-                    r = self.next[r as usize];
+                    r = self.tags[r as usize][NEXT];
                 }
                 n
             })
@@ -350,7 +371,7 @@ mod tests {
             rng % m
         };
         let steps = if cfg!(miri) { 200 } else { 20_000 };
-        let mut f = FreeRuns::new();
+        let mut f = FreeRuns::with_capacity(if next(2) == 0 { 0 } else { 1000 });
         let mut busy: Vec<bool> = Vec::new();
         for step in 0..steps {
             if next(50) == 0 && busy.len() < 4000 {

@@ -228,11 +228,96 @@ pub struct ReplayOptions {
     /// Replays of the trace, one after the other on the same allocator (at least 1). Blocks
     /// still live at the end of one are freed before the next.
     pub repeat: usize,
+    /// How the replay holds its blocks.
+    pub api: ReplayApi,
 }
 
 impl Default for ReplayOptions {
     fn default() -> Self {
-        Self { repeat: 1 }
+        Self { repeat: 1, api: ReplayApi::Owned }
+    }
+}
+
+/// How a replay allocates and holds its blocks: the same allocator and the same decisions
+/// either way (the figures other than time are equal); the time differs by what the handles
+/// cost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ReplayApi {
+    /// [`Allocation`](super::Allocation)s, freed by dropping them: what Rust callers hold.
+    #[default]
+    Owned,
+    /// Raw pointers, [`CachingAllocator::allocate_raw`] and [`CachingAllocator::free_raw`]: what
+    /// the C API and the PyTorch backend use, and what PyTorch's own allocator is driven
+    /// through (`raw_allocate` / `raw_deallocate`) by `benches/torch-peer`.
+    Raw,
+}
+
+impl std::str::FromStr for ReplayApi {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "owned" => Ok(Self::Owned),
+            "raw" => Ok(Self::Raw),
+            _ => Err(Error::Config { what: format!("replay API {s:?}: owned or raw") }),
+        }
+    }
+}
+
+/// The blocks a replay holds, by slot: allocated, freed, and all freed at the end of a
+/// repetition. `Ok(false)` from `alloc` is an out-of-memory refusal (counted, not an error).
+trait Slots {
+    fn alloc(&mut self, a: &CachingAllocator, slot: usize, size: usize) -> Result<bool>;
+    fn free(&mut self, a: &CachingAllocator, slot: usize) -> Result<()>;
+    fn free_all(&mut self, a: &CachingAllocator) -> Result<()>;
+}
+
+impl Slots for Vec<Option<super::Allocation>> {
+    #[inline]
+    fn alloc(&mut self, a: &CachingAllocator, slot: usize, size: usize) -> Result<bool> {
+        match a.allocate(size, None) {
+            Ok(x) => {
+                self[slot] = Some(x);
+                Ok(true)
+            }
+            Err(Error::AllocatorOom { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    #[inline]
+    fn free(&mut self, _: &CachingAllocator, slot: usize) -> Result<()> {
+        self[slot] = None;
+        Ok(())
+    }
+
+    fn free_all(&mut self, _: &CachingAllocator) -> Result<()> {
+        self.iter_mut().for_each(|l| *l = None);
+        Ok(())
+    }
+}
+
+impl Slots for Vec<*mut u8> {
+    #[inline]
+    fn alloc(&mut self, a: &CachingAllocator, slot: usize, size: usize) -> Result<bool> {
+        match a.allocate_raw(size, None) {
+            Ok(p) => {
+                self[slot] = p;
+                Ok(true)
+            }
+            Err(Error::AllocatorOom { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    #[inline]
+    fn free(&mut self, a: &CachingAllocator, slot: usize) -> Result<()> {
+        let p = std::mem::replace(&mut self[slot], std::ptr::null_mut());
+        if p.is_null() { Ok(()) } else { a.free_raw(p) }
+    }
+
+    fn free_all(&mut self, a: &CachingAllocator) -> Result<()> {
+        (0..self.len()).try_for_each(|slot| self.free(a, slot))
     }
 }
 
@@ -303,13 +388,29 @@ fn run(
     a: &CachingAllocator,
     trace: &[TraceOp],
     opts: &ReplayOptions,
-    mut visit: impl FnMut(u64, &CachingAllocator) -> bool,
+    visit: impl FnMut(u64, &CachingAllocator) -> bool,
 ) -> Result<Run> {
     // Addresses become dense slots before the clock starts, so that the timed loop costs what
     // the allocator does (no hashing per operation), as the PyTorch peer's loop does.
     let (ops, slots) = resolve(trace)?;
-    let mut live: Vec<Option<super::Allocation>> = Vec::with_capacity(slots);
-    live.resize_with(slots, || None);
+    match opts.api {
+        ReplayApi::Owned => {
+            let mut live: Vec<Option<super::Allocation>> = Vec::with_capacity(slots);
+            live.resize_with(slots, || None);
+            run_on(a, &ops, trace, opts, live, visit)
+        }
+        ReplayApi::Raw => run_on(a, &ops, trace, opts, vec![std::ptr::null_mut(); slots], visit),
+    }
+}
+
+fn run_on(
+    a: &CachingAllocator,
+    ops: &[Slotted],
+    trace: &[TraceOp],
+    opts: &ReplayOptions,
+    mut live: impl Slots,
+    mut visit: impl FnMut(u64, &CachingAllocator) -> bool,
+) -> Result<Run> {
     let (mut ooms, mut index) = (0, 0u64);
     let mut steps = Vec::new();
     let counts = |a: &CachingAllocator| {
@@ -324,15 +425,15 @@ fn run(
     };
     let start = Instant::now();
     'all: for _ in 0..opts.repeat.max(1) {
-        for op in &ops {
+        for op in ops {
             match *op {
-                Slotted::Alloc { slot, size } => match a.allocate(size, None) {
-                    Ok(x) => live[slot] = Some(x),
-                    Err(Error::AllocatorOom { .. }) => ooms += 1,
-                    Err(e) => return Err(e),
-                },
+                Slotted::Alloc { slot, size } => {
+                    if !live.alloc(a, slot, size)? {
+                        ooms += 1;
+                    }
+                }
                 // A free of a block whose alloc failed (OOM) is skipped with it.
-                Slotted::Free { slot } => live[slot] = None,
+                Slotted::Free { slot } => live.free(a, slot)?,
                 Slotted::Nothing => {}
                 Slotted::Step => end_step(a, &mut steps),
             }
@@ -341,7 +442,7 @@ fn run(
                 break 'all;
             }
         }
-        live.iter_mut().for_each(|l| *l = None);
+        live.free_all(a)?;
         end_step(a, &mut steps);
     }
     let elapsed = start.elapsed();
@@ -548,7 +649,7 @@ mod tests {
         }
         t.push(TraceOp::Free { addr: 100 });
         let c = Config { expandable_segments: false, ..Config::default() };
-        let opts = ReplayOptions { repeat: 3 };
+        let opts = ReplayOptions { repeat: 3, ..ReplayOptions::default() };
         let pic = replay_picture(&t, ReplaySource::Virtual, 1 << 40, &c, &opts).unwrap();
         let r = replay_with(&t, ReplaySource::Virtual, 1 << 40, &c, &opts).unwrap();
         // Every operation (step markers included) has its point, in order.

@@ -20,11 +20,13 @@ commands:
              embedded default device (shmem), each against a peer measured in the same run
   devices    list DMA-BUF heaps, udmabuf and DRM nodes, and whether this process may open them
   replay FILE.jsonl [--source virtual|shmem] [--capacity BYTES] [--find-min-capacity] [--repeat N] [--json]
-             [--svg OUT.svg]
+             [--api owned|raw] [--svg OUT.svg]
              replay an allocation trace ({\"t\":ns,\"op\":\"alloc\"|\"free\",\"addr\":n,\"size\":n} per line,
              {\"op\":\"step\"} between steps) through the caching allocator (settings from
              DMABUF_RT_ALLOC_CONF); --repeat replays it N times on one allocator, and the source
-             calls and remaps of the warm steps (the second half) are shown apart; --svg draws the
+             calls and remaps of the warm steps (the second half) are shown apart; --api raw holds
+             raw pointers (allocate_raw / free_raw, as C and PyTorch callers do) instead of
+             Allocations (owned, the default); --svg draws the
              segments at the reserved peak and the reserved/allocated/requested timeline
   svg SNAPSHOT.json -o OUT.svg [--title TEXT] [--device N]
              draw an allocator snapshot (Snapshot::to_json, dmabuf_rt_snapshot_json, or PyTorch's
@@ -109,6 +111,13 @@ fn run_replay(args: &[String]) -> Result<(), String> {
                     .and_then(|v| v.parse().ok())
                     .filter(|&n| n > 0 && n <= 10_000)
                     .ok_or("--repeat takes a number of replays from 1 to 10000")?;
+            }
+            "--api" => {
+                opts.api = it
+                    .next()
+                    .ok_or("--api takes owned or raw")?
+                    .parse()
+                    .map_err(|e: dmabuf_rt::Error| e.to_string())?;
             }
             "--json" => json = true,
             "--svg" => svg = Some(it.next().ok_or("--svg takes the SVG file to write (- for stdout)")?.clone()),
