@@ -12,6 +12,9 @@ const NIL: u32 = u32::MAX;
 const EXACT: u32 = 16;
 /// Classes: the exact ones, then 16 per power of two from 16 to 2^32.
 const CLASSES: usize = EXACT as usize + 28 * 16;
+/// The most units [`FreeRuns::with_capacity`] makes room for at once: 64 MiB of tags (16 GiB
+/// of 4 KiB units).
+const UP_FRONT: usize = 1 << 22;
 /// How many runs of a class a search looks at for the smallest that holds the request.
 const LOOK: usize = 16;
 
@@ -61,7 +64,12 @@ impl FreeRuns {
     /// (zero pages from the kernel until written) cost memory only where a run's tags are
     /// written, not per unit: an arena of large blocks touches a small share of them. (Tags are
     /// only ever read where they were written: at a free run's ends.)
+    ///
+    /// At most [`UP_FRONT`] units' room is allocated at once (address space, not memory, but
+    /// a system that does not overcommit counts it): an arena that grows past them grows its
+    /// tables then.
     pub(crate) fn with_capacity(units: usize) -> Self {
+        let units = units.min(UP_FRONT);
         Self {
             free: vec![0; units.div_ceil(64)],
             tags: vec![[0; 4]; units],
