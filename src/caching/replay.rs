@@ -265,27 +265,25 @@ impl std::str::FromStr for ReplayApi {
 }
 
 /// The blocks a replay holds, by slot: allocated, freed, and all freed at the end of a
-/// repetition. `Ok(false)` from `alloc` is an out-of-memory refusal (counted, not an error).
+/// repetition. An out-of-memory refusal of `alloc` is counted in `ooms`, not an error.
 trait Slots {
-    fn alloc(&mut self, a: &CachingAllocator, slot: usize, size: usize) -> Result<bool>;
+    fn alloc(&mut self, a: &CachingAllocator, slot: usize, size: usize, ooms: &mut u64) -> Result<()>;
     fn free(&mut self, a: &CachingAllocator, slot: usize) -> Result<()>;
     fn free_all(&mut self, a: &CachingAllocator) -> Result<()>;
 }
 
 impl Slots for Vec<Option<super::Allocation>> {
-    #[inline]
-    fn alloc(&mut self, a: &CachingAllocator, slot: usize, size: usize) -> Result<bool> {
+    #[inline(always)]
+    fn alloc(&mut self, a: &CachingAllocator, slot: usize, size: usize, ooms: &mut u64) -> Result<()> {
         match a.allocate(size, None) {
-            Ok(x) => {
-                self[slot] = Some(x);
-                Ok(true)
-            }
-            Err(Error::AllocatorOom { .. }) => Ok(false),
-            Err(e) => Err(e),
+            Ok(x) => self[slot] = Some(x),
+            Err(Error::AllocatorOom { .. }) => *ooms += 1,
+            Err(e) => return Err(e),
         }
+        Ok(())
     }
 
-    #[inline]
+    #[inline(always)]
     fn free(&mut self, _: &CachingAllocator, slot: usize) -> Result<()> {
         self[slot] = None;
         Ok(())
@@ -298,19 +296,17 @@ impl Slots for Vec<Option<super::Allocation>> {
 }
 
 impl Slots for Vec<*mut u8> {
-    #[inline]
-    fn alloc(&mut self, a: &CachingAllocator, slot: usize, size: usize) -> Result<bool> {
+    #[inline(always)]
+    fn alloc(&mut self, a: &CachingAllocator, slot: usize, size: usize, ooms: &mut u64) -> Result<()> {
         match a.allocate_raw(size, None) {
-            Ok(p) => {
-                self[slot] = p;
-                Ok(true)
-            }
-            Err(Error::AllocatorOom { .. }) => Ok(false),
-            Err(e) => Err(e),
+            Ok(p) => self[slot] = p,
+            Err(Error::AllocatorOom { .. }) => *ooms += 1,
+            Err(e) => return Err(e),
         }
+        Ok(())
     }
 
-    #[inline]
+    #[inline(always)]
     fn free(&mut self, a: &CachingAllocator, slot: usize) -> Result<()> {
         let p = std::mem::replace(&mut self[slot], std::ptr::null_mut());
         if p.is_null() { Ok(()) } else { a.free_raw(p) }
@@ -427,11 +423,7 @@ fn run_on(
     'all: for _ in 0..opts.repeat.max(1) {
         for op in ops {
             match *op {
-                Slotted::Alloc { slot, size } => {
-                    if !live.alloc(a, slot, size)? {
-                        ooms += 1;
-                    }
-                }
+                Slotted::Alloc { slot, size } => live.alloc(a, slot, size, &mut ooms)?,
                 // A free of a block whose alloc failed (OOM) is skipped with it.
                 Slotted::Free { slot } => live.free(a, slot)?,
                 Slotted::Nothing => {}
