@@ -16,19 +16,25 @@
 //! container with a network of its own) comes in through the *door* instead, where the kernel
 //! lets it take another process's fds (`pidfd_getfd`: the same user in the same user
 //! namespace, or `CAP_SYS_PTRACE`, and no Yama rule against it). The door is one end of a socket
-//! pair that the exporting process keeps open, at the fd number the handle carries. The
-//! importer takes a copy of it with `pidfd_getfd`, makes a socket pair of its own, and sends
-//! one end through the door with the handle's token; the exporter serves that end as it would
-//! an accepted connection, so shares, grants, fences and releases (and the release of
-//! everything when the importer dies: the hang-up) are the same on both paths. Where the kernel
-//! refuses `pidfd_getfd`, the open fails with [`Error::NotPermitted`], saying what would permit
-//! it.
+//! pair that the exporting process keeps open, at the fd number the handle carries; its other
+//! end, which the exporter reads, is bound to an abstract name made of the pid and the token,
+//! so that the door proves whose it is. The importer goes to the door only when the exporter is
+//! in another network namespace than its own (in the same one, an IPC socket that does not
+//! answer means the exporter is gone: a stale handle, whose pid may be another process now). It
+//! takes a copy of the door with `pidfd_getfd`, checks the name of its peer, makes a socket
+//! pair of its own, and sends one end through the door with the handle's token; the exporter
+//! serves that end as it would an accepted connection, so shares, grants, fences and releases
+//! (and the release of everything when the importer dies: the hang-up) are the same on both
+//! paths. Where the kernel refuses `pidfd_getfd`, the open fails with [`Error::NotPermitted`],
+//! saying what would permit it. A socket whose other end the exporter holds itself (the door,
+//! or a connection to its own IPC socket) is refused at the door, and a door that a knocking
+//! process shut down is replaced by a new one at the same fd number.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::exporter::{HeldBlocks, IpcExporter};
 use super::handle::IpcHandle;
@@ -50,14 +56,32 @@ fn socket_name(pid: u32, token: u64) -> Vec<u8> {
     format!("dmabuf-rt-ipc/{pid}/{token:016x}").into_bytes()
 }
 
+/// The abstract name the inner end of process `pid`'s door is bound to (the peer's name an
+/// importer sees on the door it took).
+fn door_name(pid: u32, token: u64) -> Vec<u8> {
+    format!("dmabuf-rt-ipc-door/{pid}/{token:016x}").into_bytes()
+}
+
+/// A door: the end importers take (`door`), moved to fd 3 or above (a handle's door 0 means
+/// none; fd 0 is free only if stdin was closed), and the end read here (`inner`), bound to
+/// [`door_name`].
+fn new_door(pid: u32, token: u64) -> rustix::io::Result<(OwnedFd, OwnedFd)> {
+    let (inner, door) = packet::seqpacket_pair()?;
+    rustix::net::bind(&inner, &rustix::net::SocketAddrUnix::new_abstract_name(&door_name(pid, token))?)?;
+    let door = rustix::io::fcntl_dupfd_cloexec(&door, 3)?;
+    Ok((door, inner))
+}
+
 /// This process's exporting side: the blocks held for handles, and the connections.
 struct Server {
     /// The process it runs in (a forked child's copy has no accept thread).
     pid: u32,
     token: u64,
     /// The door's end that importers take with `pidfd_getfd` (kept open, never used here); its
-    /// fd number goes in every handle.
-    door: OwnedFd,
+    /// fd number goes in every handle, and stays when the door is replaced.
+    door: Mutex<OwnedFd>,
+    /// Its fd number.
+    door_fd: u32,
     held: Mutex<HashMap<u64, (Exported, Option<OwnedFd>)>>,
     /// One exporter per connected importer; those whose peer is gone are dropped as new ones
     /// come.
@@ -105,13 +129,12 @@ fn start() -> std::result::Result<Arc<Server>, String> {
     let token = random_nonzero();
     let name = socket_name(std::process::id(), token);
     let listener = packet::listen_abstract(&name).map_err(|e| format!("the IPC socket (listen): {e}"))?;
-    let (door_in, door) = packet::seqpacket_pair().map_err(|e| format!("the IPC door (socketpair): {e}"))?;
-    // At fd 3 or above: a handle's door 0 means none (fd 0 is free only if stdin was closed).
-    let door = rustix::io::fcntl_dupfd_cloexec(&door, 3).map_err(|e| format!("the IPC door (dup): {e}"))?;
+    let (door, door_in) = new_door(std::process::id(), token).map_err(|e| format!("the IPC door: {e}"))?;
     let server = Arc::new(Server {
         pid: std::process::id(),
         token,
-        door,
+        door_fd: door.as_raw_fd() as u32,
+        door: Mutex::new(door),
         held: Mutex::new(HashMap::new()),
         exporters: Mutex::default(),
     });
@@ -139,10 +162,12 @@ fn accept_loop(listener: OwnedFd, door_in: OwnedFd, server: Arc<Server>, mut res
     use rustix::event::{PollFd, PollFlags};
     use rustix::io::Errno;
     let me = rustix::process::getuid().as_raw();
+    let mut door_in = Some(door_in);
     loop {
         // A connection first: `accept` takes its fd before it waits, so out of fds it fails
         // at once, pending connection or not.
-        let mut pending = [PollFd::new(&listener, PollFlags::IN), PollFd::new(&door_in, PollFlags::IN)];
+        let mut pending = vec![PollFd::new(&listener, PollFlags::IN)];
+        pending.extend(door_in.as_ref().map(|d| PollFd::new(d, PollFlags::IN)));
         match rustix::event::poll(&mut pending, None) {
             Ok(_) | Err(Errno::INTR) => {}
             Err(e) => {
@@ -150,9 +175,24 @@ fn accept_loop(listener: OwnedFd, door_in: OwnedFd, server: Arc<Server>, mut res
                 return;
             }
         }
-        let (at_socket, at_door) = (!pending[0].revents().is_empty(), !pending[1].revents().is_empty());
-        if at_door {
-            answer_door(door_in.as_fd(), &server, me);
+        let at_socket = !pending[0].revents().is_empty();
+        let at_door = pending.get(1).is_some_and(|p| !p.revents().is_empty());
+        drop(pending);
+        if at_door && door_in.as_ref().is_some_and(|d| answer_door(d.as_fd(), &server, me) == Door::Shut) {
+            // A process that took the door shut it down (`shutdown(2)` acts on the socket, not
+            // on the copy it holds): a new door is made below.
+            log::warn!("the IPC door was shut down by a process that took it; a new one replaces it");
+            door_in = None;
+        }
+        if door_in.is_none() {
+            // A new door at the same fd number, so that handles already out keep working; the
+            // old one's copies lead nowhere. Failing (out of fds), none until the next wakeup.
+            match new_door(server.pid, server.token)
+                .and_then(|(door, inner)| rustix::io::dup2(&door, &mut lock(&server.door)).map(|()| inner))
+            {
+                Ok(inner) => door_in = Some(inner),
+                Err(e) => log::error!("the IPC door could not be replaced ({e}); it stays shut for now"),
+            }
         }
         if !at_socket {
             continue;
@@ -216,44 +256,61 @@ fn serve(server: &Arc<Server>, fd: OwnedFd, uid: u32, me: u32, way: &str) {
 /// end of its socket pair that becomes the connection.
 const KNOCK_BYTES: usize = 8;
 
+/// What [`answer_door`] found.
+#[derive(Debug, PartialEq, Eq)]
+enum Door {
+    /// A knock answered (served or refused), or none there any more.
+    Open,
+    /// The door was shut down: it reads end of file, now and forever.
+    Shut,
+}
+
 /// A knock at the door: the token of this process's handles and one connected
-/// `SOCK_SEQPACKET` socket, which is served as an accepted connection. Anything else is
-/// refused and its fds closed (the knocking process sees its end hang up).
-fn answer_door(door_in: BorrowedFd<'_>, server: &Arc<Server>, me: u32) {
+/// `SOCK_SEQPACKET` socket of a process of this user, whose other end this process does not
+/// hold, which is served as an accepted connection. Anything else is refused and its fds
+/// closed (the knocking process sees its end hang up). Read without waiting: a process holding
+/// the door may also read from it, and take the knock `poll` announced.
+fn answer_door(door_in: BorrowedFd<'_>, server: &Arc<Server>, me: u32) -> Door {
     let mut buf = [0u8; KNOCK_BYTES + 1];
-    let (len, mut fds) = match packet::recv(door_in, &mut buf) {
+    let (len, mut fds) = match packet::recv_now(door_in, &mut buf) {
         Ok(packet::Packet::Data { len, fds, truncated: false }) => (len, fds),
         Ok(packet::Packet::Data { truncated: true, .. }) => {
             log::warn!(
                 "the IPC door refused a knock: too long, or its fd did not fit (this process may be out of file \
                  descriptors)"
             );
-            return;
+            return Door::Open;
         }
-        // The door's other end is this process's own: no end of file; an empty packet.
-        Ok(_) => return,
-        Err(rustix::io::Errno::INTR | rustix::io::Errno::AGAIN) => return,
+        Ok(packet::Packet::Eof) => return Door::Shut,
+        Ok(packet::Packet::Empty) => return Door::Open,
+        Err(rustix::io::Errno::INTR | rustix::io::Errno::AGAIN) => return Door::Open,
         Err(e) => {
             // Whatever this is may last while the knock stays queued, and `poll` would say so
             // at once again: look again shortly (an error path only).
             log::warn!("the IPC door could not take a knock: {e}");
             std::thread::sleep(Duration::from_millis(10));
-            return;
+            return Door::Open;
         }
     };
     if len != KNOCK_BYTES || buf[..KNOCK_BYTES] != server.token.to_le_bytes() || fds.len() != 1 {
         log::warn!("the IPC door refused a knock: {len} bytes and {} fds, or not this process's token", fds.len());
-        return;
+        return Door::Open;
     }
     let fd = fds.pop().expect("one fd");
     if !packet::is_seqpacket(fd.as_fd()).unwrap_or(false) || packet::prepare_inherited(fd.as_fd()).is_err() {
         log::warn!("the IPC door refused a knock: its fd is not a connected SOCK_SEQPACKET socket");
-        return;
+        return Door::Open;
     }
     match rustix::net::sockopt::socket_peercred(&fd) {
+        // Its other end made (or listened) here: the door itself, a connection to this
+        // process's own IPC socket. Served, it would never hang up.
+        Ok(cred) if cred.pid.as_raw_nonzero().get() as u32 == server.pid => {
+            log::warn!("the IPC door refused a knock: the socket's other end is this process's own");
+        }
         Ok(cred) => serve(server, fd, cred.uid.as_raw(), me, "door"),
         Err(e) => log::warn!("the IPC door refused a knock: the credentials of its socket: {e}"),
     }
+    Door::Open
 }
 
 /// A handle any process of this user can open with [`open_handle`], for `block`. The block is
@@ -284,7 +341,7 @@ fn hold(e: Exported, after: Option<&Queue>) -> Result<IpcHandle> {
     };
     let h = IpcHandle {
         pid: std::process::id(),
-        door: server.door.as_raw_fd() as u32,
+        door: server.door_fd,
         export: hold,
         segment: e.segment.serial(),
         offset: e.ranges[0].0 as u64,
@@ -321,7 +378,12 @@ type Clients = Mutex<HashMap<(u32, u32, u64), Arc<IpcImporter>>>;
 
 static CLIENTS: OnceLock<Clients> = OnceLock::new();
 
-fn client(pid: u32, token: u64, door: u32) -> Result<Arc<IpcImporter>> {
+/// What is left until `deadline` (at least a millisecond: a zero timeout means none).
+fn left(deadline: Instant) -> Duration {
+    deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))
+}
+
+fn client(pid: u32, token: u64, door: u32, deadline: Instant) -> Result<Arc<IpcImporter>> {
     let clients = CLIENTS.get_or_init(Mutex::default);
     let key = (std::process::id(), pid, token);
     if let Some(i) = lock(clients).get(&key) {
@@ -332,7 +394,7 @@ fn client(pid: u32, token: u64, door: u32) -> Result<Arc<IpcImporter>> {
     // Connected without the lock: a process whose listen queue is full must not hold up the
     // opens of other processes' handles.
     let name = format!("ipc handles of process {pid}");
-    let i = match packet::connect_abstract(&socket_name(pid, token), OPEN_TIMEOUT) {
+    let i = match packet::connect_abstract(&socket_name(pid, token), left(deadline)) {
         Ok((fd, uid)) => {
             let me = rustix::process::getuid().as_raw();
             if uid != me {
@@ -342,16 +404,18 @@ fn client(pid: u32, token: u64, door: u32) -> Result<Arc<IpcImporter>> {
             }
             IpcImporter::new(Channel::from_connected(fd, &name))
         }
-        Err(e) if door == 0 => {
-            return Err(Error::PeerGone {
-                channel: format!(
-                    "the IPC socket of process {pid} ({e}: the process is gone, does not accept, or the handle is \
-                     forged or from another network namespace)"
-                ),
-            });
-        }
         Err(e) => {
-            let (fd, pidfd) = through_door(pid, door, token, e)?;
+            let gone = |why: &str| Error::PeerGone { channel: format!("the IPC socket of process {pid} ({e}: {why})") };
+            if door == 0 {
+                return Err(gone(
+                    "the process is gone, does not accept, or the handle is forged or from another network namespace",
+                ));
+            }
+            match elsewhere(pid) {
+                Elsewhere::No(why) => return Err(gone(&why)),
+                Elsewhere::Yes | Elsewhere::CannotTell => {}
+            }
+            let (fd, pidfd) = through_door(pid, door, token, e, deadline)?;
             IpcImporter::with_peer(Channel::from_connected(fd, &format!("{name} (through its door)")), pid, pidfd)
         }
     };
@@ -365,10 +429,59 @@ fn client(pid: u32, token: u64, door: u32) -> Result<Arc<IpcImporter>> {
     Ok(i)
 }
 
+/// Whether process `pid` may be an exporter this process reaches only through its door.
+enum Elsewhere {
+    /// In another network namespace (its IPC socket's name does not exist in this one).
+    Yes,
+    /// This process may not look (another user namespace): the door will tell.
+    CannotTell,
+    /// Not an exporter this process could reach through a door, and why: gone, another user's
+    /// (exporters refuse other users), or in this network namespace (where its IPC socket not
+    /// answering means it is gone or stopped accepting: a stale handle, whose pid may be
+    /// another process now, must not be knocked on).
+    No(String),
+}
+
+fn elsewhere(pid: u32) -> Elsewhere {
+    use rustix::io::Errno;
+    let proc = format!("/proc/{pid}");
+    let st = match rustix::fs::stat(proc.as_str()) {
+        Ok(st) => st,
+        Err(Errno::NOENT | Errno::SRCH) => return Elsewhere::No("the process is gone".into()),
+        Err(e) => return Elsewhere::No(format!("/proc/{pid}: {e}")),
+    };
+    let me = rustix::process::getuid().as_raw();
+    if st.st_uid != me {
+        return Elsewhere::No(format!(
+            "the process is gone; pid {pid} is now a process of user {}, not this process's {me}: the handle is stale",
+            st.st_uid
+        ));
+    }
+    let ns = |p: &str| std::fs::read_link(format!("{p}/ns/net"));
+    match (ns(&proc), ns("/proc/self")) {
+        (Ok(theirs), Ok(mine)) if theirs == mine => Elsewhere::No(
+            "the process is in this network namespace and does not answer: it is gone, stopped, or not the exporter \
+             (the handle is stale or forged)"
+                .into(),
+        ),
+        (Ok(_), Ok(_)) => Elsewhere::Yes,
+        (Err(e), _) if e.kind() == std::io::ErrorKind::NotFound => Elsewhere::No("the process is gone".into()),
+        _ => Elsewhere::CannotTell,
+    }
+}
+
 /// A connection to process `pid` through its door (fd `door` there; see the module docs), made
-/// because its IPC socket could not be reached (`socket_err`): the end of a socket pair made
-/// here whose other end went through the door with `token`, and a pidfd of the process.
-fn through_door(pid: u32, door: u32, token: u64, socket_err: rustix::io::Errno) -> Result<(OwnedFd, OwnedFd)> {
+/// because its IPC socket could not be reached (`socket_err`) from this network namespace: the
+/// end of a socket pair made here whose other end went through the door with `token`, and a
+/// pidfd of the process. The fd taken must be a door whose peer is bound to the name of `pid`'s
+/// door with `token`; nothing is sent to anything else.
+fn through_door(
+    pid: u32,
+    door: u32,
+    token: u64,
+    socket_err: rustix::io::Errno,
+    deadline: Instant,
+) -> Result<(OwnedFd, OwnedFd)> {
     use rustix::io::Errno;
     let unreachable = |why: String| Error::PeerGone {
         channel: format!("the IPC socket of process {pid} ({socket_err}), and its door ({why})"),
@@ -407,9 +520,16 @@ fn through_door(pid: u32, door: u32, token: u64, socket_err: rustix::io::Errno) 
     if !packet::is_seqpacket(door_fd.as_fd()).unwrap_or(false) {
         return Err(unreachable(format!("its fd {door} is not a SOCK_SEQPACKET socket: the handle is forged")));
     }
+    let peer = rustix::net::getpeername(&door_fd).ok().flatten();
+    let peer = peer.and_then(|a| rustix::net::SocketAddrUnix::try_from(a).ok());
+    if peer.as_ref().and_then(|a| a.abstract_name()) != Some(door_name(pid, token).as_slice()) {
+        return Err(unreachable(format!(
+            "its fd {door} is not its IPC door with this handle's token: the handle is stale or forged"
+        )));
+    }
     // The door is shared by every process that knocks: a send that cannot go through (the
-    // exporter no longer answers its door) gives up rather than waiting forever.
-    rustix::net::sockopt::set_socket_timeout(&door_fd, rustix::net::sockopt::Timeout::Send, Some(OPEN_TIMEOUT))
+    // exporter no longer answers its door) gives up at the open's deadline.
+    rustix::net::sockopt::set_socket_timeout(&door_fd, rustix::net::sockopt::Timeout::Send, Some(left(deadline)))
         .map_err(Error::io_rustix("setsockopt(SO_SNDTIMEO) on an IPC door"))?;
     let (mine, theirs) = packet::seqpacket_pair().map_err(Error::io_rustix("socketpair for an IPC door"))?;
     packet::send(door_fd.as_fd(), &token.to_le_bytes(), &[theirs.as_fd()])
@@ -431,8 +551,10 @@ pub fn open_handle(handle: &IpcHandle) -> Result<ImportedBlock> {
                 .into(),
         });
     }
-    let importer = client(handle.pid, handle.token, handle.door)?;
-    let export = importer.request(handle.export, handle.pid, OPEN_TIMEOUT)?;
+    // One deadline for the connection, the knock and the answer.
+    let deadline = Instant::now() + OPEN_TIMEOUT;
+    let importer = client(handle.pid, handle.token, handle.door, deadline)?;
+    let export = importer.request(handle.export, handle.pid, left(deadline))?;
     importer.open(&IpcHandle { export, token: 0, ..*handle }).inspect_err(|_| {
         // A handle that does not match the block it named (forged): the hold is let go.
         let _ = importer.discard(export);

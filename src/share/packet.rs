@@ -108,10 +108,21 @@ pub(crate) fn send(sock: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>]) ->
 /// Receives one packet into `buf`. A packet longer than `buf` comes back `truncated` (make
 /// `buf` one byte longer than the longest valid packet to see an oversized one).
 pub(crate) fn recv(sock: BorrowedFd<'_>, buf: &mut [u8]) -> rustix::io::Result<Packet> {
+    recv_with(sock, buf, RecvFlags::CMSG_CLOEXEC)
+}
+
+/// [`recv`] that does not wait: `EAGAIN` if no packet is there (for a socket whose other end
+/// other processes may hold, where a packet `poll` announced may be gone by the time it is
+/// read).
+pub(crate) fn recv_now(sock: BorrowedFd<'_>, buf: &mut [u8]) -> rustix::io::Result<Packet> {
+    recv_with(sock, buf, RecvFlags::CMSG_CLOEXEC | RecvFlags::DONTWAIT)
+}
+
+fn recv_with(sock: BorrowedFd<'_>, buf: &mut [u8], flags: RecvFlags) -> rustix::io::Result<Packet> {
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let msg = loop {
-        match rustix::net::recvmsg(sock, &mut [IoSliceMut::new(&mut *buf)], &mut control, RecvFlags::CMSG_CLOEXEC) {
+        match rustix::net::recvmsg(sock, &mut [IoSliceMut::new(&mut *buf)], &mut control, flags) {
             Err(Errno::INTR) => continue,
             r => break r?,
         }
