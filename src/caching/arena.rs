@@ -535,10 +535,16 @@ impl Arena {
             self.len as u32
         };
         let have = (self.len - start as usize).min(n);
-        let rebacked = if self.n_holes == 0 { 0 } else { count(&self.holes, start as usize, self.len) };
+        // Only the units it takes: the free run at the end may be longer than the block.
+        let rebacked = if self.n_holes == 0 { 0 } else { count(&self.holes, start as usize, start as usize + have) };
         let grown = n - have;
         let plan = Plan { first: (start, n as u32), more: Vec::new(), rebacked, grown };
         (plan, (rebacked + grown) * self.unit)
+    }
+
+    /// Whether the memfd has room for the new units `plan` takes.
+    pub(crate) fn has_room(&self, plan: &Plan) -> bool {
+        self.len + plan.grown <= self.home_units
     }
 
     /// The units a new view of `n` units would show, for [`Arena::make`], and what it would

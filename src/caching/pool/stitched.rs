@@ -153,6 +153,23 @@ impl Pool {
         let (mut plan, cost) = self.arena_mut(si).1.plan(n);
         let mut cost = cost as u64;
         let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
+        if plan.run_count() > 1 && self.config.stitch_grow_slack > 0.0 {
+            // New units in one run instead of a view of scattered free ones, while the reserved
+            // bytes stay within the slack above the allocated bytes (this block counted: the
+            // allocated peak, if this block makes one). Not above an older peak: memory given
+            // back (`empty_cache`, trimming) is not taken again while free units hold the block.
+            let allocated = self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE];
+            let peak = (allocated + p.rounded as i64).max(0) as f64;
+            let arena = self.arena_mut(si).1;
+            let (grow, grow_cost) = arena.grow_plan(n);
+            let after = reserved + grow_cost as u64;
+            if arena.has_room(&grow)
+                && after as f64 <= peak * (1.0 + self.config.stitch_grow_slack)
+                && after <= self.allowed
+            {
+                (plan, cost) = (grow, grow_cost as u64);
+            }
+        }
         let runs = plan.run_count();
         if runs > 1 && arena::mapped_runs() + runs > arena::MAX_MAPPED_RUNS && !self.queue_busy(p.queue) {
             // Over the process's budget of mappings for views: the oldest cached views go
