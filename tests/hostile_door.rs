@@ -741,6 +741,11 @@ fn a_stale_handle_in_the_same_network_namespace_is_peer_gone_not_not_permitted()
 #[test]
 fn an_open_never_takes_much_longer_than_open_timeout() {
     let _serial = common::serial();
+    if common::time_scale() > 1 {
+        // It waits out OPEN_TIMEOUT (30 s) whatever the machine's speed; the host runs it.
+        println!("skipped on a slowed machine (DMABUF_RT_STRESS_TIME_SCALE > 1): it waits OPEN_TIMEOUT");
+        return;
+    }
     let Some(c) = exporter(false) else { return };
     let h = c.handles(1)[0];
     c.signal(Signal::STOP);

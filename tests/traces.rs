@@ -196,9 +196,9 @@ fn the_trim_policy_holds_its_bound_on_every_trace() {
 
 /// Issue 12: with page stitching (the default), blocks from four units are home blocks or
 /// stitched views of a queue's arena, whose memory is the units of the live blocks: peak
-/// reserved stays within 1.03 of peak allocated; once warm (the second half of eight
+/// reserved stays within 1.03 of peak allocated; once warm (the second half of six
 /// repetitions) no step calls the source or maps a view, and the views made do not grow with
-/// the length of the run (four repetitions make as many as eight). (The arena grows instead of
+/// the length of the run (four repetitions make as many as six). (The arena grows instead of
 /// stitching within `stitch_grow_slack` of the peak, which makes some traces settle in their
 /// third repetition rather than their second; `stitch_grow_slack:0` is checked too.)
 #[test]
@@ -210,7 +210,7 @@ fn the_stitched_arena_holds_its_bound_and_calls_nothing_once_warm() {
                 let opts = ReplayOptions { repeat, ..ReplayOptions::default() };
                 replay_with(&trace(name), ReplaySource::Virtual, 1 << 40, &c, &opts).unwrap()
             };
-            let (r, half) = (run(8), run(4));
+            let (r, half) = (run(6), run(4));
             println!(
                 "{name} [{cfg}]: reserved / allocated {:.4}, warm source calls {}, warm remaps {}",
                 r.ratio, r.warm_source_calls, r.warm_remaps
