@@ -17,7 +17,8 @@ impl Pool {
         let Some(first) = drained.next() else { return };
         if drained.is_done() {
             // One node (the common case): nothing to reorder. A plain free of a block the
-            // quick cache takes is done here; anything else out of line.
+            // quick cache takes, or of an arena's home block, is done here; anything else out
+            // of line.
             let m = first.value;
             self.recycle(first);
             if let FreeMsg::Free(id) = m
@@ -37,11 +38,12 @@ impl Pool {
     }
 
     /// [`Pool::apply`] of a plain free of block `id` where it takes the short way (no block
-    /// held for another process, no gone queue: see [`Pool::quick_free_now`]). False,
-    /// changing nothing, otherwise.
+    /// held for another process, no gone queue: into the quick cache, see
+    /// [`Pool::quick_free_now`], or an arena's home block gone, see [`Pool::home_free_now`]).
+    /// False, changing nothing, otherwise.
     #[inline(always)]
     fn quick_free(&mut self, id: BlockId) -> bool {
-        self.held.is_empty() && self.gone.is_empty() && self.quick_free_now(id)
+        self.held.is_empty() && self.gone.is_empty() && (self.quick_free_now(id) || self.home_free_now(id))
     }
 
     /// `drain` for more than one node: `newest` and the `older` ones, applied oldest first (a
