@@ -261,9 +261,13 @@ fn the_slack_changes_nothing_but_placement_under_pressure() {
 fn unit_sized_workloads_keep_peak_reserved_within_three_percent() {
     for seed in [0xabc1u64, 0xabc2, 0xabc3] {
         let r = side_by_side("", None, seed, scaled(3000), 4096 * MB, true);
-        // No pressure here: only the peak ratio matters (the model check ran meanwhile).
-        assert!(r[0].0 <= 1.03, "seed {seed:#x}: with the slack, peak reserved / peak allocated = {:?}", r[0]);
-        assert!(r[1].0 <= 1.03, "seed {seed:#x}: with no slack, peak reserved / peak allocated = {:?}", r[1]);
+        // No pressure here: only the peak ratio matters (the model check ran meanwhile). Blocks
+        // under four units live in the small pool, whose segments are 2 MiB: on a short run
+        // (a slowed machine runs an eighth of the steps, a peak of about 10 MiB) one such
+        // segment is a share of the peak of its own, which the bound allows.
+        let bound = |peak| 1.03 + (2 * MB) as f64 / peak as f64;
+        assert!(r[0].0 <= bound(r[0].2), "seed {seed:#x}: with the slack, peak reserved / peak allocated = {:?}", r[0]);
+        assert!(r[1].0 <= bound(r[1].2), "seed {seed:#x}: with no slack, peak reserved / peak allocated = {:?}", r[1]);
     }
 }
 
