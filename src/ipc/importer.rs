@@ -101,14 +101,17 @@ impl IpcImporter {
     /// An importer on `channel` (the other end's process exports with an `IpcExporter`).
     pub fn new(channel: Channel) -> Self {
         let peer = Peer::of(&channel);
-        Self { shared: Arc::new(Shared { channel, state: Mutex::new(State::default()), peer }) }
+        Self::with(channel, peer)
     }
 
     /// An importer on `channel`, whose exporting process is `pid`, watched through `pidfd`:
     /// for a connection this process made itself (a socket pair whose other end it handed to
     /// the exporter), whose credentials name this process, not the exporter.
     pub(crate) fn with_peer(channel: Channel, pid: u32, pidfd: std::os::fd::OwnedFd) -> Self {
-        let peer = Peer::Alive(pid, pidfd);
+        Self::with(channel, Peer::Alive(pid, pidfd))
+    }
+
+    fn with(channel: Channel, peer: Peer) -> Self {
         Self { shared: Arc::new(Shared { channel, state: Mutex::new(State::default()), peer }) }
     }
 

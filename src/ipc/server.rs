@@ -80,8 +80,6 @@ struct Server {
     /// The door's end that importers take with `pidfd_getfd` (kept open, never used here); its
     /// fd number goes in every handle, and stays when the door is replaced.
     door: Mutex<OwnedFd>,
-    /// Its fd number.
-    door_fd: u32,
     held: Mutex<HashMap<u64, (Exported, Option<OwnedFd>)>>,
     /// One exporter per connected importer; those whose peer is gone are dropped as new ones
     /// come.
@@ -133,7 +131,6 @@ fn start() -> std::result::Result<Arc<Server>, String> {
     let server = Arc::new(Server {
         pid: std::process::id(),
         token,
-        door_fd: door.as_raw_fd() as u32,
         door: Mutex::new(door),
         held: Mutex::new(HashMap::new()),
         exporters: Mutex::default(),
@@ -341,7 +338,7 @@ fn hold(e: Exported, after: Option<&Queue>) -> Result<IpcHandle> {
     };
     let h = IpcHandle {
         pid: std::process::id(),
-        door: server.door_fd,
+        door: lock(&server.door).as_raw_fd() as u32,
         export: hold,
         segment: e.segment.serial(),
         offset: e.ranges[0].0 as u64,
@@ -411,9 +408,8 @@ fn client(pid: u32, token: u64, door: u32, deadline: Instant) -> Result<Arc<IpcI
                     "the process is gone, does not accept, or the handle is forged or from another network namespace",
                 ));
             }
-            match elsewhere(pid) {
-                Elsewhere::No(why) => return Err(gone(&why)),
-                Elsewhere::Yes | Elsewhere::CannotTell => {}
+            if let Some(why) = not_behind_a_door(pid) {
+                return Err(gone(&why));
             }
             let (fd, pidfd) = through_door(pid, door, token, e, deadline)?;
             IpcImporter::with_peer(Channel::from_connected(fd, &format!("{name} (through its door)")), pid, pidfd)
@@ -429,44 +425,36 @@ fn client(pid: u32, token: u64, door: u32, deadline: Instant) -> Result<Arc<IpcI
     Ok(i)
 }
 
-/// Whether process `pid` may be an exporter this process reaches only through its door.
-enum Elsewhere {
-    /// In another network namespace (its IPC socket's name does not exist in this one).
-    Yes,
-    /// This process may not look (another user namespace): the door will tell.
-    CannotTell,
-    /// Not an exporter this process could reach through a door, and why: gone, another user's
-    /// (exporters refuse other users), or in this network namespace (where its IPC socket not
-    /// answering means it is gone or stopped accepting: a stale handle, whose pid may be
-    /// another process now, must not be knocked on).
-    No(String),
-}
-
-fn elsewhere(pid: u32) -> Elsewhere {
+/// Why process `pid` is not an exporter this process could reach through a door: gone, another
+/// user's (exporters refuse other users), or in this network namespace (where its IPC socket
+/// not answering means it is gone or stopped accepting: a stale handle, whose pid may be
+/// another process now, must not be knocked on). `None` where it may be one: in another
+/// network namespace, or where this process may not look (another user namespace), and the
+/// door will tell.
+fn not_behind_a_door(pid: u32) -> Option<String> {
     use rustix::io::Errno;
     let proc = format!("/proc/{pid}");
     let st = match rustix::fs::stat(proc.as_str()) {
         Ok(st) => st,
-        Err(Errno::NOENT | Errno::SRCH) => return Elsewhere::No("the process is gone".into()),
-        Err(e) => return Elsewhere::No(format!("/proc/{pid}: {e}")),
+        Err(Errno::NOENT | Errno::SRCH) => return Some("the process is gone".into()),
+        Err(e) => return Some(format!("/proc/{pid}: {e}")),
     };
     let me = rustix::process::getuid().as_raw();
     if st.st_uid != me {
-        return Elsewhere::No(format!(
+        return Some(format!(
             "the process is gone; pid {pid} is now a process of user {}, not this process's {me}: the handle is stale",
             st.st_uid
         ));
     }
     let ns = |p: &str| std::fs::read_link(format!("{p}/ns/net"));
     match (ns(&proc), ns("/proc/self")) {
-        (Ok(theirs), Ok(mine)) if theirs == mine => Elsewhere::No(
+        (Ok(theirs), Ok(mine)) if theirs == mine => Some(
             "the process is in this network namespace and does not answer: it is gone, stopped, or not the exporter \
              (the handle is stale or forged)"
                 .into(),
         ),
-        (Ok(_), Ok(_)) => Elsewhere::Yes,
-        (Err(e), _) if e.kind() == std::io::ErrorKind::NotFound => Elsewhere::No("the process is gone".into()),
-        _ => Elsewhere::CannotTell,
+        (Err(e), _) if e.kind() == std::io::ErrorKind::NotFound => Some("the process is gone".into()),
+        _ => None,
     }
 }
 

@@ -155,16 +155,16 @@ impl Pool {
         let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
         if plan.run_count() > 1 && self.config.stitch_grow_slack > 0.0 {
             // New units in one run instead of a view of scattered free ones, while the reserved
-            // bytes stay within the slack above the allocated bytes (this block counted: the
-            // allocated peak, if this block makes one). Not above an older peak: memory given
-            // back (`empty_cache`, trimming) is not taken again while free units hold the block.
+            // bytes stay within the slack above the allocated bytes, this block counted (not
+            // above an older peak: memory given back by `empty_cache` or trimming is not taken
+            // again while free units hold the block).
             let allocated = self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE];
-            let peak = (allocated + p.rounded as i64).max(0) as f64;
+            let allocated = (allocated + p.rounded as i64).max(0) as f64;
             let arena = self.arena_mut(si).1;
             let (grow, grow_cost) = arena.grow_plan(n);
             let after = reserved + grow_cost as u64;
             if arena.has_room(&grow)
-                && after as f64 <= peak * (1.0 + self.config.stitch_grow_slack)
+                && after as f64 <= allocated * (1.0 + self.config.stitch_grow_slack)
                 && after <= self.allowed
             {
                 (plan, cost) = (grow, grow_cost as u64);
@@ -294,9 +294,14 @@ impl Pool {
         let b = &mut self.blocks[id as usize];
         b.allocated = false;
         b.cached_at = misses;
-        self.raw.addrs.remove(base + off);
-        self.free_ids.push(id);
+        self.forget_home(id, base + off);
         true
+    }
+
+    /// Home block `id` at `addr`, its units released, leaves no trace: its address and id go.
+    fn forget_home(&mut self, id: BlockId, addr: usize) {
+        self.raw.addrs.remove(addr);
+        self.free_ids.push(id);
     }
 
     /// Block `id` of an arena is free: its units go back to the free set and its view is
@@ -310,8 +315,7 @@ impl Pool {
             // A home block: gone, its units free for any block.
             let n = a.units_for(size);
             a.release_home(off, n);
-            self.raw.addrs.remove(base + off);
-            self.free_ids.push(id);
+            self.forget_home(id, base + off);
             return;
         }
         a.release(id);
