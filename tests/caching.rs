@@ -1368,17 +1368,11 @@ fn home_blocks_freed_the_short_way_match_the_long_way() {
         // The default settings: page stitching on.
         let sides = [common::allocator("", 256 * MB as u64), common::allocator("", 256 * MB as u64)];
         sides[1].record_history(true);
-        let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        let mut next = move || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
+        let mut rng = common::Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
         let mut live: Vec<[dmabuf_rt::caching::Allocation; 2]> = Vec::new();
         for step in 0..2000u32 {
-            if live.len() < 8 || next() % 100 < 50 {
-                let size = (1usize << (10 + next() % 13)) + next() as usize % 4096;
+            if live.len() < 8 || rng.below(100) < 50 {
+                let size = (1usize << (10 + rng.below(13))) + rng.below(4096) as usize;
                 let got = [sides[0].allocate(size, None), sides[1].allocate(size, None)];
                 match got {
                     [Ok(x), Ok(y)] => live.push([x, y]),
@@ -1386,7 +1380,7 @@ fn home_blocks_freed_the_short_way_match_the_long_way() {
                     [a, b] => panic!("seed {seed} step {step}: {:?} against {:?}", a.map(|x| x.len()), b.err()),
                 }
             } else {
-                drop(live.swap_remove(next() as usize % live.len()));
+                drop(live.swap_remove(rng.below(live.len() as u64) as usize));
             }
             // Where each block lies in its fd (an arena's memfd: its units; a pool segment's
             // fd), and the runs of memfd that hold it: the same on both sides.

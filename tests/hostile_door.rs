@@ -17,6 +17,7 @@ mod common;
 
 use common::control::{Ctl, cmd_of, ctl};
 use common::wait::{wait_until, within};
+use common::{fill_pattern, pattern};
 
 use std::io::IoSlice;
 use std::mem::MaybeUninit;
@@ -26,9 +27,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use dmabuf_rt::caching::Allocation;
 use dmabuf_rt::ipc::{IpcHandle, OPEN_TIMEOUT, get_handle, open_handle};
-use dmabuf_rt::segment::Access;
 use dmabuf_rt::share::Channel;
 use dmabuf_rt::{Error, ErrorKind};
 use rustix::net::{
@@ -56,14 +55,6 @@ const EXHAUST: u64 = 3;
 const RELIEVE: u64 = 4;
 const EXIT: u64 = 5;
 
-fn pat(tag: u8, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(53) ^ tag ^ ((i >> 12) as u8)).collect()
-}
-
-fn fill(x: &Allocation, tag: u8) {
-    x.cpu_access(Access::Write).unwrap().write(0, &pat(tag, x.len())).unwrap();
-}
-
 fn open_count(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0)
 }
@@ -85,7 +76,7 @@ fn hostile_door_child() {
                 for _ in 0..cmd >> 8 {
                     let x = a.allocate(64 * KB, None).unwrap();
                     let h = get_handle(&x, None).unwrap();
-                    fill(&x, h.export as u8);
+                    fill_pattern(&x, h.export as u8);
                     drop(x);
                     control.send(&ctl(0, Some(&h))).unwrap();
                 }
@@ -290,7 +281,7 @@ fn accept_thread_burns(pid: u32, window: Duration) -> Duration {
 fn check_bytes(b: &dmabuf_rt::ipc::ImportedBlock, h: &IpcHandle) {
     let mut v = vec![0u8; b.len()];
     b.read(0, &mut v).unwrap();
-    assert!(v == pat(h.export as u8, b.len()), "export {}: wrong bytes", h.export);
+    assert!(v == pattern(b.len(), h.export as u8), "export {}: wrong bytes", h.export);
 }
 
 /// A token no IPC socket has (tokens are random and nonzero; this one differs from every

@@ -10,6 +10,7 @@
 mod common;
 
 use common::wait::{wait_until, within};
+use common::{fill_pattern, pattern};
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
@@ -17,10 +18,9 @@ use std::time::{Duration, Instant};
 
 use dmabuf_rt::Error;
 use dmabuf_rt::caching::stats::AGGREGATE;
-use dmabuf_rt::caching::{Allocation, CachingAllocator, Config};
+use dmabuf_rt::caching::{CachingAllocator, Config};
 use dmabuf_rt::ipc::{IpcExporter, IpcImporter};
 use dmabuf_rt::queue::Queue;
-use dmabuf_rt::segment::Access;
 use dmabuf_rt::share::Channel;
 use dmabuf_rt::source::ShmemSource;
 
@@ -29,14 +29,6 @@ const WAIT: Duration = Duration::from_secs(10);
 
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
-
-fn pat(tag: u8, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(29) ^ tag ^ ((i >> 12) as u8)).collect()
-}
-
-fn fill(x: &Allocation, tag: u8) {
-    x.cpu_access(Access::Write).unwrap().write(0, &pat(tag, x.len())).unwrap();
-}
 
 fn limbo(a: &CachingAllocator) -> i64 {
     a.stats().limbo_bytes.current
@@ -131,7 +123,7 @@ fn a_block_exported_twice_stays_in_limbo_until_both_are_released() {
     let a = common::allocator("", 64 * MB as u64);
     let (exp, imp) = pair();
     let x = a.allocate(40 * KB, None).unwrap();
-    fill(&x, 11);
+    fill_pattern(&x, 11);
     let (h1, h2) = (exp.export(&x, None).unwrap(), exp.export(&x, None).unwrap());
     assert_ne!(h1.export, h2.export);
     let (g1, g2) = (imp.open(&h1).unwrap(), imp.open(&h2).unwrap());
@@ -144,11 +136,11 @@ fn a_block_exported_twice_stays_in_limbo_until_both_are_released() {
     assert_eq!(limbo(&a), size, "one of two holds released the block");
     let churn: Vec<_> = (0..16).map(|_| a.allocate(40 * KB, None).unwrap()).collect();
     for y in &churn {
-        fill(y, 0x55);
+        fill_pattern(y, 0x55);
     }
     let mut v = vec![0; 40 * KB];
     g2.read(0, &mut v).unwrap();
-    assert!(v == pat(11, 40 * KB), "a block still held once was reused");
+    assert!(v == pattern(40 * KB, 11), "a block still held once was reused");
     a.check_invariants().unwrap();
     drop(g2);
     wait_until("both releases", WAIT, || exp.held() == 0 && limbo(&a) == 0);
@@ -190,7 +182,7 @@ fn a_deferred_free_of_a_shared_block_waits_for_the_queue_and_the_importer() {
         let (exp, imp) = pair();
         let (q, go) = blocked_queue();
         let mut x = a.allocate(64 * KB, None).unwrap();
-        fill(&x, 21);
+        fill_pattern(&x, 21);
         let addr = x.as_ptr();
         let got = imp.open(&exp.export(&x, None).unwrap()).unwrap();
         x.record_queue(&q);
@@ -216,7 +208,7 @@ fn a_deferred_free_of_a_shared_block_waits_for_the_queue_and_the_importer() {
             a.check_invariants().unwrap();
             let mut v = vec![0; 64 * KB];
             got.read(0, &mut v).unwrap();
-            assert!(v == pat(21, 64 * KB));
+            assert!(v == pattern(64 * KB, 21));
             drop(got);
             wait_until("the release", WAIT, || exp.held() == 0 && limbo(&a) == 0);
         }
@@ -283,7 +275,7 @@ fn empty_cache_leaves_blocks_in_limbo_alone() {
     let xs: Vec<_> = sizes.iter().map(|&n| a.allocate(n, None).unwrap()).collect();
     let mut got = Vec::new();
     for (i, x) in xs.iter().enumerate() {
-        fill(x, 40 + i as u8);
+        fill_pattern(x, 40 + i as u8);
         got.push(imp.open(&exp.export(x, None).unwrap()).unwrap());
     }
     drop(xs);
@@ -293,7 +285,7 @@ fn empty_cache_leaves_blocks_in_limbo_alone() {
         a.empty_cache();
         let ys: Vec<_> = sizes.iter().map(|&n| a.allocate(n, None).unwrap()).collect();
         for y in &ys {
-            fill(y, 0xEE);
+            fill_pattern(y, 0xEE);
         }
         a.check_invariants().unwrap();
     }
@@ -302,7 +294,7 @@ fn empty_cache_leaves_blocks_in_limbo_alone() {
     for (i, g) in got.iter().enumerate() {
         let mut v = vec![0; g.len()];
         g.read(0, &mut v).unwrap();
-        assert!(v == pat(40 + i as u8, g.len()), "block {i} changed under empty_cache");
+        assert!(v == pattern(g.len(), 40 + i as u8), "block {i} changed under empty_cache");
     }
     drop(got);
     wait_until("the releases", WAIT, || limbo(&a) == 0 && exp.held() == 0);
@@ -322,7 +314,7 @@ fn the_allocator_dropped_while_exports_are_outstanding() {
     let xs: Vec<_> = [2 * KB, 64 * KB, 5 * MB].iter().map(|&n| a.allocate(n, None).unwrap()).collect();
     let mut got = Vec::new();
     for (i, x) in xs.iter().enumerate() {
-        fill(x, 60 + i as u8);
+        fill_pattern(x, 60 + i as u8);
         got.push(imp.open(&exp.export(x, None).unwrap()).unwrap());
     }
     drop(xs);
@@ -330,7 +322,7 @@ fn the_allocator_dropped_while_exports_are_outstanding() {
     for (i, g) in got.iter().enumerate() {
         let mut v = vec![0; g.len()];
         g.read(0, &mut v).unwrap();
-        assert!(v == pat(60 + i as u8, g.len()), "block {i} lost after the allocator's drop");
+        assert!(v == pattern(g.len(), 60 + i as u8), "block {i} lost after the allocator's drop");
     }
     drop(got);
     wait_until("the releases", WAIT, || exp.held() == 0);
@@ -409,7 +401,7 @@ fn export_free_release_from_many_threads_never_shows_stale_bytes() {
                     let n = sizes[(r + t as usize) % sizes.len()];
                     let tag = t.wrapping_mul(50).wrapping_add(r as u8);
                     let x = a.allocate(n, None).unwrap();
-                    fill(&x, tag);
+                    fill_pattern(&x, tag);
                     let h = exp.export(&x, None).unwrap();
                     // Sometimes twice.
                     let h2 = (r % 7 == 0).then(|| exp.export(&x, None).unwrap());
@@ -418,17 +410,17 @@ fn export_free_release_from_many_threads_never_shows_stale_bytes() {
                     drop(x);
                     let over: Vec<_> = (0..3).map(|_| a.allocate(n, None).unwrap()).collect();
                     for y in &over {
-                        fill(y, !tag);
+                        fill_pattern(y, !tag);
                     }
                     let mut v = vec![0; n];
                     g.read(0, &mut v).unwrap();
-                    if v != pat(tag, n) {
+                    if v != pattern(n, tag) {
                         bad.fetch_add(1, Ordering::Relaxed);
                     }
                     drop(g);
                     if let Some(g2) = g2 {
                         g2.read(0, &mut v).unwrap();
-                        if v != pat(tag, n) {
+                        if v != pattern(n, tag) {
                             bad.fetch_add(1, Ordering::Relaxed);
                         }
                     }
@@ -460,7 +452,7 @@ fn a_block_in_limbo_of_a_dropped_queue() {
     let xs: Vec<_> = [4 * KB, 64 * KB, 3 * MB].iter().map(|&n| a.allocate(n, Some(&q)).unwrap()).collect();
     let mut got = Vec::new();
     for (i, x) in xs.iter().enumerate() {
-        fill(x, 80 + i as u8);
+        fill_pattern(x, 80 + i as u8);
         got.push(imp.open(&exp.export(x, Some(&q)).unwrap()).unwrap());
     }
     drop(xs);
@@ -469,12 +461,12 @@ fn a_block_in_limbo_of_a_dropped_queue() {
     a.check_invariants().unwrap();
     let others: Vec<_> = (0..4).map(|_| a.allocate(64 * KB, None).unwrap()).collect();
     for y in &others {
-        fill(y, 0x77);
+        fill_pattern(y, 0x77);
     }
     for (i, g) in got.iter().enumerate() {
         let mut v = vec![0; g.len()];
         g.read(0, &mut v).unwrap();
-        assert!(v == pat(80 + i as u8, g.len()), "block {i} of the dropped queue changed while held");
+        assert!(v == pattern(g.len(), 80 + i as u8), "block {i} of the dropped queue changed while held");
     }
     drop(got);
     wait_until("the releases", WAIT, || exp.held() == 0 && limbo(&a) == 0);
@@ -505,7 +497,7 @@ fn the_limbo_under_other_settings() {
         let (exp, imp) = pair();
         for n in [2 * KB, 40 * KB, 4 * MB + 1, 24 * MB + 1] {
             let x = a.allocate(n, None).unwrap();
-            fill(&x, 7);
+            fill_pattern(&x, 7);
             let h = exp.export(&x, None).unwrap();
             let got = imp.open(&h).unwrap();
             let addr = x.as_ptr();
@@ -516,11 +508,11 @@ fn the_limbo_under_other_settings() {
             let again: Vec<_> = (0..6).map(|_| a.allocate(n, None).unwrap()).collect();
             assert!(again.iter().all(|y| y.as_ptr() != addr), "{conf} {n}: the block in limbo was handed out");
             for y in &again {
-                fill(y, 9);
+                fill_pattern(y, 9);
             }
             let mut v = vec![0; n];
             got.read(0, &mut v).unwrap();
-            assert!(v == pat(7, n), "{conf} {n}: the imported block changed");
+            assert!(v == pattern(n, 7), "{conf} {n}: the imported block changed");
             drop(got);
             wait_until("the release", WAIT, || limbo(&a) == 0 && exp.held() == 0);
             a.check_invariants().unwrap_or_else(|e| panic!("{conf} {n}: {e}"));
@@ -681,7 +673,7 @@ fn an_importer_does_not_keep_every_released_segment_forever() {
     let (exp, imp) = pair();
     for r in 0..24u8 {
         let x = a.allocate(4 * MB, None).unwrap();
-        fill(&x, r);
+        fill_pattern(&x, r);
         let g = imp.open(&exp.export(&x, None).unwrap()).unwrap();
         drop(g);
         drop(x);

@@ -13,7 +13,7 @@ mod common;
 use common::wait::wait_until;
 
 use common::control::{Ctl, cmd_of, ctl};
-use common::{open_fds, serial};
+use common::{fill_pattern, open_fds, pattern, serial};
 
 use std::os::fd::AsFd;
 use std::process::{Child, Command, Stdio};
@@ -35,14 +35,6 @@ const WAIT: Duration = Duration::from_secs(30);
 const ROLE_ENV: &str = "IPC_TEST_CHILD";
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
-
-fn pat(tag: u8, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(29) ^ tag ^ ((i >> 12) as u8)).collect()
-}
-
-fn fill(x: &Allocation, tag: u8) {
-    x.cpu_access(Access::Write).unwrap().write(0, &pat(tag, x.len())).unwrap();
-}
 
 fn limbo(a: &CachingAllocator) -> i64 {
     a.stats().limbo_bytes.current
@@ -85,7 +77,7 @@ fn child_entry() {
                 for (b, tag) in &open {
                     let mut v = vec![0u8; b.len()];
                     b.read(0, &mut v).unwrap();
-                    if v != pat(*tag, b.len()) {
+                    if v != pattern(b.len(), *tag) {
                         bad += 1;
                     }
                 }
@@ -164,7 +156,7 @@ fn shared_blocks_freed_at_once_keep_their_bytes_while_the_producer_churns() {
     let mut handles = Vec::new();
     for (x, _) in &shared {
         let h = exp.export(x, None).unwrap();
-        fill(x, h.export as u8);
+        fill_pattern(x, h.export as u8);
         handles.push(h);
     }
     for h in &handles {
@@ -180,7 +172,7 @@ fn shared_blocks_freed_at_once_keep_their_bytes_while_the_producer_churns() {
         for r in 0..rounds {
             let xs: Vec<_> = sizes.iter().map(|&n| a.allocate(n, None).unwrap()).collect();
             for x in &xs {
-                fill(x, 0xA0 ^ r as u8);
+                fill_pattern(x, 0xA0 ^ r as u8);
             }
         }
     };
@@ -214,7 +206,7 @@ fn a_consumer_killed_while_holding_blocks_releases_them() {
     let xs: Vec<_> = [8 * KB, 64 * KB, 2 * MB].iter().map(|&n| a.allocate(n, None).unwrap()).collect();
     for x in &xs {
         let h = exp.export(x, None).unwrap();
-        fill(x, h.export as u8);
+        fill_pattern(x, h.export as u8);
         assert_eq!(c.ask(HANDLE, Some(&h)), 0);
     }
     assert_eq!(c.ask(VERIFY, None), 0);
@@ -274,7 +266,7 @@ fn a_freed_shared_block_is_not_reused_until_released() {
     let (exp, imp) = pair();
     for n in [2 * KB, 40 * KB, 4 * MB] {
         let x = a.allocate(n, None).unwrap();
-        fill(&x, 7);
+        fill_pattern(&x, 7);
         let h = exp.export(&x, None).unwrap();
         let got = imp.open(&h).unwrap();
         let addr = x.as_ptr();
@@ -283,11 +275,11 @@ fn a_freed_shared_block_is_not_reused_until_released() {
         let again: Vec<_> = (0..8).map(|_| a.allocate(n, None).unwrap()).collect();
         assert!(again.iter().all(|y| y.as_ptr() != addr), "{n}: the block in limbo was handed out");
         for y in &again {
-            fill(y, 9);
+            fill_pattern(y, 9);
         }
         let mut v = vec![0; n];
         got.read(0, &mut v).unwrap();
-        assert!(v == pat(7, n), "{n}: the imported block changed");
+        assert!(v == pattern(n, 7), "{n}: the imported block changed");
         // The import is bounded to the block.
         assert!(matches!(got.read(n - 1, &mut [0; 2]), Err(Error::OutOfBounds { .. })));
         assert!(matches!(got.write(n, &[1]), Err(Error::OutOfBounds { .. })));
@@ -308,12 +300,12 @@ fn writes_are_seen_on_both_sides_and_a_stitched_block_reads_in_order() {
     let big = a.allocate(100 * KB, None).unwrap();
     assert!(big.fd_ranges().len() > 1, "not stitched: {:?}", big.fd_ranges());
     let (exp, imp) = pair();
-    fill(&big, 3);
+    fill_pattern(&big, 3);
     let h = exp.export(&big, None).unwrap();
     let got = imp.open(&h).unwrap();
     let mut v = vec![0; big.len()];
     got.read(0, &mut v).unwrap();
-    assert!(v == pat(3, big.len()), "the stitched import does not show the block in order");
+    assert!(v == pattern(big.len(), 3), "the stitched import does not show the block in order");
     got.write(32 * KB - 4, b"from the importer").unwrap();
     let mut w = [0u8; 17];
     big.cpu_access(Access::Read).unwrap().read(32 * KB - 4, &mut w).unwrap();
@@ -337,7 +329,7 @@ fn an_export_after_queued_work_is_ready_only_once_that_work_is_done() {
     let (exp, imp) = pair();
     let x = a.allocate(8 * MB, Some(&q)).unwrap();
     let src = HostBuffer::new(8 * MB).unwrap();
-    src.write(0, &pat(5, 8 * MB)).unwrap();
+    src.write(0, &pattern(8 * MB, 5)).unwrap();
     let (gate, held) = std::sync::mpsc::channel::<()>();
     q.callback(move |_| {
         let _ = held.recv();
@@ -355,7 +347,7 @@ fn an_export_after_queued_work_is_ready_only_once_that_work_is_done() {
             v
         });
         gate.send(()).unwrap();
-        assert!(reader.join().unwrap() == pat(5, 8 * MB), "the importer read before the queued copy finished");
+        assert!(reader.join().unwrap() == pattern(8 * MB, 5), "the importer read before the queued copy finished");
     });
     assert!(got.is_ready());
     // An idle queue: no fence.
@@ -556,7 +548,7 @@ fn process_wide_handles_open_in_another_process_and_come_back_when_it_dies() {
     for x in &xs {
         let h = dmabuf_rt::ipc::get_handle(x, None).unwrap();
         assert_ne!(h.token, 0);
-        fill(x, h.export as u8);
+        fill_pattern(x, h.export as u8);
         hs.push(h);
     }
     drop(xs);
@@ -569,7 +561,7 @@ fn process_wide_handles_open_in_another_process_and_come_back_when_it_dies() {
     for r in 0..50u8 {
         let ys: Vec<_> = [4 * KB, 48 * KB, 5 * MB].iter().map(|&n| a.allocate(n, None).unwrap()).collect();
         for y in &ys {
-            fill(y, 0x80 | r);
+            fill_pattern(y, 0x80 | r);
         }
     }
     assert_eq!(c.ask(VERIFY, None), 0, "a block held by a handle was reused");
@@ -589,7 +581,7 @@ fn process_wide_handles_refuse_forged_opened_and_revoked_ones() {
     use dmabuf_rt::ipc::{get_handle, get_handle_raw, open_handle, revoke_handle, unopened_handles};
     let a = common::allocator("", 64 * MB as u64);
     let x = a.allocate(100 * KB, None).unwrap();
-    fill(&x, 4);
+    fill_pattern(&x, 4);
     let h = get_handle(&x, None).unwrap();
     let e = open_handle(&IpcHandle { export: h.export + 1_000_000, ..h }).unwrap_err();
     assert!(e.to_string().contains("holds no block"), "{e}");
@@ -604,7 +596,7 @@ fn process_wide_handles_refuse_forged_opened_and_revoked_ones() {
     let got = open_handle(&h).unwrap();
     let mut v = vec![0; 100 * KB];
     got.read(0, &mut v).unwrap();
-    assert!(v == pat(4, 100 * KB));
+    assert!(v == pattern(100 * KB, 4));
     let e = open_handle(&h).unwrap_err();
     assert!(e.to_string().contains("already opened"), "{e}");
     // Revoked before it is opened: the block goes at its free.

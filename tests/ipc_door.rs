@@ -17,16 +17,15 @@ mod common;
 
 use common::control::{Ctl, cmd_of, ctl};
 use common::wait::wait_until;
+use common::{fill_pattern, pattern};
 
 use std::os::fd::AsFd;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use dmabuf_rt::caching::Allocation;
 use dmabuf_rt::ipc::{IpcHandle, get_handle, open_handle, unopened_handles};
 use dmabuf_rt::queue::{HostBuffer, Queue};
-use dmabuf_rt::segment::Access;
 use dmabuf_rt::share::Channel;
 use dmabuf_rt::{Error, ErrorKind};
 use rustix::thread::UnshareFlags;
@@ -71,14 +70,6 @@ fn forged(h: &IpcHandle) -> [(IpcHandle, &'static str); 3] {
         (IpcHandle { door: 2, token: h.token ^ 2, ..*h }, "not a SOCK_SEQPACKET"),
         (IpcHandle { token: h.token ^ 3, ..*h }, "not its IPC door with this handle's token"),
     ]
-}
-
-fn pat(tag: u8, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(37) ^ tag ^ ((i >> 12) as u8)).collect()
-}
-
-fn fill(x: &Allocation, tag: u8) {
-    x.cpu_access(Access::Write).unwrap().write(0, &pat(tag, x.len())).unwrap();
 }
 
 fn netns() -> String {
@@ -148,14 +139,14 @@ fn door_child() {
                 .filter(|(b, tag)| {
                     let mut v = vec![0u8; b.len()];
                     b.read(0, &mut v).unwrap();
-                    v != pat(*tag, b.len())
+                    v != pattern(b.len(), *tag)
                 })
                 .count() as u64,
             MAKE => {
                 for n in [4 * KB, 48 * KB, 5 * MB] {
                     let x = a.allocate(n, None).unwrap();
                     let h = get_handle(&x, None).unwrap();
-                    fill(&x, h.export as u8);
+                    fill_pattern(&x, h.export as u8);
                     made.push(h);
                     drop(x);
                     control.send(&ctl(0, Some(&h))).unwrap();
@@ -264,7 +255,7 @@ fn an_importer_in_another_network_namespace_opens_handles_through_the_door() {
     let hs: Vec<_> = xs.iter().map(|x| get_handle(x, None).unwrap()).collect();
     for (x, h) in xs.iter().zip(&hs) {
         assert_ne!(h.door, 0, "a process-wide handle names its door");
-        fill(x, h.export as u8);
+        fill_pattern(x, h.export as u8);
     }
     drop(xs);
     let held = limbo(&a);
@@ -277,7 +268,7 @@ fn an_importer_in_another_network_namespace_opens_handles_through_the_door() {
     for r in 0..20u8 {
         let ys: Vec<_> = [4 * KB, 48 * KB, 5 * MB].iter().map(|&n| a.allocate(n, None).unwrap()).collect();
         for y in &ys {
-            fill(y, 0x80 | r);
+            fill_pattern(y, 0x80 | r);
         }
     }
     assert_eq!(c.ask(VERIFY, None), 0, "a block held through the door was reused");
@@ -291,7 +282,7 @@ fn an_importer_in_another_network_namespace_opens_handles_through_the_door() {
     let fenced = get_handle(&y, Some(&q)).unwrap();
     // The copy cannot have run (the gate holds the queue): its source is written now, with the
     // pattern of the handle's number.
-    src.write(0, &pat(fenced.export as u8, 8 * MB)).unwrap();
+    src.write(0, &pattern(8 * MB, fenced.export as u8)).unwrap();
     drop(y);
     assert_eq!(c.ask(OPEN, Some(&fenced)), 0);
     assert_eq!(c.ask(READY, None), 0, "ready through the door while the producer's copy is still queued");
@@ -319,7 +310,7 @@ fn an_exporter_in_another_user_and_network_namespace_is_reached_through_its_door
     for (b, h) in got.iter().zip(&hs) {
         let mut v = vec![0u8; b.len()];
         b.read(0, &mut v).unwrap();
-        assert!(v == pat(h.export as u8, b.len()), "export {}: wrong bytes", h.export);
+        assert!(v == pattern(b.len(), h.export as u8), "export {}: wrong bytes", h.export);
     }
     assert!(open_handle(&hs[0]).unwrap_err().to_string().contains("already opened"));
     drop(got);
@@ -330,7 +321,7 @@ fn an_exporter_in_another_user_and_network_namespace_is_reached_through_its_door
     c.exit();
     let mut v = vec![0u8; kept.len()];
     kept.read(0, &mut v).unwrap();
-    assert!(v == pat(hs[2].export as u8, kept.len()));
+    assert!(v == pattern(kept.len(), hs[2].export as u8));
 }
 
 /// An importer in a user namespace of its own may not take this process's fds: its opens, one
@@ -343,7 +334,7 @@ fn an_importer_not_permitted_to_take_the_door_gets_a_clear_error_and_takes_nothi
     let a = common::allocator("", 64 * MB as u64);
     let x = a.allocate(100 * KB, None).unwrap();
     let h = get_handle(&x, None).unwrap();
-    fill(&x, h.export as u8);
+    fill_pattern(&x, h.export as u8);
     drop(x);
     let unopened = unopened_handles();
     assert_eq!(c.ask(OPEN, Some(&h)), 2, "refused with a clear NotPermitted (the child printed what it got)");
@@ -352,7 +343,7 @@ fn an_importer_not_permitted_to_take_the_door_gets_a_clear_error_and_takes_nothi
     let got = open_handle(&h).unwrap();
     let mut v = vec![0u8; got.len()];
     got.read(0, &mut v).unwrap();
-    assert!(v == pat(h.export as u8, got.len()));
+    assert!(v == pattern(got.len(), h.export as u8));
     drop(got);
     wait_until("the release", WAIT, || limbo(&a) == 0);
     c.exit();
@@ -367,7 +358,7 @@ fn in_one_network_namespace_the_door_is_never_tried() {
     let a = common::allocator("", 64 * MB as u64);
     let x = a.allocate(64 * KB, None).unwrap();
     let h = get_handle(&x, None).unwrap();
-    fill(&x, h.export as u8);
+    fill_pattern(&x, h.export as u8);
     std::thread::scope(|s| {
         for _ in 0..4 {
             s.spawn(move || {
@@ -382,7 +373,7 @@ fn in_one_network_namespace_the_door_is_never_tried() {
     let got = open_handle(&h).unwrap();
     let mut v = vec![0u8; got.len()];
     got.read(0, &mut v).unwrap();
-    assert!(v == pat(h.export as u8, got.len()));
+    assert!(v == pattern(got.len(), h.export as u8));
     drop((got, x));
     wait_until("the release", WAIT, || limbo(&a) == 0);
 }

@@ -35,6 +35,12 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8).collect()
 }
 
+/// Writes [`pattern`]`(x.len(), seed)` over the whole block (the IPC tests check it on the other
+/// side).
+pub fn fill_pattern(x: &dmabuf_rt::caching::Allocation, seed: u8) {
+    x.cpu_access(dmabuf_rt::segment::Access::Write).unwrap().write(0, &pattern(x.len(), seed)).unwrap();
+}
+
 /// A fresh temporary directory under the system temp dir, removed on drop.
 pub struct TempDir(pub std::path::PathBuf);
 
