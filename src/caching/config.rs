@@ -67,7 +67,8 @@ pub struct Config {
     /// Our key (`stitch_grow_slack`): when no free run of the arena holds a block, it is given
     /// new units in one run (a home block: no `mmap`) instead of a stitched view of the free
     /// ones (one `mmap` per run) as long as the reserved bytes stay within this share above
-    /// the allocated peak: 0.02 (2%) by default, under the 3% the allocator promises. Memory
+    /// the allocated bytes (this block counted; not an older peak, so memory given back is not
+    /// taken again for it): 0.02 (2%) by default, under the 3% the allocator promises. Memory
     /// bought for speed: a workload whose free units are scattered maps far fewer views
     /// (random sizes and lifetimes: about a third as many), and one that repeats settles a
     /// step or two later. 0: the arena grows only when its free units cannot hold the block.
@@ -181,7 +182,7 @@ impl Config {
                 "stitch_grow_slack" => {
                     let f: f64 = value.parse().map_err(|_| bad(key, value, "expected a number"))?;
                     if !(0.0..=1.0).contains(&f) {
-                        return Err(bad(key, value, "must be from 0 to 1 (a share of the allocated peak)"));
+                        return Err(bad(key, value, "must be from 0 to 1 (a share of the allocated bytes)"));
                     }
                     c.stitch_grow_slack = f;
                 }
