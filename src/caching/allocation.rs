@@ -17,7 +17,7 @@ use crate::source::Udmabuf;
 use crate::view::CpuView;
 
 /// Memory from a [`CachingAllocator`](super::CachingAllocator). Dropping it frees it
-/// (lock-free); if it was used on other queues, the memory returns to the pool only after those
+/// (without waiting for the allocator's lock); if it was used on other queues, the memory returns to the pool only after those
 /// queues finish with it.
 pub struct Allocation {
     pub(super) inner: Arc<AllocatorShared>,
@@ -177,6 +177,19 @@ impl Drop for Allocation {
     fn drop(&mut self) {
         // From the push on, the block may be reused or its segment released: `self.seg` must
         // not be used after it.
+        if self.node.is_none() {
+            return;
+        }
+        if self.uses.is_empty() && self.inner.frees.is_empty() {
+            // Nothing waits to be applied before this free: where the pool's lock is free
+            // (`try_lock`, which never waits), the short way is taken at once, as the next
+            // drain would take it. Otherwise the node goes onto the lock-free list.
+            if let Some(mut pool) = shared::try_lock_pool(&self.inner)
+                && pool.free_dropped(self.id, &mut self.node)
+            {
+                return;
+            }
+        }
         let Some(mut node) = self.node.take() else { return };
         if self.uses.is_empty() {
             node.value = FreeMsg::Free(self.id);

@@ -40,9 +40,12 @@
 //! `pool/`), `shared` (what the handles share), `allocation` (the RAII block), and this
 //! facade.
 //!
-//! The free path never takes the allocator's lock: dropping an [`Allocation`] (or a queue
+//! The free path never waits for the allocator's lock: dropping an [`Allocation`] (or a queue
 //! completion finishing a deferred free) pushes onto a lock-free list ([`free_list`]) that the
-//! next allocation, or any call that needs the pools, drains under the lock.
+//! next allocation, or any call that needs the pools, drains under the lock. A drop that finds
+//! the list empty and the lock free (`try_lock`) applies its own free at once where it takes
+//! the short way (into the quick cache, or an arena's home block let go), as the drain would
+//! have.
 //!
 //! # The allocate flow, top-down
 //! [`CachingAllocator::allocate`] takes the lock (draining the free list first), tries the
@@ -55,7 +58,8 @@
 //!
 //! # The deferred-free flow, top-down
 //! Dropping an [`Allocation`] (`allocation.rs`) used only on its own queue pushes
-//! `FreeMsg::Free` onto the lock-free list. One used on other queues
+//! `FreeMsg::Free` onto the lock-free list (or, the lock being free, applies the short way
+//! itself: `Pool::free_dropped`). One used on other queues
 //! ([`Allocation::record_queue`]) that still have work outstanding pushes
 //! `FreeMsg::Requested(id, n)` and places a marker on each of those `n` queues
 //! (`shared::mark_all`, [`crate::queue::QueueHandle::mark`]: a slot in the queue's marker

@@ -3,7 +3,7 @@
 //! free list, and the count of deferred frees; and how a deferred free completes (markers on
 //! the queues that used the block, whose passage feeds the free list).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use super::block::{BlockId, FreeMsg};
 use super::free_list::{FreeList, Node, Pending};
@@ -17,6 +17,19 @@ pub(crate) struct AllocatorShared {
     pub(crate) pending: Pending,
     /// How long the OOM ladder and `empty_cache` wait for them.
     pub(crate) pending_limit: std::time::Duration,
+}
+
+/// The pool's lock if nobody holds it (poisoned or not: as [`CachingAllocator`]'s lock, a
+/// panic under it leaves the pool consistent), without waiting.
+///
+/// [`CachingAllocator`]: super::CachingAllocator
+#[inline(always)]
+pub(crate) fn try_lock_pool(inner: &AllocatorShared) -> Option<MutexGuard<'_, Pool>> {
+    match inner.pool.try_lock() {
+        Ok(pool) => Some(pool),
+        Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
 }
 
 /// A deferred free's queues: each other queue the block was used on, with the free-list node

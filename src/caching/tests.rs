@@ -167,6 +167,96 @@ fn frees_made_while_the_lock_is_held_are_applied_by_the_next_holder() {
 }
 
 #[test]
+fn a_drop_with_the_lock_free_applies_its_free_itself() {
+    for conf in ["expandable_segments:False", "expandable_segments:True", "page_stitching:True"] {
+        let a = alloc(conf, 64 * MB);
+        // A quick-cache block (4 KiB) and, where the arena exists, an arena home block.
+        for size in [4096, 256 * KB] {
+            let x = a.allocate(size, None).unwrap();
+            let addr = x.as_ptr();
+            drop(x);
+            assert!(a.inner.frees.is_empty(), "{conf}: the free of {size} B was queued, not applied");
+            {
+                // Looked at without draining: the drop itself accounted the free.
+                let pool = a.inner.pool.lock().unwrap();
+                let st = pool.stats();
+                assert_eq!(st.allocation[AGGREGATE].current, 0, "{conf}: {size} B");
+                assert_eq!(st.allocated_bytes[AGGREGATE].current, 0, "{conf}: {size} B");
+            }
+            ok(&a);
+            let y = a.allocate(size, None).unwrap();
+            assert_eq!(y.as_ptr(), addr, "{conf}: the block freed by its drop was not reused");
+        }
+    }
+}
+
+#[test]
+fn a_drop_that_cannot_take_the_short_way_is_queued() {
+    let a = classic();
+    // With every event recorded the quick cache is off: the free takes the long way, which
+    // the drop leaves to the next drain (it may ask queues whether they are idle).
+    a.record_history(true);
+    let x = a.allocate(4096, None).unwrap();
+    drop(x);
+    assert!(!a.inner.frees.is_empty(), "the long way was taken in the drop");
+    ok(&a);
+    assert_eq!(a.stats().allocation[AGGREGATE].current, 0);
+    let frees = a.history().iter().filter(|h| h.kind == HistoryKind::FreeCompleted).count();
+    assert_eq!(frees, 1);
+}
+
+#[test]
+fn drops_race_allocations_and_raw_frees() {
+    // Drops that take the lock themselves race raw allocations and frees, stats and snapshots
+    // on other threads: every free is applied once, nothing is lost.
+    const THREADS: usize = 3;
+    const EACH: usize = if cfg!(miri) { 40 } else { 4000 };
+    for conf in ["expandable_segments:False", "page_stitching:True"] {
+        let a = Arc::new(alloc(conf, 256 * MB));
+        std::thread::scope(|s| {
+            for t in 0..THREADS {
+                let a = Arc::clone(&a);
+                s.spawn(move || {
+                    let mut live = Vec::new();
+                    let mut raw = Vec::new();
+                    for i in 0..EACH {
+                        let size = [4096, 512, 96 * KB, 4096, 1 << 20][(i + t) % 5];
+                        if t == 0 && i % 2 == 0 {
+                            raw.push(a.allocate_raw(size, None).unwrap());
+                        } else {
+                            live.push(a.allocate(size, None).unwrap());
+                        }
+                        if i % 3 != 0 {
+                            drop(live.pop());
+                        }
+                        if live.len() > 16 {
+                            drop(live.swap_remove(i % live.len()));
+                        }
+                        if raw.len() > 4 {
+                            a.free_raw(raw.swap_remove(i % raw.len())).unwrap();
+                        }
+                        if i % 257 == 0 {
+                            let _ = a.stats();
+                        }
+                    }
+                    for p in raw {
+                        a.free_raw(p).unwrap();
+                    }
+                    // The rest is dropped on another thread, as the lock may be taken.
+                    std::thread::spawn(move || drop(live)).join().unwrap();
+                });
+            }
+        });
+        ok(&a);
+        let st = a.stats();
+        assert_eq!(st.allocation[AGGREGATE].current, 0, "{conf}");
+        assert_eq!(st.allocated_bytes[AGGREGATE].current, 0, "{conf}");
+        assert_eq!(st.simple().num_allocs, st.simple().num_frees, "{conf}");
+        assert_eq!(st.simple().num_allocs, (THREADS * EACH) as i64, "{conf}");
+    }
+}
+
+#[test]
 fn threads_allocate_and_free_at_once() {
     const THREADS: usize = 3;
     const EACH: usize = if cfg!(miri) { 24 } else { 1000 };
