@@ -175,6 +175,9 @@ pub(crate) struct Arena {
     views: HashMap<BlockId, View, FxBuild>,
     /// Views not handed out, by unit count, as `(born, id)` in order (oldest first).
     cached: HashMap<usize, Vec<(u64, BlockId)>, FxBuild>,
+    /// The same views by `(freed_at, id)`: the order they are let go in (oldest first),
+    /// without sorting them all at each eviction.
+    by_age: BTreeSet<(u64, BlockId)>,
     /// Runs the cached views hold.
     cached_runs: usize,
     /// Runs all its stitched views (live and cached) map: its part of [`MAPPED_RUNS`].
@@ -214,6 +217,7 @@ impl Arena {
             home_live: 0,
             views: HashMap::default(),
             cached: HashMap::default(),
+            by_age: BTreeSet::new(),
             cached_runs: 0,
             mapped_runs: 0,
             va_free: BTreeMap::new(),
@@ -328,6 +332,7 @@ impl Arena {
         debug_assert!(!v.live);
         v.live = true;
         let (n, key) = (v.n, (v.born, id));
+        self.by_age.remove(&(v.freed_at, id));
         let list = self.cached.get_mut(&n).expect("its size's list");
         let at = list.binary_search(&key).expect("listed");
         list.remove(at);
@@ -374,6 +379,7 @@ impl Arena {
         let list = self.cached.entry(n).or_default();
         let at = list.binary_search(&key).expect_err("not listed while live");
         list.insert(at, key);
+        self.by_age.insert((clock, id));
         self.cached_runs += runs;
     }
 
@@ -688,6 +694,7 @@ impl Arena {
         if list.is_empty() {
             self.cached.remove(&v.n);
         }
+        self.by_age.remove(&(v.freed_at, id));
         self.cached_runs -= v.runs.len();
         let bytes = v.n * self.unit;
         if seg.unmap_view(v.va, bytes).is_err() {
@@ -703,25 +710,23 @@ impl Arena {
         (v.va, bytes)
     }
 
-    /// The cached views to let go, oldest first, so that at most `keep_runs` runs stay cached
-    /// (at least `at_least` views if there are that many).
-    pub(crate) fn oldest_cached(&self, keep_runs: usize, at_least: usize) -> Vec<BlockId> {
-        if self.cached_runs <= keep_runs && at_least == 0 {
-            return Vec::new();
-        }
-        let mut all: Vec<(u64, BlockId, usize)> =
-            self.views.iter().filter(|(_, v)| !v.live).map(|(&id, v)| (v.freed_at, id, v.runs.len())).collect();
-        all.sort_unstable();
+    /// The cached views to let go, oldest first, so that at most `keep_runs` runs stay cached.
+    pub(crate) fn oldest_cached(&self, keep_runs: usize) -> Vec<BlockId> {
         let mut runs = self.cached_runs;
         let mut out = Vec::new();
-        for (_, id, r) in all {
-            if runs <= keep_runs && out.len() >= at_least {
+        for &(_, id) in &self.by_age {
+            if runs <= keep_runs {
                 break;
             }
-            runs -= r;
+            runs -= self.views[&id].runs.len();
             out.push(id);
         }
         out
+    }
+
+    /// The cached view let go longest ago.
+    pub(crate) fn oldest(&self) -> Option<BlockId> {
+        self.by_age.first().map(|&(_, id)| id)
     }
 
     /// Whether the cached views hold more runs than [`MAX_CACHED_RUNS`].
@@ -731,7 +736,7 @@ impl Arena {
 
     /// Every cached view (not handed out), for letting them all go.
     pub(crate) fn cached_ids(&self) -> Vec<BlockId> {
-        self.views.iter().filter(|(_, v)| !v.live).map(|(&id, _)| id).collect()
+        self.by_age.iter().map(|&(_, id)| id).collect()
     }
 
     /// The runs `(first unit, count)` of free backed units, lowest first.
@@ -846,8 +851,11 @@ impl Arena {
         {
             return Err("the free address ranges' two indexes differ".into());
         }
+        let cached = self.views.values().filter(|v| !v.live).count();
         if runs != self.cached_runs
-            || self.cached.values().map(Vec::len).sum::<usize>() != self.views.values().filter(|v| !v.live).count()
+            || self.cached.values().map(Vec::len).sum::<usize>() != cached
+            || self.by_age.len() != cached
+            || self.by_age.iter().any(|&(at, id)| self.views.get(&id).is_none_or(|v| v.live || v.freed_at != at))
         {
             return Err("the cached lists do not match the cached views".into());
         }

@@ -176,7 +176,7 @@ impl Pool {
             // first (not while the queue has work in flight: it may use a block freed meanwhile).
             let seg = Arc::clone(&self.segments[si as usize].as_ref().expect("live arena").seg);
             while arena::mapped_runs() + runs > arena::MAX_MAPPED_RUNS {
-                let Some(v) = self.arena_mut(si).1.oldest_cached(0, 1).first().copied() else { break };
+                let Some(v) = self.arena_mut(si).1.oldest() else { break };
                 self.arena_evict(si, &seg, v);
             }
         }
@@ -217,7 +217,7 @@ impl Pool {
                     // No address space left: the oldest cached view goes, and again; not while
                     // the queue has work in flight (it may still use a block freed meanwhile).
                     let seg = Arc::clone(seg);
-                    let oldest = self.arena_mut(si).1.oldest_cached(0, 1).first().copied();
+                    let oldest = self.arena_mut(si).1.oldest();
                     let Some(v) = oldest.filter(|_| !self.queue_busy(p.queue)) else {
                         p.cause = "; the stitched arena's address space is full of views in use".into();
                         return false;
@@ -324,7 +324,7 @@ impl Pool {
         if a.over_run_budget() && !self.queue_busy(queue) {
             let seg = Arc::clone(&self.segments[si as usize].as_ref().expect("live arena").seg);
             let a = self.arena_mut(si).1;
-            let ids = a.oldest_cached(super::super::arena::MAX_CACHED_RUNS * 3 / 4, 0);
+            let ids = a.oldest_cached(super::super::arena::MAX_CACHED_RUNS * 3 / 4);
             for v in ids {
                 self.arena_evict(si, &seg, v);
             }
