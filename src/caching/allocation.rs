@@ -128,8 +128,8 @@ impl Allocation {
         super::export::export_block(&self.inner, &mut pool, self.id, self.as_ptr() as usize)
     }
 
-    fn lock_pool(&self) -> std::sync::MutexGuard<'_, super::pool::Pool> {
-        self.inner.pool.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock_pool(&self) -> super::pool_lock::PoolGuard<'_, super::pool::Pool> {
+        self.inner.pool.lock()
     }
 
     /// Whether the block's fd is a dma-buf (otherwise a memfd).

@@ -26,7 +26,7 @@ impl std::fmt::Debug for ExportHold {
 
 impl Drop for ExportHold {
     fn drop(&mut self) {
-        let mut pool = self.inner.pool.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pool = self.inner.pool.lock();
         // Frees pushed before this release are applied first (one of them may be this block's).
         pool.drain(&self.inner.frees);
         pool.unhold(self.id);

@@ -37,8 +37,14 @@
 //! reference), `quick` (the exact-reuse cache), `addrs` and `raw` (the address and raw-pointer
 //! table), `expandable` (expandable segments' state and arithmetic), `stats`, `snapshot`
 //! (snapshot and history), `pool` (best fit, split, merge, the OOM ladder; its other steps in
-//! `pool/`), `shared` (what the handles share), `allocation` (the RAII block), and this
-//! facade.
+//! `pool/`), `pool_lock` (the pool's lock, biased to the thread that keeps taking it),
+//! `shared` (what the handles share), `allocation` (the RAII block), and this facade.
+//!
+//! The pool's lock (`pool_lock`) is a mutex that a thread taking it many times in a row
+//! comes to own: that thread's quick-cache hits and frees (and arena home blocks) then take
+//! no atomic read-modify-write at all (`CachingAllocator::fast`), and any other thread that
+//! needs the lock takes it back with one `membarrier` call. Threads that take turns keep a
+//! plain mutex.
 //!
 //! The free path never waits for the allocator's lock: dropping an [`Allocation`] (or a queue
 //! completion finishing a deferred free) pushes onto a lock-free list ([`free_list`]) that the
@@ -48,7 +54,9 @@
 //! have.
 //!
 //! # The allocate flow, top-down
-//! [`CachingAllocator::allocate`] takes the lock (draining the free list first), tries the
+//! [`CachingAllocator::allocate`] tries the owner thread's fast hold first (quick cache and
+//! arena home blocks, nothing to drain); otherwise it takes the lock (draining the free list
+//! first), tries the
 //! quick cache (`Pool::try_quick`: an exact-size block freed on the same queue), and otherwise
 //! goes to `allocate_slow` -> `Pool::allocate`, which builds an `AllocParams` and runs
 //! `get_cached_block` (best fit in the pool of the size's `PoolKind`, split
@@ -82,6 +90,7 @@ pub mod free_list;
 mod free_runs;
 mod host;
 mod pool;
+mod pool_lock;
 mod quick;
 mod raw;
 pub mod replay;
@@ -92,7 +101,7 @@ pub mod svg;
 #[cfg(test)]
 mod tests;
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 pub use allocation::Allocation;
 use block::{FreeMsg, QueueKey};
@@ -100,6 +109,7 @@ pub use config::Config;
 use free_list::{FreeList, Node, Pending};
 pub use host::{HostAllocation, HostCachingAllocator, HostStats};
 use pool::{Outcome, Pool};
+use pool_lock::{PoolGuard, PoolLock};
 use shared::AllocatorShared;
 pub use snapshot::{BlockSnapshot, BlockState, HistoryEvent, HistoryKind, SegmentSnapshot, Snapshot};
 pub use stats::{DeviceStats, SimpleStats, Stat};
@@ -165,7 +175,7 @@ impl AllocatorBuilder {
         });
         Ok(CachingAllocator {
             inner: Arc::new(AllocatorShared {
-                pool: Mutex::new(Pool::new(self.source, config, capacity)),
+                pool: PoolLock::new(Pool::new(self.source, config, capacity)),
                 frees: FreeList::new(),
                 pending: Pending::new(),
                 pending_limit: self.pending_limit,
@@ -191,10 +201,19 @@ impl CachingAllocator {
     }
 
     #[inline]
-    fn lock(&self) -> MutexGuard<'_, Pool> {
-        let mut pool = self.inner.pool.lock().unwrap_or_else(|p| p.into_inner());
+    fn lock(&self) -> PoolGuard<'_, Pool> {
+        let mut pool = self.inner.pool.lock();
         self.drain(&mut pool);
         pool
+    }
+
+    /// The owner thread's hold of the pool ([`PoolLock::fast`]: no atomic read-modify-write)
+    /// where nothing waits on the free list (draining may take queues' locks, which the fast
+    /// hold must not). For the quick cache only.
+    #[inline(always)]
+    fn fast(&self) -> Option<PoolGuard<'_, Pool>> {
+        let pool = self.inner.pool.fast()?;
+        self.inner.frees.is_empty().then_some(pool)
     }
 
     /// Applies the frees pushed so far.
@@ -216,6 +235,11 @@ impl CachingAllocator {
     pub fn allocate(&self, size: usize, queue: Option<&Queue>) -> Result<Allocation> {
         let queue_id = queue.map(Queue::id);
         let key = QueueKey::of(queue_id);
+        if let Some(mut pool) = self.fast() {
+            if let Some(h) = pool.try_quick(size, key).or_else(|| pool.try_arena_home(size, key)) {
+                return Ok(self.wrap(pool, h, size, queue_id));
+            }
+        }
         let mut pool = self.lock();
         let got = match pool.try_quick(size, key).or_else(|| pool.try_arena_home(size, key)) {
             Some(h) => h,
@@ -227,7 +251,7 @@ impl CachingAllocator {
     }
 
     #[inline]
-    fn wrap(&self, mut pool: MutexGuard<'_, Pool>, b: pool::Handed, size: usize, queue: Option<QueueId>) -> Allocation {
+    fn wrap(&self, mut pool: PoolGuard<'_, Pool>, b: pool::Handed, size: usize, queue: Option<QueueId>) -> Allocation {
         let node = pool.take_node();
         drop(pool);
         Allocation {
@@ -251,8 +275,8 @@ impl CachingAllocator {
         &'a self,
         size: usize,
         queue: Option<&Queue>,
-        mut held: Option<MutexGuard<'a, Pool>>,
-        mut take: impl FnMut(MutexGuard<'a, Pool>, pool::Handed) -> T,
+        mut held: Option<PoolGuard<'a, Pool>>,
+        mut take: impl FnMut(PoolGuard<'a, Pool>, pool::Handed) -> T,
     ) -> Result<T> {
         let key = QueueKey::of(queue.map(Queue::id));
         let mut waited = false;
@@ -276,7 +300,7 @@ impl CachingAllocator {
                             inner.frees.push(Node::new(FreeMsg::QueueGone(id)));
                             // Applied now if nobody holds the lock (the next holder applies it
                             // otherwise), so the memory goes without waiting for another call.
-                            if let Ok(mut pool) = inner.pool.try_lock() {
+                            if let Some(mut pool) = inner.pool.try_lock() {
                                 pool.drain(&inner.frees);
                             }
                         }
@@ -368,6 +392,14 @@ impl CachingAllocator {
     #[inline(always)]
     pub fn allocate_raw(&self, size: usize, queue: Option<&Queue>) -> Result<*mut u8> {
         let key = QueueKey::of(queue.map(Queue::id));
+        if let Some(mut pool) = self.fast() {
+            if let Some(addr) = pool.quick_alloc_raw(size, key) {
+                return Ok(addr as *mut u8);
+            }
+            if let Some(b) = pool.try_arena_home(size, key) {
+                return Ok(pool.hand_out_raw(b) as *mut u8);
+            }
+        }
         let mut pool = self.lock();
         if let Some(addr) = pool.quick_alloc_raw(size, key) {
             return Ok(addr as *mut u8);
@@ -382,7 +414,7 @@ impl CachingAllocator {
         &'a self,
         size: usize,
         queue: Option<&Queue>,
-        mut pool: MutexGuard<'a, Pool>,
+        mut pool: PoolGuard<'a, Pool>,
     ) -> Result<*mut u8> {
         if let Some(b) = pool.try_arena_home(size, QueueKey::of(queue.map(Queue::id))) {
             return Ok(pool.hand_out_raw(b) as *mut u8);
@@ -395,7 +427,7 @@ impl CachingAllocator {
         &'a self,
         size: usize,
         queue: Option<&Queue>,
-        held: MutexGuard<'a, Pool>,
+        held: PoolGuard<'a, Pool>,
     ) -> Result<*mut u8> {
         self.allocate_slow(size, queue, Some(held), |mut pool, b| pool.hand_out_raw(b) as *mut u8)
     }
@@ -425,6 +457,11 @@ impl CachingAllocator {
     pub fn free_raw(&self, ptr: *mut u8) -> Result<()> {
         if ptr.is_null() {
             return Err(Error::InvalidFree { ptr: 0, why: "null pointer" });
+        }
+        if let Some(mut pool) = self.fast() {
+            if pool.quick_free_raw(ptr as usize) {
+                return Ok(());
+            }
         }
         let mut pool = self.lock();
         if pool.quick_free_raw(ptr as usize) {
@@ -456,7 +493,7 @@ impl CachingAllocator {
     /// [`CachingAllocator::free_raw`] past its fast path: checked, refused with the reason, or
     /// deferred for other queues.
     #[inline(never)]
-    fn free_raw_slow(&self, mut pool: MutexGuard<'_, Pool>, ptr: *mut u8) -> Result<()> {
+    fn free_raw_slow(&self, mut pool: PoolGuard<'_, Pool>, ptr: *mut u8) -> Result<()> {
         match pool.free_raw(ptr as usize) {
             Ok(None) => Ok(()),
             Ok(Some((id, mut uses))) => {

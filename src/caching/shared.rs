@@ -3,15 +3,16 @@
 //! free list, and the count of deferred frees; and how a deferred free completes (markers on
 //! the queues that used the block, whose passage feeds the free list).
 
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::Arc;
 
 use super::block::{BlockId, FreeMsg};
 use super::free_list::{FreeList, Node, Pending};
 use super::pool::Pool;
+use super::pool_lock::{PoolGuard, PoolLock};
 use crate::queue::{MarkerPayload, MarkerSink, QueueHandle};
 
 pub(crate) struct AllocatorShared {
-    pub(crate) pool: Mutex<Pool>,
+    pub(crate) pool: PoolLock<Pool>,
     pub(crate) frees: FreeList<FreeMsg>,
     /// Deferred frees whose events have not all completed.
     pub(crate) pending: Pending,
@@ -19,17 +20,12 @@ pub(crate) struct AllocatorShared {
     pub(crate) pending_limit: std::time::Duration,
 }
 
-/// The pool's lock if nobody holds it (poisoned or not: as [`CachingAllocator`]'s lock, a
-/// panic under it leaves the pool consistent), without waiting.
-///
-/// [`CachingAllocator`]: super::CachingAllocator
+/// The pool's lock if nobody holds it and no other thread owns it, without waiting: the
+/// owner's fast hold ([`PoolLock::fast`]) where this thread owns it, else
+/// [`PoolLock::try_lock`].
 #[inline(always)]
-pub(crate) fn try_lock_pool(inner: &AllocatorShared) -> Option<MutexGuard<'_, Pool>> {
-    match inner.pool.try_lock() {
-        Ok(pool) => Some(pool),
-        Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
-        Err(TryLockError::WouldBlock) => None,
-    }
+pub(crate) fn try_lock_pool(inner: &AllocatorShared) -> Option<PoolGuard<'_, Pool>> {
+    inner.pool.fast().or_else(|| inner.pool.try_lock())
 }
 
 /// A deferred free's queues: each other queue the block was used on, with the free-list node

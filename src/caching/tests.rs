@@ -151,7 +151,7 @@ fn frees_made_while_the_lock_is_held_are_applied_by_the_next_holder() {
     ok(&a);
     let y = a.allocate(8192, None).unwrap();
     ok(&a);
-    let held = a.inner.pool.lock().unwrap();
+    let held = a.inner.pool.lock();
     // Neither free may wait for the lock (this thread holds it; the other joins under it).
     drop(x);
     std::thread::spawn(move || drop(y)).join().unwrap();
@@ -178,7 +178,7 @@ fn a_drop_with_the_lock_free_applies_its_free_itself() {
             assert!(a.inner.frees.is_empty(), "{conf}: the free of {size} B was queued, not applied");
             {
                 // Looked at without draining: the drop itself accounted the free.
-                let pool = a.inner.pool.lock().unwrap();
+                let pool = a.inner.pool.lock();
                 let st = pool.stats();
                 assert_eq!(st.allocation[AGGREGATE].current, 0, "{conf}: {size} B");
                 assert_eq!(st.allocated_bytes[AGGREGATE].current, 0, "{conf}: {size} B");
@@ -254,6 +254,103 @@ fn drops_race_allocations_and_raw_frees() {
         assert_eq!(st.simple().num_allocs, st.simple().num_frees, "{conf}");
         assert_eq!(st.simple().num_allocs, (THREADS * EACH) as i64, "{conf}");
     }
+}
+
+#[test]
+#[cfg_attr(miri, ignore)] // no membarrier under Miri: the lock is never biased there
+fn a_thread_that_keeps_allocating_owns_the_lock_until_another_needs_it() {
+    let a = Arc::new(classic());
+    for _ in 0..2 * crate::caching::pool_lock::BIAS_AFTER {
+        a.free_raw(a.allocate_raw(4096, None).unwrap()).unwrap();
+    }
+    if !a.inner.pool.is_biased() {
+        println!("SKIP: membarrier(PRIVATE_EXPEDITED) is not available here: the lock is never biased");
+        return;
+    }
+    // The owner's pairs, raw and owned, take the fast hold and keep exact stats.
+    let p = a.allocate_raw(4096, None).unwrap();
+    let x = a.allocate(4096, None).unwrap();
+    assert!(a.inner.pool.is_biased());
+    let a2 = Arc::clone(&a);
+    let (p2, seen) = std::thread::spawn(move || {
+        // Another thread's stats take the lock back, and see the owner's two live blocks.
+        let st = a2.stats();
+        (a2.allocate_raw(4096, None).unwrap() as usize, st.allocation[AGGREGATE].current)
+    })
+    .join()
+    .unwrap();
+    assert_eq!(seen, 2);
+    assert!(!a.inner.pool.is_biased(), "another thread's call left the bias in place");
+    assert_ne!(p2, p as usize);
+    a.free_raw(p).unwrap();
+    a.free_raw(p2 as *mut u8).unwrap();
+    drop(x);
+    ok(&a);
+    let st = a.stats();
+    assert_eq!(st.allocation[AGGREGATE].current, 0);
+    assert_eq!(st.simple().num_allocs, st.simple().num_frees);
+    assert_eq!(st.simple().num_allocs, 2 * 2 * crate::caching::pool_lock::BIAS_AFTER as i64 / 2 + 3);
+}
+
+#[test]
+fn an_owner_thread_races_threads_that_take_the_lock_back() {
+    // One thread does long runs of pairs (it comes to own the lock); others now and then
+    // allocate, free its raw blocks, read stats and empty the cache, each taking the lock
+    // back. Live blocks never overlap, and the counts come out exact.
+    const ROUNDS: usize = if cfg!(miri) { 2 } else { 60 };
+    const RUN: usize = if cfg!(miri) { 10 } else { 400 };
+    let a = Arc::new(alloc("expandable_segments:True,page_stitching:True", 256 * MB));
+    let handed = Arc::new(std::sync::Mutex::new(Vec::<usize>::new()));
+    std::thread::scope(|s| {
+        let (a1, h1) = (Arc::clone(&a), Arc::clone(&handed));
+        s.spawn(move || {
+            for r in 0..ROUNDS {
+                for i in 0..RUN {
+                    let size = [4096, 512, 64 * KB, 4096][i % 4];
+                    let p = a1.allocate_raw(size, None).unwrap();
+                    let x = a1.allocate(size, None).unwrap();
+                    // Two live blocks never share a byte.
+                    let (xp, pp) = (x.as_ptr() as usize, p as usize);
+                    assert!(xp + size <= pp || pp + size <= xp, "live blocks {xp:#x} and {pp:#x} overlap");
+                    assert_eq!(a1.raw_size(p).unwrap(), size);
+                    drop(x);
+                    if i % 97 == 0 {
+                        h1.lock().unwrap().push(p as usize);
+                    } else {
+                        a1.free_raw(p).unwrap();
+                    }
+                }
+                if r % 8 == 0 {
+                    ok(&a1);
+                }
+            }
+        });
+        for t in 0..2 {
+            let (a2, h2) = (Arc::clone(&a), Arc::clone(&handed));
+            s.spawn(move || {
+                for i in 0..ROUNDS * 4 {
+                    let ps: Vec<usize> = std::mem::take(&mut *h2.lock().unwrap());
+                    for p in ps {
+                        a2.free_raw(p as *mut u8).unwrap();
+                    }
+                    match (i + t) % 4 {
+                        0 => drop(a2.stats()),
+                        1 => a2.empty_cache(),
+                        _ => drop(a2.allocate(8192, None).unwrap()),
+                    }
+                    std::thread::yield_now();
+                }
+            });
+        }
+    });
+    for p in std::mem::take(&mut *handed.lock().unwrap()) {
+        a.free_raw(p as *mut u8).unwrap();
+    }
+    ok(&a);
+    let st = a.stats();
+    assert_eq!(st.allocation[AGGREGATE].current, 0);
+    assert_eq!(st.allocated_bytes[AGGREGATE].current, 0);
+    assert_eq!(st.simple().num_allocs, st.simple().num_frees);
 }
 
 #[test]
