@@ -250,7 +250,7 @@ impl CachingAllocator {
         Ok(self.wrap(pool, got, size, queue_id))
     }
 
-    #[inline]
+    #[inline(always)]
     fn wrap(&self, mut pool: PoolGuard<'_, Pool>, b: pool::Handed, size: usize, queue: Option<QueueId>) -> Allocation {
         let node = pool.take_node();
         drop(pool);
