@@ -24,12 +24,21 @@
 //! - [`PoolLock::try_lock`] never revokes: a free from another thread finds the lock biased
 //!   and goes to the lock-free list instead, for the owner to drain.
 //!
-//! Where `membarrier`'s private expedited command is not available (kernels before 4.14, a
-//! seccomp filter, Miri), no thread is ever made the owner: the lock is the mutex.
+//! Where `membarrier`'s private expedited command is not available when a bias would be
+//! granted (kernels before 4.14, a seccomp filter, Miri), no thread is ever made the owner:
+//! the lock is the mutex. Where it is refused later (a seccomp filter installed after the
+//! bias), a revocation falls back to a TLB shootdown (a page of ours made read-only and
+//! writable again: the kernel interrupts every CPU running the process, which drains its
+//! store buffer, as runtimes did before membarrier); only if that is refused too does the
+//! process stop, since exclusion could no longer be guaranteed.
 //!
 //! The owner's fast path must not block and must not take another lock: its holder does not
 //! hold `mutex`, and a revoker holding `mutex` waits for it. The callers use it only for the
-//! quick cache and the arena's home blocks, which touch nothing but the pool's memory.
+//! quick cache and the arena's home blocks, which touch nothing but the pool's memory. A
+//! thread never joins its own hold: `fast` refuses while the thread holds `mutex` (`holder`:
+//! a memory source or logger called under the lock that drops an `Allocation` or calls the
+//! allocator) or is in a fast hold already, and `lock` inside the thread's own fast hold (a
+//! signal handler) panics where a plain mutex would deadlock.
 
 #![allow(unsafe_code)]
 
@@ -77,6 +86,49 @@ fn barrier_available() -> bool {
     })
 }
 
+/// Makes every thread of the process that is running pass a full memory barrier:
+/// `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`, or, where that is refused since the bias
+/// was granted (a seccomp filter installed later), a TLB shootdown, the way runtimes did it
+/// before membarrier existed: a written page made read-only makes the kernel interrupt every
+/// CPU that runs the process's memory map, and an interrupt drains the CPU's store buffer.
+/// False if both are refused.
+fn process_barrier() -> bool {
+    use rustix::thread::{MembarrierCommand, membarrier};
+    membarrier(MembarrierCommand::PrivateExpedited).is_ok() || shootdown()
+}
+
+/// The TLB shootdown of [`process_barrier`].
+fn shootdown() -> bool {
+    use rustix::mm::{MapFlags, MprotectFlags, ProtFlags, mmap_anonymous, mprotect};
+    /// One page for every shootdown, and a lock: a write to it while another thread holds it
+    /// read-only would fault.
+    static PAGE: OnceLock<Option<usize>> = OnceLock::new();
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let page = *PAGE.get_or_init(|| {
+        // SAFETY: a new private anonymous mapping at an address the kernel chooses: it
+        // touches no memory of anyone else. It is never unmapped.
+        unsafe { mmap_anonymous(std::ptr::null_mut(), 4096, ProtFlags::READ | ProtFlags::WRITE, MapFlags::PRIVATE) }
+            .ok()
+            .map(|p| p as usize)
+    });
+    let Some(addr) = page else { return false };
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let ptr = addr as *mut u8;
+    // SAFETY: `ptr` is our own page, writable here: every change of its protection is made
+    // under `ONE_AT_A_TIME` and restored before it is let go.
+    unsafe { ptr.write_volatile(1) };
+    // SAFETY: the page is ours (above); read-only then writable again changes no one else's
+    // memory.
+    let downgraded = unsafe { mprotect(ptr.cast(), 4096, MprotectFlags::READ) }.is_ok();
+    // SAFETY: as above.
+    let restored = unsafe { mprotect(ptr.cast(), 4096, MprotectFlags::READ | MprotectFlags::WRITE) }.is_ok();
+    if !restored {
+        // The page stays read-only: no later shootdown may write it.
+        return false;
+    }
+    downgraded
+}
+
 /// Who took the mutex last, how many times in a row, and how many make a bias.
 #[derive(Debug)]
 struct Streak {
@@ -92,6 +144,10 @@ pub(crate) struct PoolLock<T> {
     owner: AtomicU64,
     /// Set by the owner while it holds the lock by [`PoolLock::fast`]; written by it only.
     busy: AtomicBool,
+    /// The token of the thread holding `mutex` (0 for none): a thread's own mutex hold is
+    /// never joined by a fast hold (an `Allocation` dropped by a callback the pool makes, a
+    /// memory source's, under the lock).
+    holder: AtomicU64,
     data: UnsafeCell<T>,
 }
 
@@ -127,6 +183,7 @@ impl<T> PoolLock<T> {
             mutex: Mutex::new(Streak { last: 0, count: 0, needed: BIAS_AFTER }),
             owner: AtomicU64::new(0),
             busy: AtomicBool::new(false),
+            holder: AtomicU64::new(0),
             data: UnsafeCell::new(value),
         }
     }
@@ -141,7 +198,17 @@ impl<T> PoolLock<T> {
         if owner != 0 && owner != me {
             self.revoke(&mut m);
         }
+        if owner == me && self.busy.load(Ordering::Relaxed) {
+            // This thread is inside its own fast hold (a signal handler that calls the
+            // allocator): a second hold would alias the first. A plain mutex would deadlock
+            // here; say so instead.
+            drop(m);
+            panic!(
+                "dmabuf-rt: the caching allocator was called again from inside one of its own calls on this thread (a signal handler?)"
+            );
+        }
         self.count(&mut m, me);
+        self.holder.store(me, Ordering::Relaxed);
         PoolGuard { lock: self, hold: Hold::Mutex(m) }
     }
 
@@ -159,6 +226,7 @@ impl<T> PoolLock<T> {
         if (owner != 0 && owner != me) || (owner == me && self.busy.load(Ordering::Relaxed)) {
             return None;
         }
+        self.holder.store(me, Ordering::Relaxed);
         Some(PoolGuard { lock: self, hold: Hold::Mutex(m) })
     }
 
@@ -168,7 +236,12 @@ impl<T> PoolLock<T> {
     #[inline(always)]
     pub(crate) fn fast(&self) -> Option<PoolGuard<'_, T>> {
         let me = thread_token();
-        if self.owner.load(Ordering::Relaxed) != me {
+        // Not while this thread holds the mutex itself (the holder is written by the thread
+        // holding it: only this thread's own hold can read as `me`).
+        if self.owner.load(Ordering::Relaxed) != me
+            || self.holder.load(Ordering::Relaxed) == me
+            || self.busy.load(Ordering::Relaxed)
+        {
             return None;
         }
         self.busy.store(true, Ordering::Relaxed);
@@ -192,13 +265,12 @@ impl<T> PoolLock<T> {
         // Every running thread of the process passes a full barrier: the owner's `busy` store
         // made before its check (which saw it still the owner) is visible now, or its check
         // comes after and sees 0. The command was registered when the bias was granted.
-        use rustix::thread::{MembarrierCommand, membarrier};
-        if membarrier(MembarrierCommand::PrivateExpedited).is_err() && membarrier(MembarrierCommand::Global).is_err() {
-            // It worked when the bias was granted; something (a seccomp filter installed since)
-            // refuses it now. Without the barrier the owner may be inside its hold unseen, and
-            // going on could hand out memory twice: stop instead.
-            log::error!("dmabuf-rt: membarrier failed while taking the allocator's lock from its owner thread");
-            eprintln!("dmabuf-rt: membarrier failed while taking the allocator's lock from its owner thread; aborting");
+        if !process_barrier() {
+            // Neither way works (both refused since the bias was granted): without the barrier
+            // the owner may be inside its hold unseen, and going on could hand out memory
+            // twice. Stop instead.
+            log::error!("dmabuf-rt: no process-wide memory barrier while taking the allocator's lock from its owner");
+            eprintln!("dmabuf-rt: no process-wide memory barrier (membarrier and mprotect refused); aborting");
             std::process::abort();
         }
         let mut spins = 0u32;
@@ -257,9 +329,11 @@ impl<T> std::ops::DerefMut for PoolGuard<'_, T> {
 impl<T> Drop for PoolGuard<'_, T> {
     #[inline(always)]
     fn drop(&mut self) {
-        if let Hold::Fast = self.hold {
+        match self.hold {
             // Release: a revoker that sees it cleared sees everything written in the hold.
-            self.lock.busy.store(false, Ordering::Release);
+            Hold::Fast => self.lock.busy.store(false, Ordering::Release),
+            // Before the mutex is let go (the field's drop, after this).
+            Hold::Mutex(_) => self.lock.holder.store(0, Ordering::Relaxed),
         }
     }
 }
@@ -316,6 +390,11 @@ mod tests {
             *g += 1;
             // Not a second guard for the owner inside its fast hold.
             assert!(l.try_lock().is_none());
+        }
+        {
+            // The owner's own mutex hold is never joined by a fast hold.
+            let _g = l.lock();
+            assert!(l.fast().is_none(), "a fast hold inside the owner's own mutex hold");
         }
         let l2 = Arc::clone(&l);
         std::thread::spawn(move || {
@@ -405,6 +484,20 @@ mod tests {
         }
         assert_eq!(overlaps.load(Ordering::Relaxed), 0, "two holders at once");
         assert_eq!(total, others_ops.load(Ordering::Relaxed) as u64, "an increment was lost");
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)] // mprotect
+    fn the_tlb_shootdown_fallback_works_from_several_threads_at_once() {
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..200 {
+                        assert!(shootdown(), "the shootdown barrier failed");
+                    }
+                });
+            }
+        });
     }
 
     #[test]
