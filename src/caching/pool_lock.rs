@@ -273,13 +273,18 @@ impl<T> PoolLock<T> {
             eprintln!("dmabuf-rt: no process-wide memory barrier (membarrier and mprotect refused); aborting");
             std::process::abort();
         }
+        // The owner's hold is a few hundred instructions, unless it was preempted; a hold that
+        // never ends (the process forked while another thread was in it: the child has no such
+        // thread) waits asleep, as a plain mutex would, not spinning.
         let mut spins = 0u32;
         while self.busy.load(Ordering::Acquire) {
-            spins += 1;
+            spins = spins.saturating_add(1);
             if spins < 64 {
                 std::hint::spin_loop();
-            } else {
+            } else if spins < 1024 {
                 std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(u64::from(spins.min(100_000))));
             }
         }
         streak.needed = streak.needed.saturating_mul(2).min(BIAS_AFTER_MAX);
