@@ -14,10 +14,11 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Duration;
 
+use common::tags::{Live, check_stamp, settled, stamp};
 use common::wait::{wait_until, within};
 use common::{Rng, scaled};
 use dmabuf_rt::caching::stats::AGGREGATE;
@@ -44,70 +45,6 @@ const CONFIGS: &[&str] = &[
     "no_caching+expandable_segments:True,page_stitching:True",
     "no_caching+expandable_segments:False",
 ];
-
-static TAGS: AtomicU64 = AtomicU64::new(1);
-
-/// Writes a fresh tag at both ends of `n` bytes at `p`; returns it.
-fn stamp(p: *mut u8, n: usize) -> u64 {
-    let t = TAGS.fetch_add(1, Ordering::Relaxed);
-    assert!(n >= 16);
-    let end = p.wrapping_add(n - 8) as *mut u64;
-    // SAFETY: `p` is a live, CPU-mapped block of at least `n` bytes owned by the caller.
-    unsafe { (p as *mut u64).write_unaligned(t) };
-    // SAFETY: as above (`n >= 16`: the end tag lies inside the block).
-    unsafe { end.write_unaligned(!t) };
-    t
-}
-
-#[track_caller]
-fn check_stamp(p: *mut u8, n: usize, t: u64, what: &str) {
-    let end = p.wrapping_add(n - 8) as *const u64;
-    // SAFETY: as in `stamp`.
-    let a = unsafe { (p as *const u64).read_unaligned() };
-    // SAFETY: as in `stamp`.
-    let b = unsafe { end.read_unaligned() };
-    assert!(
-        a == t && b == !t,
-        "{what}: block {p:p} of {n} bytes lost its tag {t} ({a}, {b}): shared with another live block"
-    );
-}
-
-struct Live {
-    a: Allocation,
-    tag: u64,
-}
-
-impl Live {
-    fn new(a: Allocation) -> Live {
-        let tag = stamp(a.as_ptr(), a.len());
-        Live { a, tag }
-    }
-    #[track_caller]
-    fn check(&self, what: &str) {
-        check_stamp(self.a.as_ptr(), self.a.len(), self.tag, what);
-    }
-}
-
-#[track_caller]
-fn settled(a: &CachingAllocator, what: &str) {
-    a.check_invariants().unwrap_or_else(|e| panic!("{what}: invariants: {e}"));
-    let s = a.stats();
-    let simple = s.simple();
-    assert_eq!(s.allocation[AGGREGATE].current, 0, "{what}: allocations left: {simple:?}");
-    assert_eq!(s.allocated_bytes[AGGREGATE].current, 0, "{what}: allocated bytes left: {simple:?}");
-    assert_eq!(s.requested_bytes[AGGREGATE].current, 0, "{what}: requested bytes left");
-    assert_eq!(s.active[AGGREGATE].current, 0, "{what}: active blocks left");
-    assert_eq!(simple.num_allocs, simple.num_frees, "{what}: allocs != frees: {simple:?}");
-    assert_eq!(simple.current_allocated, 0, "{what}");
-    for pool in 0..3 {
-        assert_eq!(s.allocation[pool].current, 0, "{what}: pool {pool}");
-        assert_eq!(s.allocated_bytes[pool].current, 0, "{what}: pool {pool}");
-        assert_eq!(s.allocation[pool].allocated, s.allocation[pool].freed, "{what}: pool {pool}");
-        assert_eq!(s.active_bytes[pool].current, 0, "{what}: pool {pool}");
-    }
-    assert_eq!(s.oversize_allocations.current, 0, "{what}: oversize allocations left");
-    assert_eq!(s.limbo_bytes.current, 0, "{what}: limbo");
-}
 
 fn sizes(rng: &mut Rng) -> usize {
     match rng.below(10) {

@@ -70,6 +70,7 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
 pub mod control;
 pub mod isolate;
 pub mod seccomp;
+pub mod tags;
 pub mod wait;
 
 /// What this process's open fds are, grouped ("3x anon_inode:[io_uring], 2x memfd, ..."), for
