@@ -17,8 +17,8 @@ use crate::source::Udmabuf;
 use crate::view::CpuView;
 
 /// Memory from a [`CachingAllocator`](super::CachingAllocator). Dropping it frees it
-/// (without waiting for the allocator's lock); if it was used on other queues, the memory returns to the pool only after those
-/// queues finish with it.
+/// (without waiting for the allocator's lock); if it was used on other queues, the memory
+/// returns to the pool only after those queues finish with it.
 pub struct Allocation {
     pub(super) inner: Arc<AllocatorShared>,
     /// The free-list node the free travels in; taken by `Drop` (the block is freed then).

@@ -209,7 +209,7 @@ impl CachingAllocator {
 
     /// The owner thread's hold of the pool ([`PoolLock::fast`]: no atomic read-modify-write)
     /// where nothing waits on the free list (draining may take queues' locks, which the fast
-    /// hold must not). For the quick cache only.
+    /// hold must not). For the quick cache and the arena's home blocks only.
     #[inline(always)]
     fn fast(&self) -> Option<PoolGuard<'_, Pool>> {
         let pool = self.inner.pool.fast()?;
