@@ -36,7 +36,8 @@
 //! Files, each importing only those above it: `block` (blocks, sizes, pools, the segment
 //! reference), `quick` (the exact-reuse cache), `addrs` and `raw` (the address and raw-pointer
 //! table), `expandable` (expandable segments' state and arithmetic), `stats`, `snapshot`
-//! (snapshot and history), `pool` (best fit, split, merge, the OOM ladder; its other steps in
+//! (snapshot and history), `ref_stash` (the strong counts the pool keeps for the next
+//! `Allocation`), `pool` (best fit, split, merge, the OOM ladder; its other steps in
 //! `pool/`), `pool_lock` (the pool's lock, biased to the thread that keeps taking it),
 //! `shared` (what the handles share), `allocation` (the RAII block), and this facade.
 //!
@@ -93,6 +94,7 @@ mod pool;
 mod pool_lock;
 mod quick;
 mod raw;
+mod ref_stash;
 pub mod replay;
 mod shared;
 mod snapshot;
@@ -102,6 +104,7 @@ pub mod svg;
 mod tests;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub use allocation::Allocation;
 use block::{FreeMsg, QueueKey};
@@ -122,9 +125,31 @@ use crate::source::MemorySource;
 const PENDING_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The allocator. Cheap to clone (all clones share one cache).
-#[derive(Clone)]
 pub struct CachingAllocator {
     inner: Arc<AllocatorShared>,
+}
+
+impl Clone for CachingAllocator {
+    fn clone(&self) -> Self {
+        self.inner.handles.fetch_add(1, Ordering::Relaxed);
+        Self { inner: Arc::clone(&self.inner) }
+    }
+}
+
+impl Drop for CachingAllocator {
+    /// The last handle empties the pool's stash of strong counts (`ref_stash`): no
+    /// `Allocation` can be made after it, and the counts would otherwise keep the pool alive.
+    fn drop(&mut self) {
+        if self.inner.handles.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        // Where this thread holds the lock already (a memory source's callback dropped the
+        // last handle), the next `Allocation` dropped under the lock empties the stash.
+        let Some(mut pool) = self.inner.pool.lock_unless_held_here() else { return };
+        let n = pool.refs.close();
+        drop(pool);
+        allocation::let_go(&self.inner, n);
+    }
 }
 
 impl std::fmt::Debug for CachingAllocator {
@@ -176,6 +201,7 @@ impl AllocatorBuilder {
         Ok(CachingAllocator {
             inner: Arc::new(AllocatorShared {
                 pool: PoolLock::new(Pool::new(self.source, config, capacity)),
+                handles: AtomicUsize::new(1),
                 frees: FreeList::new(),
                 pending: Pending::new(),
                 pending_limit: self.pending_limit,
@@ -231,8 +257,23 @@ impl CachingAllocator {
 
     /// `size` bytes for use on `queue` (`None`: host-side use, no queue). The block is bound to
     /// that queue: after it is freed, only allocations on the same queue reuse it directly.
-    #[inline]
+    ///
+    /// The owner thread's quick-cache hit is inlined into the caller (the `Allocation` is then
+    /// built where it is used, not copied out of a returned `Result`); the rest is out of line.
+    #[inline(always)]
     pub fn allocate(&self, size: usize, queue: Option<&Queue>) -> Result<Allocation> {
+        if queue.is_none()
+            && let Some(mut pool) = self.fast()
+            && let Some(h) = pool.try_quick(size, QueueKey::of(None))
+        {
+            return Ok(self.wrap(pool, h, size, None));
+        }
+        self.allocate_rest(size, queue)
+    }
+
+    /// [`CachingAllocator::allocate`] past the owner's inlined quick-cache hit.
+    #[inline(never)]
+    fn allocate_rest(&self, size: usize, queue: Option<&Queue>) -> Result<Allocation> {
         let queue_id = queue.map(Queue::id);
         let key = QueueKey::of(queue_id);
         if let Some(mut pool) = self.fast() {
@@ -252,18 +293,7 @@ impl CachingAllocator {
 
     #[inline(always)]
     fn wrap(&self, mut pool: PoolGuard<'_, Pool>, b: pool::Handed, size: usize, queue: Option<QueueId>) -> Allocation {
-        let node = pool.take_node();
-        drop(pool);
-        Allocation {
-            inner: Arc::clone(&self.inner),
-            node: Some(node),
-            id: b.id,
-            seg: b.segment,
-            offset: b.offset,
-            size,
-            queue,
-            uses: std::mem::ManuallyDrop::new(Vec::new()),
-        }
+        Allocation::new(&self.inner, &mut pool, b.id, b.segment, b.offset, size, queue)
     }
 
     /// Seed 003's malloc with the waits it may need, for both APIs: `take` turns the block

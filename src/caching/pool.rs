@@ -19,6 +19,7 @@ use super::expandable::{CHUNK, ExpState};
 use super::free_list::Node;
 use super::quick::{FxBuild, Quick};
 use super::raw::RawTable;
+use super::ref_stash::RefStash;
 use super::snapshot::{BlockSnapshot, BlockState, History, HistoryEvent, HistoryKind, Snapshot};
 use super::stats::{self, DeviceStats, PoolStats};
 use crate::error::{Error, Result};
@@ -146,6 +147,9 @@ pub(crate) struct Pool {
         reason = "the nodes travel through the lock-free list as boxes; keeping them boxed is the point"
     )]
     nodes: Vec<Box<Node<FreeMsg>>>,
+    /// Strong counts of the allocator's shared state kept for the next `Allocation`
+    /// (`ref_stash`).
+    pub(crate) refs: RefStash,
     /// Deferred frees waiting for more than one marker: the markers still to pass.
     deferred_waits: HashMap<BlockId, u32>,
     /// The queues blocks were allocated on, to tell whether one still has work in flight.
@@ -200,6 +204,7 @@ impl Pool {
             misses: 0,
             history: History::new(),
             nodes: Vec::new(),
+            refs: RefStash::default(),
             deferred_waits: HashMap::new(),
             held: HashMap::new(),
             queues: HashMap::default(),

@@ -212,6 +212,19 @@ impl<T> PoolLock<T> {
         PoolGuard { lock: self, hold: Hold::Mutex(m) }
     }
 
+    /// The lock, as [`PoolLock::lock`] takes it, unless this thread holds it already (a
+    /// callback made under it): `None` then, where `lock` would deadlock or panic.
+    pub(crate) fn lock_unless_held_here(&self) -> Option<PoolGuard<'_, T>> {
+        let me = thread_token();
+        // Only this thread's own hold can read as `me` (see `fast`).
+        if self.holder.load(Ordering::Relaxed) == me
+            || (self.owner.load(Ordering::Relaxed) == me && self.busy.load(Ordering::Relaxed))
+        {
+            return None;
+        }
+        Some(self.lock())
+    }
+
     /// The lock if nobody holds it and no other thread owns it, without waiting.
     pub(crate) fn try_lock(&self) -> Option<PoolGuard<'_, T>> {
         let me = thread_token();
@@ -423,6 +436,28 @@ mod tests {
             drop(l.lock());
         }
         assert!(l.is_biased());
+    }
+
+    #[test]
+    fn lock_unless_held_here_refuses_only_this_threads_own_hold() {
+        let l = Arc::new(PoolLock::new(0u64));
+        {
+            let _g = l.lock();
+            assert!(l.lock_unless_held_here().is_none(), "a second guard inside this thread's mutex hold");
+            // Another thread is not refused: it waits, and gets it once this hold ends.
+        }
+        assert!(l.lock_unless_held_here().is_some());
+        let other = {
+            let _g = l.lock();
+            let l2 = Arc::clone(&l);
+            std::thread::spawn(move || l2.try_lock().is_none()).join().unwrap()
+        };
+        assert!(other, "the other thread got a guard while this one held the lock");
+        if barrier_available() {
+            become_owner(&l);
+            let _g = l.fast().expect("the owner's fast hold");
+            assert!(l.lock_unless_held_here().is_none(), "a mutex guard inside this thread's fast hold");
+        }
     }
 
     #[test]

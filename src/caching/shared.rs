@@ -4,15 +4,19 @@
 //! the queues that used the block, whose passage feeds the free list).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::block::{BlockId, FreeMsg};
 use super::free_list::{FreeList, Node, Pending};
 use super::pool::Pool;
-use super::pool_lock::{PoolGuard, PoolLock};
+use super::pool_lock::PoolLock;
 use crate::queue::{MarkerPayload, MarkerSink, QueueHandle};
 
 pub(crate) struct AllocatorShared {
     pub(crate) pool: PoolLock<Pool>,
+    /// [`CachingAllocator`](super::CachingAllocator) handles alive: while there are any, the
+    /// pool keeps the strong counts of dropped `Allocation`s for the next ones (`ref_stash`).
+    pub(crate) handles: AtomicUsize,
     pub(crate) frees: FreeList<FreeMsg>,
     /// Deferred frees whose events have not all completed.
     pub(crate) pending: Pending,
@@ -20,12 +24,13 @@ pub(crate) struct AllocatorShared {
     pub(crate) pending_limit: std::time::Duration,
 }
 
-/// The pool's lock if nobody holds it and no other thread owns it, without waiting: the
-/// owner's fast hold ([`PoolLock::fast`]) where this thread owns it, else
-/// [`PoolLock::try_lock`].
+/// Whether [`CachingAllocator`](super::CachingAllocator) handles remain, read under the
+/// pool's lock by a drop that would stash its count (`RefStash::put`). The last handle's
+/// `fetch_sub` comes before it takes the lock to close the stash: a drop that reads the old
+/// count under the lock has stashed before that close and is emptied by it.
 #[inline(always)]
-pub(crate) fn try_lock_pool(inner: &AllocatorShared) -> Option<PoolGuard<'_, Pool>> {
-    inner.pool.fast().or_else(|| inner.pool.try_lock())
+pub(crate) fn handles_alive(inner: &AllocatorShared) -> bool {
+    inner.handles.load(Ordering::Relaxed) != 0
 }
 
 /// A deferred free's queues: each other queue the block was used on, with the free-list node

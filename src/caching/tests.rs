@@ -435,3 +435,118 @@ fn an_expandable_segment_grows_in_place_and_punching_spares_live_blocks() {
     xv.read(x.len() - 64, &mut tail).unwrap();
     assert_eq!(tail, [0x5a; 64], "punching touched a live block");
 }
+
+/// The strong counts of the allocator's shared state: the handles' and live allocations' own,
+/// and those the pool's stash keeps (`ref_stash`).
+fn counts(a: &CachingAllocator) -> (usize, usize) {
+    let stashed = a.inner.pool.lock().refs.len();
+    (Arc::strong_count(&a.inner), stashed)
+}
+
+#[test]
+fn dropped_allocations_leave_their_counts_to_the_next_ones_while_handles_live() {
+    for conf in ["expandable_segments:False", "page_stitching:True"] {
+        let a = alloc(conf, 64 * MB);
+        let b = a.clone();
+        // A quick-cache block and, where the arena exists, an arena home block.
+        let xs: Vec<_> = [4096, 4096, 256 * KB].iter().map(|&s| a.allocate(s, None).unwrap()).collect();
+        assert_eq!(counts(&a), (5, 0), "{conf}: two handles and three allocations");
+        drop(xs);
+        assert!(a.inner.frees.is_empty(), "{conf}: the frees took the short way");
+        assert_eq!(counts(&a), (5, 3), "{conf}: the three counts went to the stash");
+        let y = b.allocate(4096, None).unwrap();
+        assert_eq!(counts(&a), (5, 2), "{conf}: the new allocation took a stashed count");
+        drop(b);
+        assert_eq!(counts(&a), (4, 2), "{conf}: a handle that is not the last leaves the stash alone");
+        let weak = Arc::downgrade(&a.inner);
+        drop(a);
+        assert_eq!(weak.strong_count(), 1, "{conf}: the last handle let the stash go: only the allocation's own");
+        assert_eq!(y.len(), 4096);
+        drop(y);
+        assert_eq!(weak.strong_count(), 0, "{conf}: the pool outlived its last allocation");
+    }
+}
+
+#[test]
+fn allocations_that_outlive_every_handle_free_the_pool_with_the_last_of_them() {
+    let a = classic();
+    let weak = Arc::downgrade(&a.inner);
+    let xs: Vec<_> = (0..4).map(|_| a.allocate(4096, None).unwrap()).collect();
+    drop(a);
+    assert_eq!(weak.strong_count(), 4);
+    for (i, x) in xs.into_iter().enumerate() {
+        // Each drop applies its free under the lock and lets its own count go (no handle is
+        // left to stash it for).
+        drop(x);
+        assert_eq!(weak.strong_count(), 3 - i);
+    }
+}
+
+#[test]
+fn a_last_handle_dropped_under_the_lock_leaves_the_stash_to_the_next_drop() {
+    let a = classic();
+    let x = a.allocate(4096, None).unwrap();
+    drop(a.allocate(4096, None).unwrap());
+    let inner = Arc::clone(&a.inner);
+    assert_eq!(inner.pool.lock().refs.len(), 1);
+    // As a memory source's callback would: this thread holds the lock when the last handle
+    // goes. It cannot take the lock again to empty the stash, and must not wait for it.
+    let held = inner.pool.lock();
+    drop(a);
+    drop(held);
+    assert_eq!(inner.pool.lock().refs.len(), 1, "the stash was emptied without the lock");
+    assert_eq!(Arc::strong_count(&inner), 3, "this clone, the allocation's count, the stashed one");
+    // The next drop under the lock sees no handle: the stashed count goes with its own.
+    drop(x);
+    assert_eq!(inner.pool.lock().refs.len(), 0);
+    assert_eq!(Arc::strong_count(&inner), 1);
+}
+
+#[test]
+fn handles_and_allocations_dropped_on_many_threads_free_the_pool_exactly_once() {
+    // Allocations are made on one thread and dropped on another (the lock may be held, or owned
+    // by a third: the free is then pushed, and the count let go as an `Arc`'s), while the
+    // handles go in any order. Whatever the interleaving, the pool is freed once the last
+    // handle and the last allocation are gone, and not before (Miri also checks that nothing
+    // leaks and nothing is used after it is freed).
+    let rounds = if cfg!(miri) { 2 } else { 40 };
+    let per = if cfg!(miri) { 8 } else { 300 };
+    for round in 0..rounds {
+        let a = classic();
+        let weak = Arc::downgrade(&a.inner);
+        let (tx, rx) = std::sync::mpsc::channel::<crate::caching::Allocation>();
+        let makers: Vec<_> = (0..2)
+            .map(|t| {
+                let (h, tx) = (a.clone(), tx.clone());
+                std::thread::spawn(move || {
+                    let mut kept = Vec::new();
+                    for i in 0..per {
+                        let x = h.allocate(512 * (1 + (i + t) % 8), None).unwrap();
+                        match i % 3 {
+                            0 => drop(x),
+                            1 => tx.send(x).unwrap(),
+                            _ => kept.push(x),
+                        }
+                    }
+                    // This handle goes before the allocations it made.
+                    drop(h);
+                    kept
+                })
+            })
+            .collect();
+        drop(tx);
+        let dropper = std::thread::spawn(move || rx.into_iter().count());
+        // Every other round the first handle goes before the others' allocations.
+        let mut a = Some(a).filter(|_| round % 2 == 1);
+        let kept: Vec<_> = makers.into_iter().flat_map(|m| m.join().unwrap()).collect();
+        assert_eq!(dropper.join().unwrap(), 2 * ((per + 1) / 3), "every allocation sent was dropped");
+        assert!(weak.strong_count() > 0, "the pool went while allocations were live");
+        drop(kept);
+        if let Some(a) = a.take() {
+            ok(&a);
+            assert_eq!(a.stats().allocation[AGGREGATE].current, 0);
+            drop(a);
+        }
+        assert_eq!(weak.strong_count(), 0, "round {round}: the pool outlived every handle and allocation");
+    }
+}

@@ -34,19 +34,13 @@ impl Pool {
 
     /// The free of a dropped [`Allocation`](crate::caching::Allocation) used on no other
     /// queue, applied by the drop itself under the lock it took without waiting
-    /// (`Allocation::drop`), where it takes the short way ([`Pool::quick_free`]): its node
-    /// returns to the spares. False, changing nothing, otherwise: the drop then pushes the
-    /// node, and the next drain takes the long way (which may ask queues whether they are
-    /// idle, and the dropping thread may hold a queue's lock).
+    /// (`Allocation::drop`), where it takes the short way ([`Pool::quick_free`]). False,
+    /// changing nothing, otherwise: the drop then pushes the free, and the next drain takes
+    /// the long way (which may ask queues whether they are idle, and the dropping thread may
+    /// hold a queue's lock).
     #[inline(always)]
-    pub(crate) fn free_dropped(&mut self, id: BlockId, node: &mut Option<Box<Node<FreeMsg>>>) -> bool {
-        if !self.quick_free(id) {
-            return false;
-        }
-        if let Some(n) = node.take() {
-            self.recycle(n);
-        }
-        true
+    pub(crate) fn free_dropped(&mut self, id: BlockId) -> bool {
+        self.quick_free(id)
     }
 
     #[inline(never)]
