@@ -1,7 +1,7 @@
-//! [`Allocation`], the RAII block of the caching allocator. It reaches its segment through a
-//! [`SegRef`] (see `block.rs`: no reference count), and its strong count of the allocator's
-//! shared state may come from, and go back to, the pool's stash (`ref_stash.rs`): the unsafe
-//! code of both is here.
+//! [`Allocation`], the RAII block of the caching allocator: a pointer to its record
+//! (`record.rs`), which it takes from the pool's spares or makes, and gives back or pushes
+//! when dropped. It reaches its segment through a [`SegRef`] (see `block.rs`: no reference
+//! count), which is why it has unsafe code.
 
 #![allow(unsafe_code)]
 
@@ -12,6 +12,7 @@ use std::sync::Arc;
 use super::block::{BlockId, FreeMsg, SegRef};
 use super::free_list::Node;
 use super::pool::Pool;
+use super::record::{Body, Record};
 use super::shared::{self, AllocatorShared};
 use crate::error::Result;
 use crate::queue::{Mem, Queue, QueueId};
@@ -22,49 +23,36 @@ use crate::view::CpuView;
 /// Memory from a [`CachingAllocator`](super::CachingAllocator). Dropping it frees it
 /// (without waiting for the allocator's lock); if it was used on other queues, the memory
 /// returns to the pool only after those queues finish with it.
+///
+/// One word: a pointer to the block's record (so `Option<Allocation>` is one word too).
 pub struct Allocation {
-    /// One strong count, made by `Arc::clone` or taken from the pool's stash
-    /// ([`Allocation::new`]); `Drop` lets it go or leaves it in the stash.
-    inner: ManuallyDrop<Arc<AllocatorShared>>,
-    /// The block's id, held in a whole word: a `u32` field leaves four bytes of padding, and
-    /// moving the `Allocation` out of its `Result` then reads eight bytes over a four-byte
-    /// store, which defeats store forwarding (it stalled the RAII pair's loop: 80% of its
-    /// samples). See [`Allocation::id`].
-    id: u64,
-    /// Valid until `Drop` frees the block: the block is allocated, so the pool holds the
-    /// segment.
-    pub(super) seg: SegRef,
-    pub(super) offset: usize,
-    pub(super) size: usize,
-    /// The queue the block is bound to.
-    pub(super) queue: Option<QueueId>,
-    /// Other queues that used the block, each with the node its deferred free's marker will
-    /// carry. Not dropped by the drop glue: `Drop` takes it when it is not empty, so the usual
-    /// free pays nothing for it.
-    pub(super) uses: ManuallyDrop<shared::Uses>,
+    /// The record, with its strong count of the allocator's shared state; taken by `Drop`.
+    rec: ManuallyDrop<Record>,
 }
+
+// SAFETY: `&Allocation` only reads the record, which nothing changes while the `Allocation`
+// lives (only `&mut self` methods and `Drop` do; the record's list link is used only on the
+// lock-free list, after `Drop` let go of it). The record is `Send`.
+unsafe impl Sync for Allocation {}
+
+// One word, `Option` included; sendable and shareable between threads.
+const _: () = {
+    assert!(size_of::<Allocation>() == size_of::<usize>());
+    assert!(size_of::<Option<Allocation>>() == size_of::<usize>());
+    const fn shareable<T: Send + Sync>() {}
+    shareable::<Allocation>();
+};
 
 impl std::fmt::Debug for Allocation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Allocation").field("size", &self.size).field("offset", &self.offset).finish()
-    }
-}
-
-/// Lets go `n` strong counts of `inner` that the pool's stash held (`RefStash::close` or
-/// `RefStash::put`), after the pool's lock is released. The caller holds a count of its own
-/// besides them (`inner`), so none of these is the last.
-pub(super) fn let_go(inner: &Arc<AllocatorShared>, n: usize) {
-    for _ in 0..n {
-        // SAFETY: each is a strong count of this `Arc`, made by `Arc::clone` and kept in the
-        // stash in place of an `Allocation`'s; the caller's own count keeps it above zero.
-        unsafe { Arc::decrement_strong_count(Arc::as_ptr(inner)) };
+        f.debug_struct("Allocation").field("size", &self.body().size).field("offset", &self.body().offset).finish()
     }
 }
 
 impl Allocation {
-    /// The `Allocation` of block `id` (handed out, its fields from `Handed`), with a strong
-    /// count of `inner` taken from the stash of `pool` (the lock `inner`'s pool holds) if it
-    /// has one, else made.
+    /// The `Allocation` of block `id` (handed out, its fields from `Handed`), in a record of
+    /// `pool`'s spares (the pool `inner` holds, under its lock) if there is one, else a new
+    /// one with a new strong count of `inner`.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
@@ -76,49 +64,58 @@ impl Allocation {
         size: usize,
         queue: Option<QueueId>,
     ) -> Self {
-        let inner = if pool.refs.take() {
-            // SAFETY: the stash holds strong counts of this very `Arc` (only `Drop` below puts
-            // them there, each the count of an `Allocation` of this allocator, whose pool is
-            // `pool`), and taking one under the lock makes it this one's.
-            ManuallyDrop::new(unsafe { Arc::from_raw(Arc::as_ptr(inner)) })
-        } else {
-            ManuallyDrop::new(Arc::clone(inner))
+        let rec = match pool.spares.take() {
+            Some(mut rec) => {
+                let b = &mut rec.value;
+                debug_assert!(b.uses.is_none(), "a spare record with uses");
+                (b.id, b.seg, b.offset, b.size, b.queue) = (id, seg, offset, size, queue);
+                rec
+            }
+            None => shared::new_record(
+                inner,
+                Body { inner: std::ptr::NonNull::dangling(), id, seg, offset, size, queue, uses: None },
+            ),
         };
-        Self { inner, id: u64::from(id), seg, offset, size, queue, uses: ManuallyDrop::new(Vec::new()) }
+        Self { rec: ManuallyDrop::new(rec) }
     }
 
-    /// Lets this allocation's strong count go (at the end of `Drop`, never used again).
-    fn release_inner(&mut self) {
-        // SAFETY: called once, as the last use of `inner`, at the end of `Drop`.
-        unsafe { ManuallyDrop::drop(&mut self.inner) };
+    #[inline(always)]
+    fn body(&self) -> &Body {
+        &self.rec.value
+    }
+
+    /// The allocator's shared state (the record's count keeps it alive).
+    #[inline(always)]
+    fn inner(&self) -> &AllocatorShared {
+        shared::of(self.body())
     }
 
     /// The block's id in the pool.
     #[inline(always)]
     fn id(&self) -> BlockId {
-        self.id as BlockId
+        self.body().id
     }
 
     /// The size asked for.
     pub fn len(&self) -> usize {
-        self.size
+        self.body().size
     }
 
     /// Always false (zero-sized requests are refused).
     pub fn is_empty(&self) -> bool {
-        self.size == 0
+        self.body().size == 0
     }
 
     fn seg(&self) -> &Segment {
         // SAFETY: `&self` proves the allocation is live, so its block is allocated (only `Drop`
-        // frees it) and the pool, kept alive by `self.inner`, holds the segment's `Arc`.
-        unsafe { self.seg.get() }
+        // frees it) and the pool, kept alive by the record's count, holds the segment's `Arc`.
+        unsafe { self.body().seg.get() }
     }
 
     /// CPU access to the block: a [`CpuView`] of exactly the bytes asked for (its neighbours in
     /// the segment are out of reach), inside the dma-buf sync bracket if the segment is one.
     pub fn cpu_access(&self, access: Access) -> Result<CpuView<'_>> {
-        CpuView::new(self.seg(), self.offset, self.size, access)
+        CpuView::new(self.seg(), self.body().offset, self.body().size, access)
     }
 
     /// Where the block starts in its fd ([`Allocation::try_clone_fd`]): with
@@ -132,7 +129,7 @@ impl Allocation {
                 return off;
             }
         }
-        self.offset
+        self.body().offset
     }
 
     /// A new fd for the buffer the block lies in (`dup`): the whole segment (or arena memfd),
@@ -180,12 +177,12 @@ impl Allocation {
     /// Holds the block for sharing with another process ([`crate::ipc`]).
     pub(crate) fn export(&self) -> Result<super::export::Exported> {
         let mut pool = self.lock_pool();
-        pool.drain(&self.inner.frees);
-        super::export::export_block(&self.inner, &mut pool, self.id(), self.as_ptr() as usize)
+        shared::drain(self.inner(), &mut pool);
+        super::export::export_block(&shared::arc_of(self.body()), &mut pool, self.id(), self.as_ptr() as usize)
     }
 
     fn lock_pool(&self) -> super::pool_lock::PoolGuard<'_, super::pool::Pool> {
-        self.inner.pool.lock()
+        self.inner().pool.lock()
     }
 
     /// Whether the block's fd is a dma-buf (otherwise a memfd).
@@ -196,29 +193,30 @@ impl Allocation {
     /// The block as a queue range (it keeps the segment alive for the operations using it).
     pub fn mem(&self) -> Mem {
         // SAFETY: as in `seg`: the block is allocated, so the pool holds the segment's `Arc`.
-        let seg = unsafe { self.seg.to_arc() };
-        Mem::from(&seg).range(self.offset, self.size).expect("blocks lie inside their segment")
+        let seg = unsafe { self.body().seg.to_arc() };
+        Mem::from(&seg).range(self.body().offset, self.body().size).expect("blocks lie inside their segment")
     }
 
     /// The CPU address of the block (segments are always mapped), for code that follows the
     /// crate's shared-memory access rule.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.seg().mapping().map_or(std::ptr::null_mut(), |m| m.as_ptr().wrapping_add(self.offset))
+        self.seg().mapping().map_or(std::ptr::null_mut(), |m| m.as_ptr().wrapping_add(self.body().offset))
     }
 
     /// The queue the block is bound to (`None`: allocated for host-side use, on no queue).
     pub fn queue(&self) -> Option<QueueId> {
-        self.queue
+        self.body().queue
     }
 
     /// Records that `queue` uses this memory: when it is freed, the block waits for the work
     /// submitted to `queue` until then before anyone can reuse it (PyTorch's `recordStream`).
     #[doc(alias = "record_stream")]
     pub fn record_queue(&mut self, queue: &Queue) {
-        if Some(queue.id()) != self.queue && !self.uses.iter().any(|(h, _)| h.id() == queue.id()) {
+        let b = &mut self.rec.value;
+        if Some(queue.id()) != b.queue && !b.uses.iter().flat_map(|u| u.iter()).any(|(h, _)| h.id() == queue.id()) {
             // The node is made now, so that the free allocates nothing.
-            let node = Node::new(FreeMsg::Free(self.id()));
-            self.uses.push((queue.handle(), node));
+            let node = Node::new(FreeMsg::Free(b.id));
+            b.uses.get_or_insert_with(Box::default).push((queue.handle(), node));
         }
     }
 }
@@ -236,24 +234,31 @@ impl Drop for Allocation {
     /// (`drop_rest`).
     #[inline(always)]
     fn drop(&mut self) {
-        // From the free on, the block may be reused or its segment released: `self.seg` must
-        // not be used after it.
-        if self.uses.is_empty() && self.inner.frees.is_empty() {
-            let (id, inner): (_, &AllocatorShared) = (self.id(), &self.inner);
-            // `Some(short)`: the fast hold was had, and the free took the short way (`Some`,
-            // with what the stash did) or must take the long way (`None`).
-            let held = inner
-                .pool
-                .fast()
-                .map(|mut pool| pool.free_dropped(id).then(|| pool.refs.put(shared::handles_alive(inner))));
-            match held {
-                Some(Some(put)) => return self.after_put(put),
-                Some(None) => {
-                    self.push_free();
-                    self.release_inner();
+        // From the free on, the block may be reused or its segment released, and the record
+        // reused: `self.rec` must not be used after it.
+        let body = self.body();
+        if body.uses.is_none() {
+            let (id, at) = (body.id, body.inner);
+            // SAFETY: as `shared::of` (the record holds a count), with a lifetime not tied to
+            // `self`: the record is given back below while this is still used. Once it is the
+            // spares' (under the lock), the spares' count keeps the state alive until the
+            // lock's release, the last use here (spares are taken out only under the lock).
+            let inner: &AllocatorShared = unsafe { at.cast::<AllocatorShared>().as_ref() };
+            if shared::nothing_pushed(inner)
+                && let Some(mut pool) = inner.pool.fast()
+            {
+                if pool.free_dropped(id) {
+                    // SAFETY: taken once; `self.rec` is not used after it.
+                    let rec = unsafe { ManuallyDrop::take(&mut self.rec) };
+                    let kept = pool.spares.put(rec, shared::handles_alive(inner));
+                    drop(pool);
+                    if let Err((rec, spares)) = kept {
+                        shared::let_go(std::iter::once(rec).chain(spares));
+                    }
                     return;
                 }
-                None => {}
+                drop(pool);
+                return self.push_free();
             }
         }
         self.drop_rest();
@@ -263,60 +268,57 @@ impl Drop for Allocation {
 impl Allocation {
     /// `Drop` past the owner's fast hold: nothing waits to be applied before this free, and
     /// the pool's lock is free (`try_lock`, which never waits): the short way is taken at
-    /// once, as the next drain would take it. Otherwise the free goes onto the lock-free list.
+    /// once, as the next drain would take it. Otherwise the free is pushed.
     #[inline(never)]
     fn drop_rest(&mut self) {
-        if self.uses.is_empty() && self.inner.frees.is_empty() {
-            let (id, inner): (_, &AllocatorShared) = (self.id(), &self.inner);
-            let put = inner
-                .pool
-                .try_lock()
-                .and_then(|mut pool| pool.free_dropped(id).then(|| pool.refs.put(shared::handles_alive(inner))));
-            if let Some(put) = put {
-                return self.after_put(put);
+        let body = self.body();
+        if body.uses.is_none() {
+            let (id, at) = (body.id, body.inner);
+            // SAFETY: as in `drop`.
+            let inner: &AllocatorShared = unsafe { at.cast::<AllocatorShared>().as_ref() };
+            if shared::nothing_pushed(inner)
+                && let Some(mut pool) = inner.pool.try_lock()
+                && pool.free_dropped(id)
+            {
+                // SAFETY: taken once; `self.rec` is not used after it.
+                let rec = unsafe { ManuallyDrop::take(&mut self.rec) };
+                let kept = pool.spares.put(rec, shared::handles_alive(inner));
+                drop(pool);
+                if let Err((rec, spares)) = kept {
+                    shared::let_go(std::iter::once(rec).chain(spares));
+                }
+                return;
             }
         }
         self.push_free();
-        self.release_inner();
     }
 
-    /// After the short free, with the lock released: the count was left in the stash
-    /// (`Ok`: nothing of `self.inner` is used after the release, the stash being emptied only
-    /// under the lock), or no handle is left and the stash's counts go, and this one.
-    #[inline(always)]
-    fn after_put(&mut self, put: Result<(), usize>) {
-        if let Err(n) = put {
-            self.let_go_all(n);
-        }
-    }
-
-    #[inline(never)]
-    fn let_go_all(&mut self, n: usize) {
-        let_go(&self.inner, n - 1);
-        self.release_inner();
-    }
-}
-
-impl Allocation {
-    /// `Drop`'s long way: the free onto the lock-free list, in a node made now (a deferred
-    /// free's markers use the nodes made when the uses were recorded).
+    /// `Drop`'s long way: the record itself onto the list of dropped records (a plain free),
+    /// or, for a block used on other queues still at work, the request onto the free list
+    /// and a marker on each of those queues; then the count goes (a record on the list holds
+    /// none: `record.rs`).
     #[inline(never)]
     fn push_free(&mut self) {
-        if self.uses.is_empty() {
-            self.inner.frees.push(Node::new(FreeMsg::Free(self.id())));
-            return;
-        }
-        // Taken out of the ManuallyDrop, so it is dropped here.
-        let mut uses = std::mem::take(&mut *self.uses);
+        // SAFETY: taken once; `self.rec` is not used after it.
+        let mut rec = unsafe { ManuallyDrop::take(&mut self.rec) };
+        let (id, at) = (rec.value.id, rec.value.inner);
+        let arc = shared::arc_of(&rec.value);
         // Queues idle now have finished every use made before this free.
-        uses.retain(|(q, _)| !q.has_passed());
-        if uses.is_empty() {
-            self.inner.frees.push(Node::new(FreeMsg::Free(self.id())));
-            return;
+        let uses = rec.value.uses.take().map(|u| *u).map(|mut u| {
+            u.retain(|(q, _)| !q.has_passed());
+            u
+        });
+        match uses {
+            Some(uses) if !uses.is_empty() => {
+                // Counted before it is published, so no one sees the request without the count.
+                arc.pending.begin_n(uses.len());
+                arc.frees.push(Node::new(FreeMsg::Requested(id, uses.len() as u32)));
+                shared::mark_all(&arc, id, uses);
+                drop(rec);
+            }
+            _ => arc.dropped.push(rec),
         }
-        // Counted before it is published, so no one sees the request without the count.
-        self.inner.pending.begin_n(uses.len());
-        self.inner.frees.push(Node::new(FreeMsg::Requested(self.id(), uses.len() as u32)));
-        shared::mark_all(&self.inner, self.id(), uses);
+        // `arc` is a view of this count, not a count of its own.
+        shared::let_go_count(at);
     }
 }

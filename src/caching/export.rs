@@ -28,7 +28,7 @@ impl Drop for ExportHold {
     fn drop(&mut self) {
         let mut pool = self.inner.pool.lock();
         // Frees pushed before this release are applied first (one of them may be this block's).
-        pool.drain(&self.inner.frees);
+        super::shared::drain(&self.inner, &mut pool);
         pool.unhold(self.id);
     }
 }

@@ -186,6 +186,77 @@ impl Pending {
     }
 }
 
+/// Nodes kept for reuse by one owner (the holder of the allocator's lock: not shared, not
+/// atomic), linked through their own `next`, so that keeping and taking one is a few
+/// instructions and never allocates (the caching allocator's spare records).
+#[derive(Debug)]
+pub(crate) struct NodeStack<T> {
+    head: *mut Node<T>,
+    len: usize,
+}
+
+// SAFETY: the stack owns its nodes alone (each came from a `Box` given to `push`); moving it
+// moves them, which is as sendable as `T`.
+unsafe impl<T: Send> Send for NodeStack<T> {}
+
+impl<T> Default for NodeStack<T> {
+    fn default() -> Self {
+        Self { head: ptr::null_mut(), len: 0 }
+    }
+}
+
+impl<T> NodeStack<T> {
+    /// Nodes kept.
+    #[inline(always)]
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Keeps `node`.
+    #[inline(always)]
+    pub(crate) fn push(&mut self, node: Box<Node<T>>) {
+        let head = self.head;
+        // SAFETY: the node is ours alone (a `Box`): nobody else can reach its `next`.
+        node.next.with_mut(|next| unsafe { *next = head });
+        self.head = Box::into_raw(node);
+        self.len += 1;
+    }
+
+    /// The node kept last, if any.
+    #[inline(always)]
+    pub(crate) fn pop(&mut self) -> Option<Box<Node<T>>> {
+        if self.head.is_null() {
+            return None;
+        }
+        // SAFETY: every node of the chain came from `Box::into_raw` in `push` and is owned by
+        // the stack alone; this one leaves it now.
+        let node = unsafe { Box::from_raw(self.head) };
+        // SAFETY: as above: only the stack wrote its `next`.
+        self.head = node.next.with(|next| unsafe { *next });
+        self.len -= 1;
+        Some(node)
+    }
+
+    /// Takes every node out.
+    pub(crate) fn take_all(&mut self) -> NodeStack<T> {
+        std::mem::take(self)
+    }
+}
+
+impl<T> Iterator for NodeStack<T> {
+    type Item = Box<Node<T>>;
+
+    fn next(&mut self) -> Option<Box<Node<T>>> {
+        self.pop()
+    }
+}
+
+impl<T> Drop for NodeStack<T> {
+    fn drop(&mut self) {
+        while self.pop().is_some() {}
+    }
+}
+
 /// The nodes taken by [`FreeList::take_all`]; yields them as boxes (to reuse or drop).
 #[derive(Debug)]
 pub struct Drain<T> {

@@ -36,8 +36,8 @@
 //! Files, each importing only those above it: `block` (blocks, sizes, pools, the segment
 //! reference), `quick` (the exact-reuse cache), `addrs` and `raw` (the address and raw-pointer
 //! table), `expandable` (expandable segments' state and arithmetic), `stats`, `snapshot`
-//! (snapshot and history), `ref_stash` (the strong counts the pool keeps for the next
-//! `Allocation`), `pool` (best fit, split, merge, the OOM ladder; its other steps in
+//! (snapshot and history), `record` (what an `Allocation` points at, and the records the pool
+//! keeps for reuse), `pool` (best fit, split, merge, the OOM ladder; its other steps in
 //! `pool/`), `pool_lock` (the pool's lock, biased to the thread that keeps taking it),
 //! `shared` (what the handles share), `allocation` (the RAII block), and this facade.
 //!
@@ -50,9 +50,14 @@
 //! The free path never waits for the allocator's lock: dropping an [`Allocation`] (or a queue
 //! completion finishing a deferred free) pushes onto a lock-free list ([`free_list`]) that the
 //! next allocation, or any call that needs the pools, drains under the lock. A drop that finds
-//! the list empty and the lock free (`try_lock`) applies its own free at once where it takes
-//! the short way (into the quick cache, or an arena's home block let go), as the drain would
-//! have.
+//! the lists empty and the lock free (the owner's fast hold, or `try_lock`) applies its own
+//! free at once where it takes the short way (into the quick cache, or an arena's home block
+//! let go), as the drain would have.
+//!
+//! An [`Allocation`] is one word: a pointer to its record (`record`), which holds the block's
+//! fields and a strong count of the shared state. Records are kept for reuse under the lock
+//! with their counts, so an alloc+free pair changes no `Arc` count and allocates nothing; a
+//! drop that cannot apply its free pushes the record itself (the list of dropped records).
 //!
 //! # The allocate flow, top-down
 //! [`CachingAllocator::allocate`] tries the owner thread's fast hold first (quick cache and
@@ -66,17 +71,18 @@
 //! `pool/growth.rs`) and splits it. The block leaves as an [`Allocation`] (`wrap`).
 //!
 //! # The deferred-free flow, top-down
-//! Dropping an [`Allocation`] (`allocation.rs`) used only on its own queue pushes
-//! `FreeMsg::Free` onto the lock-free list (or, the lock being free, applies the short way
-//! itself: `Pool::free_dropped`). One used on other queues
+//! Dropping an [`Allocation`] (`allocation.rs`) used only on its own queue pushes its record
+//! onto the list of dropped records (or, the lock being free, applies the short way itself:
+//! `Pool::free_dropped`). One used on other queues
 //! ([`Allocation::record_queue`]) that still have work outstanding pushes
 //! `FreeMsg::Requested(id, n)` and places a marker on each of those `n` queues
 //! (`shared::mark_all`, [`crate::queue::QueueHandle::mark`]: a slot in the queue's marker
 //! buffer, no event); as the queue passes it, the marker's node, made when the use was
 //! recorded, is pushed as `FreeMsg::Passed`, and the last one frees the block. Queues that are
 //! idle at the free have finished with it: no marker. The next call that takes the lock drains
-//! the list (`Pool::drain` -> `apply` -> `free_block`, `pool/free_path.rs`), which merges the
-//! block with its free neighbours and returns it to its pool.
+//! both lists (`shared::drain`: the dropped records, then `Pool::drain` -> `apply` ->
+//! `free_block`, `pool/free_path.rs`), which merges the block with its free neighbours and
+//! returns it to its pool.
 
 mod addrs;
 mod allocation;
@@ -94,7 +100,7 @@ mod pool;
 mod pool_lock;
 mod quick;
 mod raw;
-mod ref_stash;
+mod record;
 pub mod replay;
 mod shared;
 mod snapshot;
@@ -137,18 +143,21 @@ impl Clone for CachingAllocator {
 }
 
 impl Drop for CachingAllocator {
-    /// The last handle empties the pool's stash of strong counts (`ref_stash`): no
-    /// `Allocation` can be made after it, and the counts would otherwise keep the pool alive.
+    /// The last handle lets go the records the pool keeps for reuse, with their strong counts
+    /// (`record.rs`): no `Allocation` can be made after it, and the counts would otherwise keep
+    /// the pool alive.
     fn drop(&mut self) {
         if self.inner.handles.fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
         }
         // Where this thread holds the lock already (a memory source's callback dropped the
-        // last handle), the next `Allocation` dropped under the lock empties the stash.
+        // last handle), the next `Allocation` dropped under the lock lets them go.
         let Some(mut pool) = self.inner.pool.lock_unless_held_here() else { return };
-        let n = pool.refs.close();
+        // Dropped records pushed before are applied (and not kept: no handle is left).
+        shared::drain(&self.inner, &mut pool);
+        let spares = pool.spares.close();
         drop(pool);
-        allocation::let_go(&self.inner, n);
+        shared::let_go(spares);
     }
 }
 
@@ -203,6 +212,7 @@ impl AllocatorBuilder {
                 pool: PoolLock::new(Pool::new(self.source, config, capacity)),
                 handles: AtomicUsize::new(1),
                 frees: FreeList::new(),
+                dropped: FreeList::new(),
                 pending: Pending::new(),
                 pending_limit: self.pending_limit,
             }),
@@ -234,25 +244,25 @@ impl CachingAllocator {
     }
 
     /// The owner thread's hold of the pool ([`PoolLock::fast`]: no atomic read-modify-write)
-    /// where nothing waits on the free list (draining may take queues' locks, which the fast
+    /// where nothing waits on the lock-free lists (draining may take queues' locks, which the fast
     /// hold must not). For the quick cache and the arena's home blocks only.
     #[inline(always)]
     fn fast(&self) -> Option<PoolGuard<'_, Pool>> {
         let pool = self.inner.pool.fast()?;
-        self.inner.frees.is_empty().then_some(pool)
+        shared::nothing_pushed(&self.inner).then_some(pool)
     }
 
     /// Applies the frees pushed so far.
     #[inline(always)]
     fn drain(&self, pool: &mut Pool) {
-        if !self.inner.frees.is_empty() {
+        if !shared::nothing_pushed(&self.inner) {
             self.drain_some(pool);
         }
     }
 
     #[inline(never)]
     fn drain_some(&self, pool: &mut Pool) {
-        pool.drain(&self.inner.frees);
+        shared::drain(&self.inner, pool);
     }
 
     /// `size` bytes for use on `queue` (`None`: host-side use, no queue). The block is bound to
@@ -331,7 +341,7 @@ impl CachingAllocator {
                             // Applied now if nobody holds the lock (the next holder applies it
                             // otherwise), so the memory goes without waiting for another call.
                             if let Some(mut pool) = inner.pool.try_lock() {
-                                pool.drain(&inner.frees);
+                                shared::drain(&inner, &mut pool);
                             }
                         }
                     });

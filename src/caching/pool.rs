@@ -19,7 +19,7 @@ use super::expandable::{CHUNK, ExpState};
 use super::free_list::Node;
 use super::quick::{FxBuild, Quick};
 use super::raw::RawTable;
-use super::ref_stash::RefStash;
+use super::record::Spares;
 use super::snapshot::{BlockSnapshot, BlockState, History, HistoryEvent, HistoryKind, Snapshot};
 use super::stats::{self, DeviceStats, PoolStats};
 use crate::error::{Error, Result};
@@ -147,9 +147,15 @@ pub(crate) struct Pool {
         reason = "the nodes travel through the lock-free list as boxes; keeping them boxed is the point"
     )]
     nodes: Vec<Box<Node<FreeMsg>>>,
-    /// Strong counts of the allocator's shared state kept for the next `Allocation`
-    /// (`ref_stash`).
-    pub(crate) refs: RefStash,
+    /// Records of dropped `Allocation`s kept for the next ones, each with its strong count of
+    /// the allocator's shared state (`record.rs`).
+    pub(crate) spares: Spares,
+    /// The quick cache takes frees: caching is on and the history does not record every event
+    /// (kept with `config.no_caching` and `history.record_all`, one test on the hot path).
+    quick_on: bool,
+    /// The fast paths' size test: `size - 1` below this is rounded plainly to 512 bytes (1 TiB
+    /// without `roundup_power2_divisions`, 0 with them, which the slow path applies).
+    plain_below: usize,
     /// Deferred frees waiting for more than one marker: the markers still to pass.
     deferred_waits: HashMap<BlockId, u32>,
     /// The queues blocks were allocated on, to tell whether one still has work in flight.
@@ -188,6 +194,8 @@ const QUICK_MAX: usize = 1024;
 
 impl Pool {
     pub(crate) fn new(source: Box<dyn MemorySource>, config: Config, capacity: u64) -> Self {
+        let quick_on = !config.no_caching;
+        let plain_below = if config.roundup_power2_divisions.is_empty() { 1 << 40 } else { 0 };
         let allowed = (capacity as f64 * config.per_process_memory_fraction) as u64;
         let stats = PoolStats::new(config.max_split_size as u64);
         Self {
@@ -204,7 +212,9 @@ impl Pool {
             misses: 0,
             history: History::new(),
             nodes: Vec::new(),
-            refs: RefStash::default(),
+            spares: Spares::default(),
+            quick_on,
+            plain_below,
             deferred_waits: HashMap::new(),
             held: HashMap::new(),
             queues: HashMap::default(),
@@ -255,6 +265,7 @@ impl Pool {
 
     pub(crate) fn set_record_all(&mut self, on: bool) {
         self.history.record_all = on;
+        self.quick_on = !self.config.no_caching && !on;
     }
 
     fn log(&mut self, kind: HistoryKind, addr: usize, size: usize, queue: QueueKey) {

@@ -85,8 +85,9 @@ pub(crate) fn dec_array(a: &mut StatArray, pool: PoolKind, amount: i64) {
     p.dec(amount);
 }
 
-/// The stats the allocation fast path moves, for one pool (in field order: allocation,
-/// allocated bytes, requested bytes, inactive split, inactive split bytes), kept so that a
+/// The stats the allocation fast path moves, for one pool (allocation, allocated bytes,
+/// requested bytes, inactive split, inactive split bytes: indexed by [`ALLOCATION`] and the
+/// others, in an order that keeps each update scalar), kept so that a
 /// change costs the fewest instructions. The current value is kept as its distance below the
 /// peak (`slack`): an increase subtracts from it and raises the peak only if it went
 /// negative, a decrease adds to it. The added total is not kept: it is the current value plus
@@ -122,17 +123,17 @@ fn raise(h: &mut Hot, f: usize) {
     h.slack[f] = 0;
 }
 
-/// Fields 0 to 2 of a pool or of the aggregate passed their peaks ([`HotStats::inc3`]): each
+/// The [`MOVED`] fields of a pool or of the aggregate passed their peaks ([`HotStats::inc3`]): each
 /// negative slack is raised as [`raise`] and [`raise_all`] do.
 #[cold]
 #[inline(never)]
 fn raise3(h: &mut Hot, all: &mut [i64; 5]) {
-    for (f, slack) in all.iter_mut().enumerate().take(3) {
+    for f in MOVED {
         if h.slack[f] < 0 {
             raise(h, f);
         }
-        if *slack < 0 {
-            raise_all(slack);
+        if all[f] < 0 {
+            raise_all(&mut all[f]);
         }
     }
 }
@@ -190,19 +191,17 @@ impl HotStats {
     }
 
     /// Adds one block of `size` bytes asked for as `requested` to the allocation, allocated
-    /// bytes and requested bytes of `h` (fields 0 to 2), raising the peaks passed. The three
-    /// move together, with one check: each field's updates, in both directions, are then the
-    /// same width (the compiler makes them vector operations), where a scalar update here
-    /// and a vector one in [`HotStats::dec3`] defeated store forwarding between them (30% of
-    /// an RAII pair's free).
+    /// bytes and requested bytes of `h` ([`MOVED`]), raising the peaks passed, with one check
+    /// for the three.
     #[inline(always)]
     fn inc3(h: &mut Hot, all: &mut [i64; 5], size: i64, requested: i64) {
         let v = [1, size, requested];
-        for f in 0..3 {
-            h.slack[f] -= v[f];
-            all[f] -= v[f];
+        for (f, v) in MOVED.into_iter().zip(v) {
+            h.slack[f] -= v;
+            all[f] -= v;
         }
-        if (h.slack[0] | h.slack[1] | h.slack[2] | all[0] | all[1] | all[2]) < 0 {
+        let [a, b, c] = MOVED;
+        if (h.slack[a] | h.slack[b] | h.slack[c] | all[a] | all[b] | all[c]) < 0 {
             raise3(h, all);
         }
     }
@@ -211,12 +210,12 @@ impl HotStats {
     #[inline(always)]
     fn dec3(h: &mut Hot, all: &mut [i64; 5], size: i64, requested: i64) {
         let v = [1, size, requested];
-        for f in 0..3 {
-            h.slack[f] += v[f];
-            all[f] += v[f];
-            h.freed[f] += v[f];
+        for (f, v) in MOVED.into_iter().zip(v) {
+            h.slack[f] += v;
+            all[f] += v;
+            h.freed[f] += v;
         }
-        debug_assert!((0..3).all(|f| h.current(f) >= 0), "stat went negative");
+        debug_assert!(MOVED.iter().all(|&f| h.current(f) >= 0), "stat went negative");
     }
 
     /// A block of `size` bytes handed out for a request of `requested`.
@@ -306,12 +305,19 @@ impl HotStats {
     }
 }
 
-/// Indexes of [`HotStats::array`].
+/// Indexes of [`HotStats::array`]. Interleaved, so that no two fields the hot path moves
+/// together are neighbours: the compiler then updates each with a scalar instruction, the same
+/// width in both directions. (Neighbours moved together became one vector operation on one
+/// side and two scalar ones on the other, and a vector load of two scalar stores defeats store
+/// forwarding: a third of the RAII pair's time.)
 pub(crate) const ALLOCATION: usize = 0;
-pub(crate) const ALLOCATED_BYTES: usize = 1;
-pub(crate) const REQUESTED_BYTES: usize = 2;
-pub(crate) const INACTIVE_SPLIT: usize = 3;
-pub(crate) const INACTIVE_SPLIT_BYTES: usize = 4;
+pub(crate) const INACTIVE_SPLIT: usize = 1;
+pub(crate) const ALLOCATED_BYTES: usize = 2;
+pub(crate) const INACTIVE_SPLIT_BYTES: usize = 3;
+pub(crate) const REQUESTED_BYTES: usize = 4;
+
+/// The fields an allocation and its free move together.
+const MOVED: [usize; 3] = [ALLOCATION, ALLOCATED_BYTES, REQUESTED_BYTES];
 
 /// The allocator's stats as the pool keeps them: the fast path moves only the hot stats and
 /// (rarely) the pending ones, and [`PoolStats::derive`] assembles PyTorch's `DeviceStats`.

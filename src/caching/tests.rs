@@ -155,7 +155,7 @@ fn frees_made_while_the_lock_is_held_are_applied_by_the_next_holder() {
     // Neither free may wait for the lock (this thread holds it; the other joins under it).
     drop(x);
     std::thread::spawn(move || drop(y)).join().unwrap();
-    assert!(!a.inner.frees.is_empty(), "the frees were not queued");
+    assert!(!crate::caching::shared::nothing_pushed(&a.inner), "the frees were not queued");
     drop(held);
     ok(&a);
     let st = a.stats();
@@ -175,7 +175,10 @@ fn a_drop_with_the_lock_free_applies_its_free_itself() {
             let x = a.allocate(size, None).unwrap();
             let addr = x.as_ptr();
             drop(x);
-            assert!(a.inner.frees.is_empty(), "{conf}: the free of {size} B was queued, not applied");
+            assert!(
+                crate::caching::shared::nothing_pushed(&a.inner),
+                "{conf}: the free of {size} B was queued, not applied"
+            );
             {
                 // Looked at without draining: the drop itself accounted the free.
                 let pool = a.inner.pool.lock();
@@ -198,7 +201,7 @@ fn a_drop_that_cannot_take_the_short_way_is_queued() {
     a.record_history(true);
     let x = a.allocate(4096, None).unwrap();
     drop(x);
-    assert!(!a.inner.frees.is_empty(), "the long way was taken in the drop");
+    assert!(!crate::caching::shared::nothing_pushed(&a.inner), "the long way was taken in the drop");
     ok(&a);
     assert_eq!(a.stats().allocation[AGGREGATE].current, 0);
     let frees = a.history().iter().filter(|h| h.kind == HistoryKind::FreeCompleted).count();
@@ -437,14 +440,15 @@ fn an_expandable_segment_grows_in_place_and_punching_spares_live_blocks() {
 }
 
 /// The strong counts of the allocator's shared state: the handles' and live allocations' own,
-/// and those the pool's stash keeps (`ref_stash`).
+/// and those of the records the pool keeps for reuse (`record.rs`).
 fn counts(a: &CachingAllocator) -> (usize, usize) {
-    let stashed = a.inner.pool.lock().refs.len();
-    (Arc::strong_count(&a.inner), stashed)
+    // Taken as the allocator takes it: what was pushed is applied first.
+    let spares = a.lock().spares.len();
+    (Arc::strong_count(&a.inner), spares)
 }
 
 #[test]
-fn dropped_allocations_leave_their_counts_to_the_next_ones_while_handles_live() {
+fn dropped_allocations_leave_their_records_to_the_next_ones_while_handles_live() {
     for conf in ["expandable_segments:False", "page_stitching:True"] {
         let a = alloc(conf, 64 * MB);
         let b = a.clone();
@@ -452,15 +456,19 @@ fn dropped_allocations_leave_their_counts_to_the_next_ones_while_handles_live() 
         let xs: Vec<_> = [4096, 4096, 256 * KB].iter().map(|&s| a.allocate(s, None).unwrap()).collect();
         assert_eq!(counts(&a), (5, 0), "{conf}: two handles and three allocations");
         drop(xs);
-        assert!(a.inner.frees.is_empty(), "{conf}: the frees took the short way");
-        assert_eq!(counts(&a), (5, 3), "{conf}: the three counts went to the stash");
+        assert!(crate::caching::shared::nothing_pushed(&a.inner), "{conf}: the frees took the short way");
+        assert_eq!(counts(&a), (5, 3), "{conf}: the three records, with their counts, were kept as spares");
         let y = b.allocate(4096, None).unwrap();
-        assert_eq!(counts(&a), (5, 2), "{conf}: the new allocation took a stashed count");
+        assert_eq!(counts(&a), (5, 2), "{conf}: the new allocation took a spare record");
         drop(b);
-        assert_eq!(counts(&a), (4, 2), "{conf}: a handle that is not the last leaves the stash alone");
+        assert_eq!(counts(&a), (4, 2), "{conf}: a handle that is not the last leaves the spares alone");
         let weak = Arc::downgrade(&a.inner);
         drop(a);
-        assert_eq!(weak.strong_count(), 1, "{conf}: the last handle let the stash go: only the allocation's own");
+        assert_eq!(
+            weak.strong_count(),
+            1,
+            "{conf}: the last handle let the spares go: only the allocation's count is left"
+        );
         assert_eq!(y.len(), 4096);
         drop(y);
         assert_eq!(weak.strong_count(), 0, "{conf}: the pool outlived its last allocation");
@@ -476,29 +484,29 @@ fn allocations_that_outlive_every_handle_free_the_pool_with_the_last_of_them() {
     assert_eq!(weak.strong_count(), 4);
     for (i, x) in xs.into_iter().enumerate() {
         // Each drop applies its free under the lock and lets its own count go (no handle is
-        // left to stash it for).
+        // left to keep its record for).
         drop(x);
         assert_eq!(weak.strong_count(), 3 - i);
     }
 }
 
 #[test]
-fn a_last_handle_dropped_under_the_lock_leaves_the_stash_to_the_next_drop() {
+fn a_last_handle_dropped_under_the_lock_leaves_the_spares_to_the_next_drop() {
     let a = classic();
     let x = a.allocate(4096, None).unwrap();
     drop(a.allocate(4096, None).unwrap());
     let inner = Arc::clone(&a.inner);
-    assert_eq!(inner.pool.lock().refs.len(), 1);
+    assert_eq!(inner.pool.lock().spares.len(), 1);
     // As a memory source's callback would: this thread holds the lock when the last handle
-    // goes. It cannot take the lock again to empty the stash, and must not wait for it.
+    // goes. It cannot take the lock again to let the spares go, and must not wait for it.
     let held = inner.pool.lock();
     drop(a);
     drop(held);
-    assert_eq!(inner.pool.lock().refs.len(), 1, "the stash was emptied without the lock");
-    assert_eq!(Arc::strong_count(&inner), 3, "this clone, the allocation's count, the stashed one");
-    // The next drop under the lock sees no handle: the stashed count goes with its own.
+    assert_eq!(inner.pool.lock().spares.len(), 1, "the spares were taken out without the lock");
+    assert_eq!(Arc::strong_count(&inner), 3, "this clone, the allocation's count, the spare's");
+    // The next drop under the lock sees no handle: the spare goes with its own record.
     drop(x);
-    assert_eq!(inner.pool.lock().refs.len(), 0);
+    assert_eq!(inner.pool.lock().spares.len(), 0);
     assert_eq!(Arc::strong_count(&inner), 1);
 }
 
@@ -549,4 +557,35 @@ fn handles_and_allocations_dropped_on_many_threads_free_the_pool_exactly_once() 
         }
         assert_eq!(weak.strong_count(), 0, "round {round}: the pool outlived every handle and allocation");
     }
+}
+
+#[test]
+fn records_pushed_by_drops_hold_no_count_and_are_kept_once_applied() {
+    let a = classic();
+    let (x, y) = (a.allocate(4096, None).unwrap(), a.allocate(8192, None).unwrap());
+    assert_eq!(counts(&a), (3, 0));
+    {
+        // Neither drop can take the lock: both push their records, which hold no count.
+        let held = a.inner.pool.lock();
+        std::thread::spawn(move || drop(x)).join().unwrap();
+        drop(y);
+        assert!(!a.inner.dropped.is_empty(), "the records were not pushed");
+        assert_eq!(Arc::strong_count(&a.inner), 1, "a pushed record kept its count");
+        drop(held);
+    }
+    // The next holder applies the frees and keeps the records as spares, counted again.
+    assert_eq!(counts(&a), (3, 2));
+    assert!(crate::caching::shared::nothing_pushed(&a.inner));
+    ok(&a);
+    assert_eq!(a.stats().allocation[AGGREGATE].current, 0);
+    // Pushed when no handle is left: applied by whoever holds the lock next, and let go.
+    let z = a.allocate(4096, None).unwrap();
+    let inner = Arc::clone(&a.inner);
+    let held = inner.pool.lock();
+    std::thread::spawn(move || drop(z)).join().unwrap();
+    drop(held);
+    drop(a);
+    assert_eq!(Arc::strong_count(&inner), 1, "the last handle left a record or a count behind");
+    assert!(crate::caching::shared::nothing_pushed(&inner));
+    assert_eq!(inner.pool.lock().spares.len(), 0);
 }

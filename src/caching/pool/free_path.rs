@@ -43,6 +43,15 @@ impl Pool {
         self.quick_free(id)
     }
 
+    /// The plain free of a dropped `Allocation` whose record was pushed (`shared::drain`):
+    /// the short way where it can, else [`Pool::apply`].
+    #[inline]
+    pub(crate) fn free_pushed(&mut self, id: BlockId) {
+        if !self.quick_free(id) {
+            self.apply_out_of_line(FreeMsg::Free(id));
+        }
+    }
+
     #[inline(never)]
     fn apply_out_of_line(&mut self, m: FreeMsg) {
         self.apply(m);
@@ -54,7 +63,7 @@ impl Pool {
     /// False, changing nothing, otherwise.
     #[inline(always)]
     fn quick_free(&mut self, id: BlockId) -> bool {
-        self.held.is_empty() && self.gone.is_empty() && (self.quick_free_now(id) || self.home_free_now(id))
+        (self.held.len() | self.gone.len()) == 0 && (self.quick_free_now(id) || self.home_free_now(id))
     }
 
     /// `drain` for more than one node: `newest` and the `older` ones, applied oldest first (a
@@ -146,7 +155,7 @@ impl Pool {
     /// an arena's). False, changing nothing, otherwise.
     #[inline(always)]
     fn quick_free_now(&mut self, id: BlockId) -> bool {
-        let quick_ok = !self.history.record_all && !self.config.no_caching && self.quick.len() < QUICK_MAX;
+        let quick_ok = self.quick_on && self.quick.len() < QUICK_MAX;
         let (max_split, misses) = (self.config.max_split_size, self.misses);
         let b = &mut self.blocks[id as usize];
         if !quick_ok || b.size >= max_split || b.arena {
@@ -177,7 +186,7 @@ impl Pool {
     ) -> Option<(BlockId, u32, usize, usize)> {
         // Plain 512-byte rounding of a sane size (1 byte to 1 TiB).
         let below = size.wrapping_sub(1);
-        if below >= 1 << 40 || !self.config.roundup_power2_divisions.is_empty() {
+        if below >= self.plain_below {
             return None;
         }
         let rounded = (below | (MIN_BLOCK - 1)) + 1;
@@ -196,7 +205,9 @@ impl Pool {
         // No punched pages to count here: only pooled free blocks are punched, they leave
         // their pool only through `allocate`'s slow path, which counts their pages again
         // (`back_chunks`), and the quick cache holds only blocks that were handed out.
-        if self.stats.any_pending() || self.history.record_all {
+        // (`quick_on` is off here only while the history records everything: with caching off
+        // nothing is quick-cached.)
+        if self.stats.any_pending() | !self.quick_on {
             self.hand_out_rare(id, queue);
         }
         Some((id, seg, offset, addr))
@@ -219,11 +230,7 @@ impl Pool {
     #[inline(always)]
     pub(crate) fn quick_free_raw(&mut self, addr: usize) -> bool {
         let id = self.raw.addrs.get_or_invalid(addr);
-        let quick_ok = !self.history.record_all
-            && !self.config.no_caching
-            && self.quick.len() < QUICK_MAX
-            && self.gone.is_empty()
-            && self.held.is_empty();
+        let quick_ok = self.quick_on && self.quick.len() < QUICK_MAX && self.gone.is_empty() && self.held.is_empty();
         let (max_split, misses) = (self.config.max_split_size, self.misses);
         // An address that starts no block gives an id past the table.
         let Some(b) = self.blocks.get_mut(id as usize) else { return false };

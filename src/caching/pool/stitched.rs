@@ -92,7 +92,7 @@ impl Pool {
     pub(crate) fn try_arena_home(&mut self, size: usize, queue: QueueKey) -> Option<Handed> {
         // Plain 512-byte rounding of a sane size, as the quick cache's fast path.
         let below = size.wrapping_sub(1);
-        if below >= 1 << 40 || !self.config.roundup_power2_divisions.is_empty() {
+        if below >= self.plain_below {
             return None;
         }
         let rounded = (below | (MIN_BLOCK - 1)) + 1;
