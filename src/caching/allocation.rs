@@ -12,7 +12,7 @@ use std::sync::Arc;
 use super::block::{BlockId, FreeMsg, SegRef};
 use super::free_list::Node;
 use super::pool::Pool;
-use super::record::{Body, Record};
+use super::record::{Body, Record, Uses};
 use super::shared::{self, AllocatorShared};
 use crate::error::Result;
 use crate::queue::{Mem, Queue, QueueId};
@@ -213,10 +213,15 @@ impl Allocation {
     #[doc(alias = "record_stream")]
     pub fn record_queue(&mut self, queue: &Queue) {
         let b = &mut self.rec.value;
-        if Some(queue.id()) != b.queue && !b.uses.iter().flat_map(|u| u.iter()).any(|(h, _)| h.id() == queue.id()) {
-            // The node is made now, so that the free allocates nothing.
+        let known = b.uses.as_ref().is_some_and(|u| u.queues.iter().any(|(h, _)| h.id() == queue.id()));
+        if Some(queue.id()) != b.queue && !known {
+            // The nodes are made now, so that the free allocates nothing.
             let node = Node::new(FreeMsg::Free(b.id));
-            b.uses.get_or_insert_with(Box::default).push((queue.handle(), node));
+            let id = b.id;
+            let uses = b
+                .uses
+                .get_or_insert_with(|| Box::new(Uses { request: Node::new(FreeMsg::Free(id)), queues: Vec::new() }));
+            uses.queues.push((queue.handle(), node));
         }
     }
 }
@@ -303,20 +308,23 @@ impl Allocation {
         let mut rec = unsafe { ManuallyDrop::take(&mut self.rec) };
         let (id, at) = (rec.value.id, rec.value.inner);
         let arc = shared::arc_of(&rec.value);
-        // Queues idle now have finished every use made before this free.
-        let uses = rec.value.uses.take().map(|u| *u).map(|mut u| {
-            u.retain(|(q, _)| !q.has_passed());
-            u
-        });
-        match uses {
-            Some(uses) if !uses.is_empty() => {
-                // Counted before it is published, so no one sees the request without the count.
-                arc.pending.begin_n(uses.len());
-                arc.frees.push(Node::new(FreeMsg::Requested(id, uses.len() as u32)));
-                shared::mark_all(&arc, id, uses);
-                drop(rec);
+        match rec.value.uses.take().map(|u| *u) {
+            Some(Uses { mut request, mut queues }) => {
+                // Queues idle now have finished every use made before this free.
+                queues.retain(|(q, _)| !q.has_passed());
+                if queues.is_empty() {
+                    arc.dropped.push(rec);
+                } else {
+                    // Counted before it is published, so no one sees the request without the
+                    // count.
+                    arc.pending.begin_n(queues.len());
+                    request.value = FreeMsg::Requested(id, queues.len() as u32);
+                    arc.frees.push(request);
+                    shared::mark_all(&arc, id, queues);
+                    drop(rec);
+                }
             }
-            _ => arc.dropped.push(rec),
+            None => arc.dropped.push(rec),
         }
         // `arc` is a view of this count, not a count of its own.
         shared::let_go_count(at);

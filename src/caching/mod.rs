@@ -151,8 +151,15 @@ impl Drop for CachingAllocator {
             return;
         }
         // Where this thread holds the lock already (a memory source's callback dropped the
-        // last handle), the next `Allocation` dropped under the lock lets them go.
-        let Some(mut pool) = self.inner.pool.lock_unless_held_here() else { return };
+        // last handle), the next `Allocation` dropped under the lock lets them go. In a forked
+        // child the lock is not waited for (a thread the child does not have may hold it for
+        // ever): if it is held, the records stay (the child's copy of the pool is not freed).
+        let pool = if rustix::process::getpid() == self.inner.pid {
+            self.inner.pool.lock_unless_held_here()
+        } else {
+            self.inner.pool.try_lock_taking_back()
+        };
+        let Some(mut pool) = pool else { return };
         // Dropped records pushed before are applied (and not kept: no handle is left).
         shared::drain(&self.inner, &mut pool);
         let spares = pool.spares.close();
@@ -214,6 +221,7 @@ impl AllocatorBuilder {
                 frees: FreeList::new(),
                 dropped: FreeList::new(),
                 pending: Pending::new(),
+                pid: rustix::process::getpid(),
                 pending_limit: self.pending_limit,
             }),
         })

@@ -225,6 +225,29 @@ impl<T> PoolLock<T> {
         Some(self.lock())
     }
 
+    /// The lock if nobody holds the mutex, taking the bias back from another owner that is
+    /// not inside a fast hold now (the revocation then waits at most for a hold it starts
+    /// meanwhile), without waiting on the mutex: for a forked child, where a mutex or a fast
+    /// hold held at the fork by a thread the child does not have is never released. `None`
+    /// also inside this thread's own hold.
+    pub(crate) fn try_lock_taking_back(&self) -> Option<PoolGuard<'_, T>> {
+        let me = thread_token();
+        let mut m = match self.mutex.try_lock() {
+            Ok(m) => m,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
+        };
+        let owner = self.owner.load(Ordering::Relaxed);
+        if owner != 0 && self.busy.load(Ordering::Relaxed) {
+            return None;
+        }
+        if owner != 0 && owner != me {
+            self.revoke(&mut m);
+        }
+        self.holder.store(me, Ordering::Relaxed);
+        Some(PoolGuard { lock: self, hold: Hold::Mutex(m) })
+    }
+
     /// The lock if nobody holds it and no other thread owns it, without waiting.
     pub(crate) fn try_lock(&self) -> Option<PoolGuard<'_, T>> {
         let me = thread_token();

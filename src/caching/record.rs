@@ -32,10 +32,14 @@ use super::block::{BlockId, FreeMsg, SegRef};
 use super::free_list::{Node, NodeStack};
 use crate::queue::{QueueHandle, QueueId};
 
-/// A deferred free's queues: each other queue the block was used on, with the free-list node
-/// that carries its passage back (made when the use was recorded, so the free allocates
-/// nothing).
-pub(crate) type Uses = Vec<(QueueHandle, Box<Node<FreeMsg>>)>;
+/// A block's uses on other queues, for its deferred free: each queue, with the free-list node
+/// that carries its passage back, and the node the free's request travels in. All made when
+/// the uses are recorded, so that the free allocates nothing (it may run where the heap is
+/// exhausted).
+pub(crate) struct Uses {
+    pub(crate) request: Box<Node<FreeMsg>>,
+    pub(crate) queues: Vec<(QueueHandle, Box<Node<FreeMsg>>)>,
+}
 
 /// What an `Allocation` points at (see the module docs).
 pub(crate) type Record = Box<Node<Body>>;

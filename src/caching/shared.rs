@@ -30,6 +30,9 @@ pub(crate) struct AllocatorShared {
     pub(crate) dropped: FreeList<Body>,
     /// Deferred frees whose events have not all completed.
     pub(crate) pending: Pending,
+    /// The process that made the allocator: a handle dropped in another (a forked child) does
+    /// not wait for the pool's lock, which a thread the child does not have may hold.
+    pub(crate) pid: rustix::process::Pid,
     /// How long the OOM ladder and `empty_cache` wait for them.
     pub(crate) pending_limit: std::time::Duration,
 }
