@@ -176,6 +176,9 @@ pub(crate) enum FreeMsg {
     Passed(BlockId),
     /// The queue with this id is gone: its memory goes back once its blocks are free.
     QueueGone(QueueId),
+    /// A hold for sharing ([`ExportHold`](super::ExportHold)) went where its thread held the
+    /// pool's lock already: release it.
+    Unhold(BlockId),
 }
 
 /// Points at a segment held in an `Arc` by the pool.

@@ -16,6 +16,9 @@ use crate::segment::Segment;
 pub(crate) struct ExportHold {
     inner: Arc<AllocatorShared>,
     id: BlockId,
+    /// The node its release travels in if it cannot take the lock (made with the hold: the
+    /// release allocates nothing).
+    node: Option<Box<super::free_list::Node<super::block::FreeMsg>>>,
 }
 
 impl std::fmt::Debug for ExportHold {
@@ -26,10 +29,27 @@ impl std::fmt::Debug for ExportHold {
 
 impl Drop for ExportHold {
     fn drop(&mut self) {
-        let mut pool = self.inner.pool.lock();
-        // Frees pushed before this release are applied first (one of them may be this block's).
-        super::shared::drain(&self.inner, &mut pool);
-        pool.unhold(self.id);
+        // Not waited for where this thread holds the lock already (a memory source's callback
+        // releasing a hold), nor in a forked child: the release is then pushed, after any free
+        // pushed before it, for the next holder of the lock.
+        let held = if rustix::process::getpid() == self.inner.pid {
+            self.inner.pool.lock_unless_held_here()
+        } else {
+            self.inner.pool.try_lock_taking_back()
+        };
+        match held {
+            Some(mut pool) => {
+                // Frees pushed before this release are applied first (one of them may be this
+                // block's).
+                super::shared::drain(&self.inner, &mut pool);
+                pool.unhold(self.id);
+            }
+            None => {
+                let mut node = self.node.take().expect("an ExportHold is released once");
+                node.value = super::block::FreeMsg::Unhold(self.id);
+                self.inner.frees.push(node);
+            }
+        }
     }
 }
 
@@ -62,5 +82,6 @@ pub(crate) fn export_block(inner: &Arc<AllocatorShared>, pool: &mut Pool, id: Bl
     let (segment, len) = pool.live_block(id).ok_or_else(|| refused(super::pool::NOT_LIVE))?;
     pool.hold(id).map_err(refused)?;
     let ranges = pool.fd_ranges(id);
-    Ok(Exported { hold: ExportHold { inner: Arc::clone(inner), id }, segment, ranges, len })
+    let node = Some(pool.take_node());
+    Ok(Exported { hold: ExportHold { inner: Arc::clone(inner), id, node }, segment, ranges, len })
 }

@@ -193,6 +193,14 @@ impl<T> PoolLock<T> {
     /// between calls.
     pub(crate) fn lock(&self) -> PoolGuard<'_, T> {
         let me = thread_token();
+        if self.holder.load(Ordering::Relaxed) == me {
+            // This thread holds the mutex already (a memory source's callback, made under the
+            // lock, that calls back into the allocator): a std mutex would deadlock. Say so
+            // instead. (Only this thread's own hold can read as `me`.)
+            panic!(
+                "dmabuf-rt: the caching allocator was called again from inside one of its own calls on this thread (a memory source's callback?)"
+            );
+        }
         let mut m = self.mutex.lock().unwrap_or_else(|p| p.into_inner());
         let owner = self.owner.load(Ordering::Relaxed);
         if owner != 0 && owner != me {
@@ -459,6 +467,20 @@ mod tests {
             drop(l.lock());
         }
         assert!(l.is_biased());
+    }
+
+    #[test]
+    fn lock_inside_this_threads_own_mutex_hold_panics_instead_of_deadlocking() {
+        let l = PoolLock::new(0u64);
+        let g = l.lock();
+        let again = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(l.lock())));
+        let why = again.expect_err("a second lock() on the holding thread returned");
+        let why = why.downcast_ref::<&str>().copied().or(why.downcast_ref::<String>().map(String::as_str));
+        assert!(why.is_some_and(|w| w.contains("called again from inside")), "{why:?}");
+        drop(g);
+        // The first hold went normally: the lock is free and usable.
+        *l.lock() += 1;
+        assert_eq!(*l.try_lock().expect("free"), 1);
     }
 
     #[test]

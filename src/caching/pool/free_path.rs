@@ -95,6 +95,7 @@ impl Pool {
                 self.after_free(id);
             }
             FreeMsg::QueueGone(queue) => self.queue_gone(QueueKey::of(Some(queue))),
+            FreeMsg::Unhold(id) => self.unhold(id),
             FreeMsg::Requested(id, waits) => {
                 if waits > 1 {
                     self.deferred_waits.insert(id, waits);
