@@ -343,7 +343,7 @@ fn drop_all_then_the_last(mut xs: Vec<Seen>, probe: &Probe, what: &str) {
 #[test]
 fn recycled_records_never_alias_a_live_allocation() {
     bounded("records across threads", LIMIT, || {
-        let rounds = scaled(100);
+        let rounds = scaled(24);
         for round in 0..rounds {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
