@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use common::tags::{Live, Raw, settled};
 use common::wait::{wait_until, within};
-use common::{Rng, scaled};
+use common::{Rng, become_owner, scaled};
 use dmabuf_rt::caching::stats::AGGREGATE;
 use dmabuf_rt::caching::{Allocation, CachingAllocator, Config};
 use dmabuf_rt::error::Result as DResult;
@@ -51,16 +51,6 @@ const CONFIGS: &[&str] = &[
 
 fn alloc(conf: &str) -> CachingAllocator {
     common::allocator(conf, 4 << 30)
-}
-
-/// Makes the calling thread the pool's owner: `allocate` takes the mutex (`lock()`) each time,
-/// so 200 in a row with no other thread is past `BIAS_AFTER` (64) on a fresh allocator.
-fn become_owner(a: &CachingAllocator) {
-    for _ in 0..200 {
-        drop(a.allocate(4 * KB, None).unwrap());
-        let p = a.allocate_raw(4 * KB, None).unwrap();
-        a.free_raw(p).unwrap();
-    }
 }
 
 fn membarrier_ok() -> bool {

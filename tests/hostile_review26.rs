@@ -26,7 +26,7 @@
 //!   exhausted the drop aborts the process ("memory allocation of 24 bytes failed").
 //!
 //! What can go wrong, and what each test here checks (the signal is the memory source's own
-//! `Drop`, counted by [`Tracked`]: the pool owns the source, so the source is dropped exactly
+//! `Drop`, counted by [`Tracked`](common::tracked::Tracked): the pool owns the source, so the source is dropped exactly
 //! when the allocator's shared state is; `Weak` is not reachable from outside the crate):
 //! - a count let go twice, or one taken from another allocator's stash: the source is dropped
 //!   while an allocation still lives (its memory is then unmapped: the tag checks fault), or
@@ -37,7 +37,7 @@
 //!   bias) and drops on other threads, in fast holds, under `try_lock` or pushed onto the free
 //!   list; clones made and dropped meanwhile;
 //! - drops made where the pool's lock is held: inside a memory source's callback (the hook of
-//!   [`Tracked`]), which also drops handle clones, another allocator's last allocations, and
+//!   [`Tracked`](common::tracked::Tracked)), which also drops handle clones, another allocator's last allocations, and
 //!   panics;
 //! - counts that are not an allocation's or a handle's: a deferred free's marker, an IPC hold,
 //!   a queue's exit hook (a `Weak`);
@@ -55,13 +55,11 @@ use std::sync::{Arc, Barrier, Mutex, mpsc};
 use std::time::Duration;
 
 use common::tags::{Live, Raw, settled};
-use common::wait::wait_until;
-use common::{QueueGate, Rng, scaled};
-use dmabuf_rt::caching::{Allocation, CachingAllocator, Config};
-use dmabuf_rt::error::Result as DResult;
+use common::tracked::{Probe, tracked};
+use common::wait::{wait_until, within};
+use common::{QueueGate, Rng, become_owner, scaled};
+use dmabuf_rt::caching::{Allocation, CachingAllocator};
 use dmabuf_rt::queue::Queue;
-use dmabuf_rt::segment::{Segment, SegmentKind};
-use dmabuf_rt::source::{MemorySource, ShmemSource};
 
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
@@ -76,125 +74,6 @@ const CONFIGS: &[&str] = &[
 
 /// Sizes served by the quick cache (exact reuse) and, where the arena exists, its home blocks.
 const SIZES: &[usize] = &[512, 1024, 4 * KB, 8 * KB, 24 * KB, 64 * KB, 256 * KB];
-
-// ---------------------------------------------------------------------------------------------
-// The tracked memory source.
-// ---------------------------------------------------------------------------------------------
-
-type Hook = Arc<dyn Fn() + Send + Sync>;
-
-/// A shmem source that counts its own drops (the pool owns it: it goes with the allocator's
-/// shared state), and calls a hook, if one is set, from `create_segment` and
-/// `reserve_expandable`, which the pool calls under its lock.
-struct Tracked {
-    inner: ShmemSource,
-    drops: Arc<AtomicUsize>,
-    hook: Arc<Mutex<Option<Hook>>>,
-    calls: Arc<AtomicUsize>,
-}
-
-impl std::fmt::Debug for Tracked {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tracked").finish_non_exhaustive()
-    }
-}
-
-impl Drop for Tracked {
-    fn drop(&mut self) {
-        self.drops.fetch_add(1, SeqCst);
-    }
-}
-
-impl Tracked {
-    fn call_hook(&self) {
-        // Cloned out: the hook runs without this mutex (it may panic).
-        let hook = self.hook.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        if let Some(h) = hook {
-            self.calls.fetch_add(1, SeqCst);
-            h();
-        }
-    }
-}
-
-impl MemorySource for Tracked {
-    fn name(&self) -> String {
-        "tracked".into()
-    }
-    fn kind(&self) -> SegmentKind {
-        self.inner.kind()
-    }
-    fn create_segment(&self, len: usize) -> DResult<Segment> {
-        self.call_hook();
-        self.inner.create_segment(len)
-    }
-    fn reserve_expandable(&self, len: usize) -> DResult<Segment> {
-        self.call_hook();
-        self.inner.reserve_expandable(len)
-    }
-}
-
-/// What the test keeps of a tracked allocator's source.
-#[derive(Clone)]
-struct Probe {
-    drops: Arc<AtomicUsize>,
-    hook: Arc<Mutex<Option<Hook>>>,
-    calls: Arc<AtomicUsize>,
-}
-
-impl Probe {
-    /// How many times the source was dropped.
-    fn dropped(&self) -> usize {
-        self.drops.load(SeqCst)
-    }
-    fn set_hook(&self, h: impl Fn() + Send + Sync + 'static) {
-        *self.hook.lock().unwrap() = Some(Arc::new(h));
-    }
-    fn clear_hook(&self) {
-        *self.hook.lock().unwrap() = None;
-    }
-}
-
-fn tracked(conf: &str) -> (CachingAllocator, Probe) {
-    let probe = Probe {
-        drops: Arc::new(AtomicUsize::new(0)),
-        hook: Arc::new(Mutex::new(None)),
-        calls: Arc::new(AtomicUsize::new(0)),
-    };
-    let src = Tracked {
-        inner: ShmemSource::new().reserve(false),
-        drops: probe.drops.clone(),
-        hook: probe.hook.clone(),
-        calls: probe.calls.clone(),
-    };
-    let a = CachingAllocator::builder(src).config(Config::parse(conf).unwrap()).capacity(4 << 30).build().unwrap();
-    (a, probe)
-}
-
-/// Makes the calling thread the pool's owner where `membarrier` works: `allocate` and
-/// `allocate_raw` take the mutex each time until then, 400 in a row with no other thread is
-/// past `BIAS_AFTER` (64) on a fresh allocator.
-fn become_owner(a: &CachingAllocator) {
-    for _ in 0..200 {
-        drop(a.allocate(4 * KB, None).unwrap());
-        let p = a.allocate_raw(4 * KB, None).unwrap();
-        a.free_raw(p).unwrap();
-    }
-}
-
-/// Runs `f` on a thread of its own; a panic in it is this test's panic (with its message), a
-/// hang past `limit` fails the test.
-fn bounded<T: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let r = std::panic::catch_unwind(AssertUnwindSafe(f));
-        let _ = tx.send(r);
-    });
-    match rx.recv_timeout(limit) {
-        Ok(Ok(v)) => v,
-        Ok(Err(p)) => std::panic::resume_unwind(p),
-        Err(_) => panic!("hang: {what} did not finish within {limit:?}"),
-    }
-}
 
 /// Writes and reads back the whole block through the CPU (it must still be mapped: the pool
 /// holds its segment while the block lives).
@@ -244,7 +123,7 @@ fn drop_all_then_the_last(mut xs: Vec<Live>, probe: &Probe, what: &str) {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn handles_and_allocations_race_on_many_threads_and_the_pool_goes_with_the_last() {
-    bounded("many threads", LIMIT, || {
+    within("many threads", LIMIT, || {
         let rounds = scaled(800);
         for round in 0..rounds {
             let conf = CONFIGS[round % CONFIGS.len()];
@@ -364,7 +243,7 @@ fn handles_and_allocations_race_on_many_threads_and_the_pool_goes_with_the_last(
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn last_handles_dropped_elsewhere_while_the_owner_frees_in_fast_holds() {
-    bounded("owner vs last handles", LIMIT, || {
+    within("owner vs last handles", LIMIT, || {
         for round in 0..scaled(4000) {
             let conf = CONFIGS[round % 2];
             let what = format!("{conf} round {round}");
@@ -421,7 +300,7 @@ fn last_handles_dropped_elsewhere_while_the_owner_frees_in_fast_holds() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn the_last_handle_frees_a_pool_whose_stash_holds_counts_raw_blocks_and_all() {
-    bounded("last handle with stash", LIMIT, || {
+    within("last handle with stash", LIMIT, || {
         for (i, conf) in CONFIGS.iter().enumerate() {
             for variant in 0..4 {
                 let what = format!("{conf} variant {variant}");
@@ -495,7 +374,7 @@ fn the_last_handle_frees_a_pool_whose_stash_holds_counts_raw_blocks_and_all() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn source_callbacks_drop_allocations_handles_and_another_pool_and_panic() {
-    bounded("source callbacks", LIMIT, || {
+    within("source callbacks", LIMIT, || {
         for round in 0..scaled(40) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
@@ -596,7 +475,7 @@ fn source_callbacks_drop_allocations_handles_and_another_pool_and_panic() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn markers_ipc_holds_and_queue_hooks_around_the_last_handle() {
-    bounded("markers, holds, hooks", LIMIT, || {
+    within("markers, holds, hooks", LIMIT, || {
         for round in 0..scaled(80) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
@@ -681,7 +560,7 @@ fn markers_ipc_holds_and_queue_hooks_around_the_last_handle() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn forgotten_allocations_and_handles_keep_the_pool() {
-    bounded("forget", LIMIT, || {
+    within("forget", LIMIT, || {
         for (i, conf) in CONFIGS.iter().enumerate() {
             let (a, probe) = tracked(conf);
             if i % 2 == 0 {
@@ -730,7 +609,7 @@ fn forgotten_allocations_and_handles_keep_the_pool() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn two_allocators_in_turns_keep_their_own_counts() {
-    bounded("two allocators", LIMIT, || {
+    within("two allocators", LIMIT, || {
         for round in 0..scaled(200) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
@@ -800,7 +679,7 @@ fn drops_from_thread_local_destructors_and_queue_callbacks() {
     thread_local! {
         static KEPT: std::cell::RefCell<Vec<Allocation>> = const { std::cell::RefCell::new(Vec::new()) };
     }
-    bounded("tls and callbacks", LIMIT, || {
+    within("tls and callbacks", LIMIT, || {
         for round in 0..scaled(150) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
@@ -878,7 +757,7 @@ fn c_abi_and_raii_blocks_on_one_device_allocator() {
         return;
     };
     let al = dev.allocator().clone();
-    bounded("c abi", LIMIT, move || {
+    within("c abi", LIMIT, move || {
         let go = Arc::new(Barrier::new(4));
         let (tx, rx) = mpsc::channel::<Live>();
         let c_side = {

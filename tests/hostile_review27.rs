@@ -42,7 +42,7 @@
 //!   (`settled`: nothing allocated, allocations == frees, invariants), and, while blocks are
 //!   live or pending, their counts (allocations, allocated and requested bytes, active blocks,
 //!   the snapshot's allocated and pending blocks) against what the test holds (tests 1-7, 9);
-//! - a count let go twice or kept: the memory source's own drop is counted ([`Tracked`]: the
+//! - a count let go twice or kept: the memory source's own drop is counted ([`Tracked`](common::tracked::Tracked): the
 //!   pool owns the source, so it goes exactly when the shared state does): never while an
 //!   allocation lives, once after the last handle and allocation (every test);
 //! - spares with stale uses: records that went through the deferred path (idle queues: the
@@ -72,14 +72,12 @@ use std::sync::{Arc, Barrier, Mutex, mpsc};
 use std::time::Duration;
 
 use common::tags::{check_stamp, settled, stamp};
-use common::wait::wait_until;
-use common::{QueueGate, Rng, scaled};
+use common::tracked::{Probe, tracked};
+use common::wait::{wait_until, within};
+use common::{QueueGate, Rng, become_owner, scaled};
 use dmabuf_rt::caching::stats::AGGREGATE;
-use dmabuf_rt::caching::{Allocation, BlockState, CachingAllocator, Config};
-use dmabuf_rt::error::Result as DResult;
+use dmabuf_rt::caching::{Allocation, BlockState, CachingAllocator};
 use dmabuf_rt::queue::{Queue, QueueId};
-use dmabuf_rt::segment::{Segment, SegmentKind};
-use dmabuf_rt::source::{MemorySource, ShmemSource};
 
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
@@ -95,120 +93,6 @@ const CONFIGS: &[&str] = &[
 /// Sizes the quick cache serves (and, where the arena exists, its home blocks), all multiples
 /// of 512 (so a block's allocated bytes are its size).
 const SIZES: &[usize] = &[512, 1024, 4 * KB, 8 * KB, 24 * KB, 64 * KB, 256 * KB];
-
-// ---------------------------------------------------------------------------------------------
-// The tracked memory source (as in hostile_review26).
-// ---------------------------------------------------------------------------------------------
-
-type Hook = Arc<dyn Fn() + Send + Sync>;
-
-/// A shmem source that counts its own drops (the pool owns it: it goes with the allocator's
-/// shared state), and calls a hook, if one is set, from `create_segment` and
-/// `reserve_expandable`, which the pool calls under its lock.
-struct Tracked {
-    inner: ShmemSource,
-    drops: Arc<AtomicUsize>,
-    hook: Arc<Mutex<Option<Hook>>>,
-    calls: Arc<AtomicUsize>,
-}
-
-impl std::fmt::Debug for Tracked {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tracked").finish_non_exhaustive()
-    }
-}
-
-impl Drop for Tracked {
-    fn drop(&mut self) {
-        self.drops.fetch_add(1, SeqCst);
-    }
-}
-
-impl Tracked {
-    fn call_hook(&self) {
-        let hook = self.hook.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        if let Some(h) = hook {
-            self.calls.fetch_add(1, SeqCst);
-            h();
-        }
-    }
-}
-
-impl MemorySource for Tracked {
-    fn name(&self) -> String {
-        "tracked".into()
-    }
-    fn kind(&self) -> SegmentKind {
-        self.inner.kind()
-    }
-    fn create_segment(&self, len: usize) -> DResult<Segment> {
-        self.call_hook();
-        self.inner.create_segment(len)
-    }
-    fn reserve_expandable(&self, len: usize) -> DResult<Segment> {
-        self.call_hook();
-        self.inner.reserve_expandable(len)
-    }
-}
-
-#[derive(Clone)]
-struct Probe {
-    drops: Arc<AtomicUsize>,
-    hook: Arc<Mutex<Option<Hook>>>,
-    calls: Arc<AtomicUsize>,
-}
-
-impl Probe {
-    fn dropped(&self) -> usize {
-        self.drops.load(SeqCst)
-    }
-    fn set_hook(&self, h: impl Fn() + Send + Sync + 'static) {
-        *self.hook.lock().unwrap() = Some(Arc::new(h));
-    }
-    fn clear_hook(&self) {
-        *self.hook.lock().unwrap() = None;
-    }
-}
-
-fn tracked(conf: &str) -> (CachingAllocator, Probe) {
-    let probe = Probe {
-        drops: Arc::new(AtomicUsize::new(0)),
-        hook: Arc::new(Mutex::new(None)),
-        calls: Arc::new(AtomicUsize::new(0)),
-    };
-    let src = Tracked {
-        inner: ShmemSource::new().reserve(false),
-        drops: probe.drops.clone(),
-        hook: probe.hook.clone(),
-        calls: probe.calls.clone(),
-    };
-    let a = CachingAllocator::builder(src).config(Config::parse(conf).unwrap()).capacity(4 << 30).build().unwrap();
-    (a, probe)
-}
-
-/// Makes the calling thread the pool's owner where `membarrier` works (400 acquisitions in a
-/// row, past `BIAS_AFTER`).
-fn become_owner(a: &CachingAllocator) {
-    for _ in 0..200 {
-        drop(a.allocate(4 * KB, None).unwrap());
-        let p = a.allocate_raw(4 * KB, None).unwrap();
-        a.free_raw(p).unwrap();
-    }
-}
-
-/// Runs `f` on a thread of its own; its panic is this test's, a hang past `limit` fails it.
-fn bounded<T: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let r = std::panic::catch_unwind(AssertUnwindSafe(f));
-        let _ = tx.send(r);
-    });
-    match rx.recv_timeout(limit) {
-        Ok(Ok(v)) => v,
-        Ok(Err(p)) => std::panic::resume_unwind(p),
-        Err(_) => panic!("hang: {what} did not finish within {limit:?}"),
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // A block and what its `Allocation` said when it was made.
@@ -342,7 +226,7 @@ fn drop_all_then_the_last(mut xs: Vec<Seen>, probe: &Probe, what: &str) {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn recycled_records_never_alias_a_live_allocation() {
-    bounded("records across threads", LIMIT, || {
+    within("records across threads", LIMIT, || {
         let rounds = scaled(24);
         for round in 0..rounds {
             let conf = CONFIGS[round % CONFIGS.len()];
@@ -518,7 +402,7 @@ fn recycled_records_never_alias_a_live_allocation() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn deferred_frees_are_counted_once_whoever_drops_them_and_spares_forget_their_queues() {
-    bounded("deferred frees", LIMIT, || {
+    within("deferred frees", LIMIT, || {
         for round in 0..scaled(1000) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
@@ -652,7 +536,7 @@ fn deferred_frees_are_counted_once_whoever_drops_them_and_spares_forget_their_qu
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn a_burst_past_the_spare_cap_is_counted_and_reused_exactly() {
-    bounded("spares' cap", LIMIT, || {
+    within("spares' cap", LIMIT, || {
         const N: usize = 20_000;
         for (round, conf) in ["expandable_segments:False", "expandable_segments:True"].iter().enumerate() {
             let what = format!("{conf} round {round}");
@@ -707,7 +591,7 @@ fn a_burst_past_the_spare_cap_is_counted_and_reused_exactly() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn records_cross_allocators_while_a_last_handle_goes_and_another_allocator_is_busy() {
-    bounded("two allocators", LIMIT, || {
+    within("two allocators", LIMIT, || {
         for round in 0..scaled(600) {
             let what = format!("round {round}");
             let (a, pa) = tracked(CONFIGS[round % CONFIGS.len()]);
@@ -847,7 +731,7 @@ fn records_cross_allocators_while_a_last_handle_goes_and_another_allocator_is_bu
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn option_slots_raced_over_and_forgotten_records_stay_exact() {
-    bounded("slots and forget", LIMIT, || {
+    within("slots and forget", LIMIT, || {
         for round in 0..scaled(300) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
@@ -948,7 +832,7 @@ fn option_slots_raced_over_and_forgotten_records_stay_exact() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn a_panicking_source_that_drops_blocks_under_the_lock_while_frees_are_pushed() {
-    bounded("panicking source", LIMIT, || {
+    within("panicking source", LIMIT, || {
         for round in 0..scaled(200) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
@@ -1052,7 +936,7 @@ fn a_panicking_source_that_drops_blocks_under_the_lock_while_frees_are_pushed() 
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn ipc_holds_revoked_while_their_blocks_are_dropped_elsewhere() {
-    bounded("ipc holds", LIMIT, || {
+    within("ipc holds", LIMIT, || {
         for round in 0..scaled(600) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
@@ -1156,7 +1040,7 @@ fn an_ipc_hold_revoked_inside_a_source_callback_does_not_hang() {
             });
         }
         let a2 = a.clone();
-        bounded("revoke_handle inside create_segment", Duration::from_secs(10), move || {
+        within("revoke_handle inside create_segment", Duration::from_secs(10), move || {
             // A size the cache cannot serve: the source is called, under the lock.
             let y = a2.allocate(4 * MB, None).unwrap();
             drop(y);
@@ -1179,7 +1063,7 @@ fn an_ipc_hold_revoked_inside_a_source_callback_does_not_hang() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn blocks_of_dropped_queues_freed_on_every_path_give_their_segments_back() {
-    bounded("gone queues", LIMIT, || {
+    within("gone queues", LIMIT, || {
         for round in 0..scaled(150) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");

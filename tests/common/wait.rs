@@ -15,14 +15,16 @@ pub fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
 }
 
 /// Runs `f` on a thread of its own and fails if it does not finish within `limit` (a hang is
-/// reported instead of hanging the suite; the stuck thread is left behind).
+/// reported instead of hanging the suite; the stuck thread is left behind). A panic in `f` is
+/// the caller's panic, with its own message (not reported as a hang).
 pub fn within<T: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
-        let _ = tx.send(f());
+        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
     });
     match rx.recv_timeout(limit) {
-        Ok(v) => v,
+        Ok(Ok(v)) => v,
+        Ok(Err(p)) => std::panic::resume_unwind(p),
         Err(_) => panic!("hang: {what} did not finish within {limit:?}"),
     }
 }
