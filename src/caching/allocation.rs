@@ -12,7 +12,6 @@ use std::sync::Arc;
 use super::block::{BlockId, FreeMsg, SegRef};
 use super::free_list::Node;
 use super::pool::Pool;
-use super::pool_lock::PoolGuard;
 use super::record::{Body, Record, Uses};
 use super::shared::{self, AllocatorShared};
 use crate::error::Result;
@@ -182,7 +181,7 @@ impl Allocation {
         super::export::export_block(&shared::arc_of(self.body()), &mut pool, self.id(), self.as_ptr() as usize)
     }
 
-    fn lock_pool(&self) -> PoolGuard<'_, Pool> {
+    fn lock_pool(&self) -> super::pool_lock::PoolGuard<'_, super::pool::Pool> {
         self.inner().pool.lock()
     }
 
@@ -242,17 +241,29 @@ impl Drop for Allocation {
     fn drop(&mut self) {
         // From the free on, the block may be reused or its segment released, and the record
         // reused: `self.rec` must not be used after it.
-        if self.body().uses.is_none() {
-            // SAFETY: the record is given back (or its count let go) only in `free_short`,
-            // after this reference's last use, and `push_free` takes its own.
-            let inner = unsafe { self.detached_inner() };
+        let body = self.body();
+        if body.uses.is_none() {
+            let (id, at) = (body.id, body.inner);
+            // SAFETY: as `shared::of` (the record holds a count), with a lifetime not tied to
+            // `self`: the record is given back below while this is still used. Once it is the
+            // spares' (under the lock), the spares' count keeps the state alive until the
+            // lock's release, the last use here (spares are taken out only under the lock).
+            let inner: &AllocatorShared = unsafe { at.cast::<AllocatorShared>().as_ref() };
             if shared::nothing_pushed(inner)
-                && let Some(pool) = inner.pool.fast()
+                && let Some(mut pool) = inner.pool.fast()
             {
-                if !self.free_short(pool, inner) {
-                    self.push_free();
+                if pool.free_dropped(id) {
+                    // SAFETY: taken once; `self.rec` is not used after it.
+                    let rec = unsafe { ManuallyDrop::take(&mut self.rec) };
+                    let kept = pool.spares.put(rec, shared::handles_alive(inner));
+                    drop(pool);
+                    if let Err((rec, spares)) = kept {
+                        shared::let_go(std::iter::once(rec).chain(spares));
+                    }
+                    return;
                 }
-                return;
+                drop(pool);
+                return self.push_free();
             }
         }
         self.drop_rest();
@@ -265,51 +276,26 @@ impl Allocation {
     /// once, as the next drain would take it. Otherwise the free is pushed.
     #[inline(never)]
     fn drop_rest(&mut self) {
-        if self.body().uses.is_none() {
+        let body = self.body();
+        if body.uses.is_none() {
+            let (id, at) = (body.id, body.inner);
             // SAFETY: as in `drop`.
-            let inner = unsafe { self.detached_inner() };
+            let inner: &AllocatorShared = unsafe { at.cast::<AllocatorShared>().as_ref() };
             if shared::nothing_pushed(inner)
-                && let Some(pool) = inner.pool.try_lock()
-                && self.free_short(pool, inner)
+                && let Some(mut pool) = inner.pool.try_lock()
+                && pool.free_dropped(id)
             {
+                // SAFETY: taken once; `self.rec` is not used after it.
+                let rec = unsafe { ManuallyDrop::take(&mut self.rec) };
+                let kept = pool.spares.put(rec, shared::handles_alive(inner));
+                drop(pool);
+                if let Err((rec, spares)) = kept {
+                    shared::let_go(std::iter::once(rec).chain(spares));
+                }
                 return;
             }
         }
         self.push_free();
-    }
-
-    /// The shared state, by a reference not tied to `self` (`Drop` gives the record back
-    /// while it still uses the state's lock).
-    ///
-    /// # Safety
-    /// The caller must not use the reference after the record's count is let go or given
-    /// away, except as `free_short` does: once the record is the spares' (under the lock), the
-    /// spares' count keeps the state alive until the lock's release, its last use there
-    /// (spares are taken out only under the lock).
-    #[inline(always)]
-    unsafe fn detached_inner<'a>(&self) -> &'a AllocatorShared {
-        // SAFETY: as `shared::of` (the record holds a count); the lifetime is the caller's
-        // to keep, as this function's contract says.
-        unsafe { self.body().inner.cast::<AllocatorShared>().as_ref() }
-    }
-
-    /// The short way under `pool` (`inner`'s lock, however it was had): the block's free is
-    /// applied and its record kept as a spare (or let go, with the spares, where no handle is
-    /// left), and true; false, nothing changed and the lock released, where the free must
-    /// take the long way.
-    #[inline(always)]
-    fn free_short(&mut self, mut pool: PoolGuard<'_, Pool>, inner: &AllocatorShared) -> bool {
-        if !pool.free_dropped(self.body().id) {
-            return false;
-        }
-        // SAFETY: taken once; `self.rec` is not used after it.
-        let rec = unsafe { ManuallyDrop::take(&mut self.rec) };
-        let kept = pool.spares.put(rec, shared::handles_alive(inner));
-        drop(pool);
-        if let Err((rec, spares)) = kept {
-            shared::let_go(std::iter::once(rec).chain(spares));
-        }
-        true
     }
 
     /// `Drop`'s long way: the record itself onto the list of dropped records (a plain free),
