@@ -4,7 +4,9 @@
 //! bookkeeping against the fastest pure bookkeeping there is. Our segments come from the
 //! sparse source (address space only), and the cache is warm before timing.
 //!
-//! Run: `cargo bench --bench allocator`
+//! Run: `cargo bench --bench allocator`, or `cargo bench --bench allocator -- random` for the
+//! rows whose label holds `random`. Ours takes its settings from `DMABUF_RT_ALLOC_CONF`
+//! (defaults when unset, as for any caller), so a setting can be weighed in the same run.
 
 use std::hint::black_box;
 use std::sync::{Arc, Mutex};
@@ -15,8 +17,12 @@ use dmabuf_rt::source::SparseSource;
 
 const PAIRS: usize = 100_000;
 
+fn config() -> Config {
+    Config::from_env().expect("DMABUF_RT_ALLOC_CONF")
+}
+
 fn ours() -> CachingAllocator {
-    CachingAllocator::builder(SparseSource).config(Config::default()).capacity(1 << 40).build().unwrap()
+    CachingAllocator::builder(SparseSource).config(config()).capacity(1 << 40).build().unwrap()
 }
 
 fn ns(t: Instant, n: usize) -> f64 {
@@ -110,7 +116,7 @@ fn random_ours() -> f64 {
 /// The same with the trim policy off: placement only, as the peers do (they manage offsets and
 /// never give memory back; ours punches pages to keep reserved near the peak otherwise).
 fn random_ours_untrimmed() -> f64 {
-    let c = Config { trim_ratio: 0.0, ..Config::default() };
+    let c = Config { trim_ratio: 0.0, ..config() };
     random_on(CachingAllocator::builder(SparseSource).config(c).capacity(1 << 40).build().unwrap())
 }
 
@@ -198,6 +204,12 @@ fn best(f: impl Fn() -> f64) -> f64 {
     (0..ROUNDS).map(|_| f()).fold(f64::INFINITY, f64::min)
 }
 
+/// Whether the row labelled `label` runs: every row, or those whose label holds the first
+/// argument that is not a flag (cargo passes `--bench`).
+fn wanted(label: &str) -> bool {
+    std::env::args().skip(1).find(|a| !a.starts_with('-')).is_none_or(|f| label.contains(&f))
+}
+
 fn main() {
     println!("# best of {ROUNDS} runs each, ns per operation");
     println!("{:<40}{:>12}{:>12}{:>18}{:>12}", "ns per operation", "ours", "xalloc", "offset-allocator", "ours/xalloc");
@@ -207,16 +219,24 @@ fn main() {
         ("alloc+free 1 MiB, empty", 1 << 20, false),
         ("alloc+free 1 MiB, 2000 live", 1 << 20, true),
     ] {
+        if !wanted(label) {
+            continue;
+        }
         let (x, f) = (best(|| pair_xalloc(size, loaded)), best(|| pair_offset(size, loaded)));
         for (api, raw) in [("raw", true), ("RAII", false)] {
             let o = best(|| pair_ours(size, loaded, raw));
             println!("{:<40}{o:>12.1}{x:>12.1}{f:>18.1}{:>12.2}", format!("{label} ({api})"), o / x);
         }
     }
-    let (o, x, f) = (best(random_ours), best(random_xalloc), best(random_offset));
-    println!("{:<40}{o:>12.1}{x:>12.1}{f:>18.1}{:>12.2}", "random workload (per op)", o / x);
-    let u = best(random_ours_untrimmed);
-    println!("{:<40}{u:>12.1}{x:>12.1}{f:>18.1}{:>12.2}", "random workload, trim_ratio:0", u / x);
+    if wanted("random workload") {
+        let (o, x, f) = (best(random_ours), best(random_xalloc), best(random_offset));
+        println!("{:<40}{o:>12.1}{x:>12.1}{f:>18.1}{:>12.2}", "random workload (per op)", o / x);
+        let u = best(random_ours_untrimmed);
+        println!("{:<40}{u:>12.1}{x:>12.1}{f:>18.1}{:>12.2}", "random workload, trim_ratio:0", u / x);
+    }
+    if !wanted("cross-thread frees") {
+        return;
+    }
 
     let o = best(|| {
         let a = ours();

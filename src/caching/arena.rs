@@ -34,6 +34,17 @@
 //! given back, while the arena's queue has work in flight: a free in stream order leaves the
 //! work queued before it using the block (the pool checks).
 //!
+//! Views are paid for from a *map credit* ([`MAP_CREDIT_RUNS`]): each block the arena hands
+//! out earns a share of a run ([`EARN_EVERY`] blocks earn one), a cached view taken again gives
+//! back what its runs cost (it paid for itself), and a new view spends its runs. A periodic
+//! workload keeps its credit full: its views are made in its first steps and taken again in
+//! every later one. A workload that keeps needing new ones (sizes and lifetimes that never
+//! repeat) runs out, and then a block that no free run holds is given new units (one run, no
+//! call) within a wider share above the allocated bytes ([`Arena::WIDE_SLACK`], the trim
+//! policy's bound where it is on) before a view is made for it: memory is bought for speed
+//! only where the views would not be used again, and the `mmap`s stay at about one per
+//! [`EARN_EVERY`] blocks however long such a workload runs.
+//!
 //! This file holds the arena's state and arithmetic ([`Arena`]); the pool decides when to use
 //! it (`pool/stitched.rs`).
 
@@ -77,6 +88,18 @@ pub(crate) const MAX_VIEW_RUNS: usize = 256;
 /// wastes nearly half. Blocks below the threshold stay in the small pool, whose cached pages
 /// the arena cannot use: a smaller unit, not a lower threshold, sends more of them here.)
 pub(crate) const MIN_UNITS: usize = 4;
+
+/// The map credit an arena starts with and can hold at most, in runs (`mmap`s): what the
+/// first steps of a periodic workload need to make their views (the ten traces of
+/// `examples/torch-traces` make at most about 500) without being held back, and at about 2.5 µs
+/// a run (measured: `benches/allocator.rs`, the random workload) a few milliseconds of calls
+/// for one that never repeats before it is.
+pub(crate) const MAP_CREDIT_RUNS: u64 = 1024;
+
+/// Blocks handed out by an arena that earn one run of map credit: a run costs about as much
+/// time as 25 of them (about 2.5 µs against 100 ns), so a workload that spends all its credit
+/// spends at most about a fifth of its time on views.
+pub(crate) const EARN_EVERY: u64 = 128;
 
 /// One view: where it is in the reservation and which units it shows, in runs
 /// `(first unit, count)` in address order.
@@ -189,6 +212,8 @@ pub(crate) struct Arena {
     /// Address space handed to views so far (the high-water mark).
     va_top: usize,
     clock: u64,
+    /// Map credit, in [`EARN_EVERY`]ths of a run (see the module docs).
+    credit: u64,
 }
 
 impl Arena {
@@ -224,7 +249,45 @@ impl Arena {
             va_by_len: BTreeSet::new(),
             va_top: home_units * unit,
             clock: 0,
+            credit: MAP_CREDIT_RUNS * EARN_EVERY,
         })
+    }
+
+    /// The share above the allocated bytes an arena out of map credit may grow within rather
+    /// than map a view, where trimming is off (where it is on, its bound): what a workload of
+    /// random sizes and lifetimes needs to map almost nothing (the random workload of
+    /// `benches/allocator.rs` maps about 400 runs in 400,000 operations with it, 18,000 with
+    /// the default `stitch_grow_slack`).
+    pub(crate) const WIDE_SLACK: f64 = 0.1;
+
+    /// Whether the map credit pays for a view of `runs` runs.
+    pub(crate) fn has_map_credit(&self, runs: usize) -> bool {
+        self.credit >= runs as u64 * EARN_EVERY
+    }
+
+    /// Map credit in whole runs.
+    #[cfg(test)]
+    pub(crate) fn map_credit(&self) -> u64 {
+        self.credit / EARN_EVERY
+    }
+
+    /// Spends all the map credit (as a workload that never repeats would have).
+    #[cfg(test)]
+    pub(crate) fn spend_map_credit(&mut self) {
+        self.credit = 0;
+    }
+
+    /// A block handed out: it earns its share of a run.
+    #[inline]
+    fn earn(&mut self) {
+        self.credit = (self.credit + 1).min(MAP_CREDIT_RUNS * EARN_EVERY);
+    }
+
+    /// `runs` runs of map credit given back (a cached view taken again) or spent (a view made).
+    fn credit_runs(&mut self, runs: usize, back: bool) {
+        let c = runs as u64 * EARN_EVERY;
+        self.credit =
+            if back { (self.credit + c).min(MAP_CREDIT_RUNS * EARN_EVERY) } else { self.credit.saturating_sub(c) };
     }
 
     /// Bytes of the home region (the start of the stitched views' address space).
@@ -350,6 +413,9 @@ impl Arena {
             self.free.occupy(u, k);
         }
         self.n_holes -= rebacked;
+        let runs = self.views[&id].runs.len();
+        self.earn();
+        self.credit_runs(runs, true);
         rebacked
     }
 
@@ -529,6 +595,7 @@ impl Arena {
         self.free.occupy(s, n as u32);
         set(&mut self.freed, s as usize, s as usize + 1, false);
         self.home_live += 1;
+        self.earn();
         (s as usize) << self.shift
     }
 
@@ -664,10 +731,13 @@ impl Arena {
             // A block starts here now: the mark of one freed here goes.
             set(&mut self.freed, first.0 as usize, first.0 as usize + 1, false);
             self.home_live += 1;
+            self.earn();
             return Ok(Some((va, None, Made { maps: 0, rebacked, grown })));
         }
         let runs: Vec<(u32, u32)> = plan.runs().collect();
         let maps = runs.len();
+        self.earn();
+        self.credit_runs(maps, false);
         self.mapped_runs += maps;
         MAPPED_RUNS.fetch_add(maps, Ordering::Relaxed);
         self.clock += 1;

@@ -71,7 +71,10 @@ pub struct Config {
     /// taken again for it): 0.02 (2%) by default, under the 3% the allocator promises. Memory
     /// bought for speed: a workload whose free units are scattered maps far fewer views
     /// (random sizes and lifetimes: about a third as many), and one that repeats settles a
-    /// step or two later. 0: the arena grows only when its free units cannot hold the block.
+    /// step or two later. An arena that has spent its map credit (a workload whose views are
+    /// not used again; `caching/arena.rs`) grows within the trim policy's bound instead
+    /// (`trim_ratio` less one), or 10% with trimming off, if wider. 0: the arena grows only
+    /// when its free units cannot hold the block, credit or not.
     pub stitch_grow_slack: f64,
     /// Bypass caching.
     pub no_caching: bool,

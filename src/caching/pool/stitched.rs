@@ -153,7 +153,8 @@ impl Pool {
         let (mut plan, cost) = self.arena_mut(si).1.plan(n);
         let mut cost = cost as u64;
         let reserved = self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64;
-        if plan.run_count() > 1 && self.config.stitch_grow_slack > 0.0 {
+        let slack = self.grow_slack(si, plan.run_count());
+        if plan.run_count() > 1 && slack > 0.0 {
             // New units in one run instead of a view of scattered free ones, while the reserved
             // bytes stay within the slack above the allocated bytes, this block counted (not
             // above an older peak: memory given back by `empty_cache` or trimming is not taken
@@ -163,10 +164,7 @@ impl Pool {
             let arena = self.arena_mut(si).1;
             let (grow, grow_cost) = arena.grow_plan(n);
             let after = reserved + grow_cost as u64;
-            if arena.has_room(&grow)
-                && after as f64 <= allocated * (1.0 + self.config.stitch_grow_slack)
-                && after <= self.allowed
-            {
+            if arena.has_room(&grow) && after as f64 <= allocated * (1.0 + slack) && after <= self.allowed {
                 (plan, cost) = (grow, grow_cost as u64);
             }
         }
@@ -205,6 +203,20 @@ impl Pool {
             return false;
         }
         self.arena_make(si, p, plan)
+    }
+
+    /// The share above the allocated bytes arena `si` may grow within rather than map a view of
+    /// `runs` runs: `stitch_grow_slack` while its map credit pays for the view; past that (a
+    /// workload whose views are not used again), [`Arena::WIDE_SLACK`], or the trim policy's
+    /// bound where trimming is on (growing past it would only make the trim punch pages
+    /// elsewhere), if wider. With `stitch_grow_slack:0` the arena never grows for speed.
+    fn grow_slack(&mut self, si: u32, runs: usize) -> f64 {
+        let slack = self.config.stitch_grow_slack;
+        if runs <= 1 || slack == 0.0 || self.arena_mut(si).1.has_map_credit(runs) {
+            return slack;
+        }
+        let wide = if self.config.trim_ratio > 0.0 { self.config.trim_ratio - 1.0 } else { Arena::WIDE_SLACK };
+        slack.max(wide)
     }
 
     /// Makes the block `plan` names in arena `si` and hands it out for request `p` (letting

@@ -301,3 +301,46 @@ fn a_cached_block_with_a_backed_tail_beyond_the_request_gives_the_tail_back() {
     assert!(p.stats.device.reserved_bytes[stats::AGGREGATE].current <= 16 * MB as i64);
     step!(p.apply(FreeMsg::Free(f)));
 }
+
+/// Map credit: a block that fits no free run of the arena, with the free units 3% of it (above
+/// the 2% `stitch_grow_slack`, within the trim policy's 4.5%). While the arena's map credit
+/// pays for a view the block is stitched from the free runs (two `mmap`s, no new memory);
+/// with the credit spent (a workload whose views are never used again) it gets new units
+/// instead, with no call. A cached view taken again gives back what its runs cost.
+#[test]
+#[cfg_attr(miri, ignore = "Miri makes no arenas")]
+fn out_of_map_credit_an_arena_grows_rather_than_maps() {
+    for spent in [false, true] {
+        let mut p = pool("expandable_segments:True");
+        let q = QueueKey::test(0);
+        let unit = p.config.stitch_unit;
+        let ids: Vec<_> = (0..100).map(|_| got(step!(p.allocate(4 * unit, q, false, false))).id).collect();
+        for i in [10, 50, 90] {
+            step!(p.apply(FreeMsg::Free(ids[i])));
+        }
+        let si = p.arenas[&q];
+        fn arena(p: &mut Pool, si: u32) -> &mut Arena {
+            p.segments[si as usize].as_mut().unwrap().arena.as_mut().unwrap()
+        }
+        if spent {
+            arena(&mut p, si).spend_map_credit();
+        }
+        let reserved = |p: &Pool| p.stats.device.reserved_bytes[stats::AGGREGATE].current as usize;
+        let (r0, m0) = (reserved(&p), p.stats.device.num_remaps);
+        assert_eq!(r0, 400 * unit, "one unit more or less than the blocks: the setup is off");
+        let big = got(step!(p.allocate(8 * unit, q, false, false))).id;
+        let (grew, maps) = (reserved(&p) - r0, p.stats.device.num_remaps - m0);
+        if spent {
+            assert_eq!((grew, maps), (8 * unit, 0), "out of credit: new units, no view");
+        } else {
+            assert_eq!((grew, maps), (0, 2), "with credit: a view of the two free runs");
+            // Its view cached and taken again, out of credit: the view's two runs come back.
+            step!(p.apply(FreeMsg::Free(big)));
+            arena(&mut p, si).spend_map_credit();
+            let again = got(step!(p.allocate(8 * unit, q, false, false))).id;
+            assert_eq!(p.stats.device.num_remaps - m0, 2, "the cached view was not taken again");
+            assert_eq!(arena(&mut p, si).map_credit(), 2, "taken again, the view gives its runs' credit back");
+            step!(p.apply(FreeMsg::Free(again)));
+        }
+    }
+}
