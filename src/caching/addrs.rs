@@ -218,6 +218,11 @@ impl Starts {
     }
 }
 
+/// The most units a region's table of ids is made for at once: 16 MiB of address space
+/// (4 Mi units, 16 GiB of 4 KiB units), memory only where written. Under Miri, which fills
+/// every allocation it makes, 4096.
+const REGION_UP_FRONT: usize = if cfg!(miri) { 1 << 12 } else { 1 << 22 };
+
 /// A dense region: a page-stitched arena's home region, where blocks start at multiples of
 /// its unit and are made and freed on every request. Its starts are a bitmap and a table by
 /// unit instead of entries of the ordered map (which cost a tree insert and remove a block).
@@ -273,7 +278,8 @@ impl BlockAddrs {
             let u = (addr - r.base) >> r.shift;
             debug_assert_eq!((addr - r.base) & ((1 << r.shift) - 1), 0, "a region's blocks start at its units");
             if u >= r.ids.len() {
-                r.ids.resize((u + 1).next_power_of_two(), BlockId::MAX);
+                // Past the table made up front (a region beyond `REGION_UP_FRONT` units).
+                r.ids.resize((u + 1).next_power_of_two(), 0);
             }
             r.starts.insert(u);
             r.ids[u] = id;
@@ -296,13 +302,12 @@ impl BlockAddrs {
     /// multiples of `unit` (a power of two). Nothing may be filed there yet.
     pub(crate) fn add_region(&mut self, base: usize, len: usize, unit: usize) {
         debug_assert!(unit.is_power_of_two() && self.ordered.range(base..base + len).next().is_none());
-        self.regions.push(Region {
-            base,
-            len,
-            shift: unit.trailing_zeros(),
-            starts: Starts::default(),
-            ids: Vec::new(),
-        });
+        let shift = unit.trailing_zeros();
+        // Allocated zeroed at once (pages the kernel supplies on first write), so that an
+        // arena growing unit by unit neither fills nor copies the table: only the entries
+        // where the bitmap says a block starts are ever read.
+        let ids = vec![0; (len >> shift).min(REGION_UP_FRONT)];
+        self.regions.push(Region { base, len, shift, starts: Starts::default(), ids });
     }
 
     /// Forgets the dense region at `base` (its blocks were removed).

@@ -40,9 +40,10 @@
 //! workload keeps its credit full: its views are made in its first steps and taken again in
 //! every later one. A workload that keeps needing new ones (sizes and lifetimes that never
 //! repeat) runs out, and then a block that no free run holds is given new units (one run, no
-//! call) within a wider share above the allocated bytes ([`Arena::WIDE_SLACK`], the trim
-//! policy's bound where it is on) before a view is made for it: memory is bought for speed
-//! only where the views would not be used again, and the `mmap`s stay at about one per
+//! call) within a wider share above the allocated bytes ([`Arena::WIDE_SLACK`]) before a
+//! view is made for it, until its credit is full again ([`Arena::hungry`]; the trim policy
+//! leaves the free units of a hungry arena be meanwhile): memory is bought for speed only
+//! where the views would not be used again, and the `mmap`s stay at about one per
 //! [`EARN_EVERY`] blocks however long such a workload runs.
 //!
 //! This file holds the arena's state and arithmetic ([`Arena`]); the pool decides when to use
@@ -96,10 +97,15 @@ pub(crate) const MIN_UNITS: usize = 4;
 /// for one that never repeats before it is.
 pub(crate) const MAP_CREDIT_RUNS: u64 = 1024;
 
-/// Blocks handed out by an arena that earn one run of map credit: a run costs about as much
-/// time as 25 of them (about 2.5 µs against 100 ns), so a workload that spends all its credit
-/// spends at most about a fifth of its time on views.
-pub(crate) const EARN_EVERY: u64 = 128;
+/// Blocks handed out by an arena that earn one run of map credit. A run costs about 10 µs
+/// all told (the `mmap`, the eviction's `munmap`, the pool's search for a view; measured on
+/// the random workload of `benches/allocator.rs`: 18,773 runs cost about 100 ms more than
+/// 400), about as much as 100 home blocks, so a workload that spends all it earns spends
+/// about a sixth of its time on views.
+pub(crate) const EARN_EVERY: u64 = 512;
+
+/// A full map credit, in [`EARN_EVERY`]ths of a run.
+const FULL: u64 = MAP_CREDIT_RUNS * EARN_EVERY;
 
 /// One view: where it is in the reservation and which units it shows, in runs
 /// `(first unit, count)` in address order.
@@ -214,6 +220,9 @@ pub(crate) struct Arena {
     clock: u64,
     /// Map credit, in [`EARN_EVERY`]ths of a run (see the module docs).
     credit: u64,
+    /// Set when a view was wanted that the credit could not pay for; it holds until the
+    /// credit is full again (see [`Arena::hungry`]).
+    hungry: bool,
 }
 
 impl Arena {
@@ -249,12 +258,13 @@ impl Arena {
             va_by_len: BTreeSet::new(),
             va_top: home_units * unit,
             clock: 0,
-            credit: MAP_CREDIT_RUNS * EARN_EVERY,
+            credit: FULL,
+            hungry: false,
         })
     }
 
     /// The share above the allocated bytes an arena out of map credit may grow within rather
-    /// than map a view, where trimming is off (where it is on, its bound): what a workload of
+    /// than map a view: what a workload of
     /// random sizes and lifetimes needs to map almost nothing (the random workload of
     /// `benches/allocator.rs` maps about 400 runs in 400,000 operations with it, 18,000 with
     /// the default `stitch_grow_slack`).
@@ -277,17 +287,42 @@ impl Arena {
         self.credit = 0;
     }
 
+    /// Whether the arena is out of map credit: a view was wanted that the credit could not
+    /// pay for, and the credit has not been full since (a workload whose views are not used
+    /// again). It then grows within [`Arena::WIDE_SLACK`] rather than map, and the trim policy
+    /// does not count its free units (`Pool::budget`: punching the pools' pages would not
+    /// bring them back).
+    pub(crate) fn hungry(&self) -> bool {
+        self.hungry && self.credit < FULL
+    }
+
+    /// A view of `runs` runs was wanted: without the credit for it, the arena is hungry.
+    pub(crate) fn want_map(&mut self, runs: usize) {
+        if !self.has_map_credit(runs) {
+            self.hungry = true;
+        }
+    }
+
     /// A block handed out: it earns its share of a run.
     #[inline]
     fn earn(&mut self) {
-        self.credit = (self.credit + 1).min(MAP_CREDIT_RUNS * EARN_EVERY);
+        if self.credit < FULL {
+            self.credit += 1;
+        } else {
+            self.hungry = false;
+        }
     }
 
     /// `runs` runs of map credit given back (a cached view taken again) or spent (a view made).
     fn credit_runs(&mut self, runs: usize, back: bool) {
+        if self.credit >= FULL {
+            self.hungry = false;
+        }
         let c = runs as u64 * EARN_EVERY;
-        self.credit =
-            if back { (self.credit + c).min(MAP_CREDIT_RUNS * EARN_EVERY) } else { self.credit.saturating_sub(c) };
+        self.credit = if back { (self.credit + c).min(FULL) } else { self.credit.saturating_sub(c) };
+        if self.credit >= FULL {
+            self.hungry = false;
+        }
     }
 
     /// Bytes of the home region (the start of the stitched views' address space).
@@ -323,6 +358,11 @@ impl Arena {
     /// The units a block of `size` bytes takes.
     pub(crate) fn units_for(&self, size: usize) -> usize {
         (size >> self.shift) + usize::from(size & (self.unit - 1) != 0)
+    }
+
+    /// Bytes of memory the arena holds free: its free units, less those given back.
+    pub(crate) fn free_backed_bytes(&self) -> usize {
+        (self.free.free_units() - self.n_holes) * self.unit
     }
 
     /// Bytes of memory the arena holds: the units used so far, less those given back.

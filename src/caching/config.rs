@@ -39,7 +39,8 @@ pub struct Config {
     /// traces in `examples/torch-traces`; the price is a few punches (and page re-faults) per
     /// step of a training loop whose layout touches more than that. 0 turns it off (reserved
     /// memory is then given back only under pressure, by `empty_cache` or by garbage
-    /// collection).
+    /// collection). The free units of a page-stitched arena out of map credit are not
+    /// counted against it: they are its wider slack's (see `stitch_grow_slack`).
     pub trim_ratio: f64,
     /// Our key (`page_stitching`, on by default where the source makes expandable segments):
     /// requests of at least four stitching units go to the queue's page-stitched arena
@@ -72,9 +73,9 @@ pub struct Config {
     /// bought for speed: a workload whose free units are scattered maps far fewer views
     /// (random sizes and lifetimes: about a third as many), and one that repeats settles a
     /// step or two later. An arena that has spent its map credit (a workload whose views are
-    /// not used again; `caching/arena.rs`) grows within the trim policy's bound instead
-    /// (`trim_ratio` less one), or 10% with trimming off, if wider. 0: the arena grows only
-    /// when its free units cannot hold the block, credit or not.
+    /// not used again; `caching/arena.rs`) grows within 10% instead, if wider, until its
+    /// credit is full again. 0: the arena grows only when its free units cannot hold the
+    /// block, credit or not.
     pub stitch_grow_slack: f64,
     /// Bypass caching.
     pub no_caching: bool,

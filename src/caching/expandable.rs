@@ -297,6 +297,10 @@ const TRIM_LOW_SHARE: f64 = 25.0 / 45.0;
 pub(crate) struct Budget {
     /// Bytes reserved now (backed pages of every segment).
     pub(crate) reserved: u64,
+    /// Of those, the free units of page-stitched arenas out of map credit (`Arena::hungry`):
+    /// their wider slack's, which punching the pools' pages would not bring back, so not
+    /// counted against the trim policy's bound (they count against the allowed memory).
+    pub(crate) arena_free: u64,
     /// Bytes allocated now.
     pub(crate) allocated: u64,
     /// The allocated bytes' peak.
@@ -318,7 +322,7 @@ impl Budget {
     /// How far past the trim policy's bound the reserved bytes would go: the bytes to punch to
     /// bring them down to its low mark (0 while within the bound).
     fn over_bound(&self, need: u64, rounded: u64) -> u64 {
-        let after = self.reserved + need;
+        let after = self.reserved.saturating_sub(self.arena_free) + need;
         let ratio = self.trim_ratio;
         if ratio == 0.0 {
             return 0;
@@ -456,7 +460,14 @@ mod tests {
 
     #[test]
     fn the_trim_policy_punches_down_to_its_low_mark() {
-        let b = Budget { reserved: 1000, allocated: 900, allocated_peak: 1000, allowed: 1 << 20, trim_ratio: 1.045 };
+        let b = Budget {
+            reserved: 1000,
+            arena_free: 0,
+            allocated: 900,
+            allocated_peak: 1000,
+            allowed: 1 << 20,
+            trim_ratio: 1.045,
+        };
         // Within the bound (1045): nothing.
         assert_eq!(b.trim_excess(40, 0), 0);
         // 1100 > 1045: down to the low mark, 1025.
@@ -467,5 +478,9 @@ mod tests {
         let off = Budget { trim_ratio: 0.0, allowed: 1050, ..b };
         assert_eq!(off.trim_excess(100, 0), 50);
         assert_eq!(off.over_allowed(10), 0);
+        // The arenas' free units are not the trim's to punch: 1100 of which 100 are theirs is
+        // within the bound, but they count against the allowed memory all the same.
+        assert_eq!(Budget { arena_free: 100, ..b }.trim_excess(100, 0), 0);
+        assert_eq!(Budget { arena_free: 100, allowed: 1050, ..b }.trim_excess(100, 0), 50);
     }
 }

@@ -57,6 +57,8 @@ pub(crate) struct FreeRuns {
     /// One bit per class, set while it has runs.
     nonempty: [u64; CLASSES.div_ceil(64)],
     runs: usize,
+    /// Free units.
+    free_units: usize,
 }
 
 impl FreeRuns {
@@ -82,6 +84,11 @@ impl FreeRuns {
     /// Units covered (`[0, units)`).
     pub(crate) fn units(&self) -> usize {
         self.len
+    }
+
+    /// How many units are free.
+    pub(crate) fn free_units(&self) -> usize {
+        self.free_units
     }
 
     /// Whether unit `u` is free.
@@ -148,6 +155,7 @@ impl FreeRuns {
     pub(crate) fn vacate(&mut self, mut s: u32, mut k: u32) {
         debug_assert!(k > 0 && (s + k) as usize <= self.len);
         fill(&mut self.free, s as usize, (s + k) as usize, true);
+        self.free_units += k as usize;
         if s > 0 && bit(&self.free, s as usize - 1) {
             let ls = self.tags[s as usize - 1][TAIL_START];
             k += self.unlink(ls);
@@ -184,6 +192,7 @@ impl FreeRuns {
         let rl = self.unlink(rs);
         debug_assert!(s + k <= rs + rl, "units [{s}, {}) are not all free (run {rs}+{rl})", s + k);
         fill(&mut self.free, s as usize, (s + k) as usize, false);
+        self.free_units -= k as usize;
         if s > rs {
             self.link(rs, s - rs);
         }
@@ -315,6 +324,13 @@ impl FreeRuns {
     pub(crate) fn check(&self) -> Result<(), String> {
         if super::bitmap::count(&self.free, self.len, self.free.len() * 64) != 0 {
             return Err("free units past the end".into());
+        }
+        if super::bitmap::count(&self.free, 0, self.len) != self.free_units {
+            return Err(format!(
+                "{} free units counted, {} free",
+                self.free_units,
+                super::bitmap::count(&self.free, 0, self.len)
+            ));
         }
         let mut found = 0;
         let mut u = 0;

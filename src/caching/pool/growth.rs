@@ -205,8 +205,17 @@ impl Pool {
     /// The numbers the trim policy weighs, now.
     pub(super) fn budget(&self) -> Budget {
         let bytes = self.stats.hot.array(stats::ALLOCATED_BYTES)[stats::AGGREGATE];
+        // A hungry arena's free units are its wider slack's (see `Arena::hungry`).
+        let arena_free = self
+            .arenas
+            .values()
+            .filter_map(|&si| self.segments[si as usize].as_ref()?.arena.as_ref())
+            .filter(|a| a.hungry())
+            .map(|a| a.free_backed_bytes() as u64)
+            .sum();
         Budget {
             reserved: self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64,
+            arena_free,
             allocated: bytes.current as u64,
             allocated_peak: bytes.peak as u64,
             allowed: self.allowed,

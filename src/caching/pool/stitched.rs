@@ -206,17 +206,18 @@ impl Pool {
     }
 
     /// The share above the allocated bytes arena `si` may grow within rather than map a view of
-    /// `runs` runs: `stitch_grow_slack` while its map credit pays for the view; past that (a
-    /// workload whose views are not used again), [`Arena::WIDE_SLACK`], or the trim policy's
-    /// bound where trimming is on (growing past it would only make the trim punch pages
-    /// elsewhere), if wider. With `stitch_grow_slack:0` the arena never grows for speed.
+    /// `runs` runs: `stitch_grow_slack`, or [`Arena::WIDE_SLACK`] if wider while the arena is
+    /// hungry (out of map credit: a workload whose views are not used again). The trim policy
+    /// does not count a hungry arena's free units (`Pool::budget`), so it does not punch the
+    /// pools' pages for them. With `stitch_grow_slack:0` the arena never grows for speed.
     fn grow_slack(&mut self, si: u32, runs: usize) -> f64 {
         let slack = self.config.stitch_grow_slack;
-        if runs <= 1 || slack == 0.0 || self.arena_mut(si).1.has_map_credit(runs) {
+        if runs <= 1 || slack == 0.0 {
             return slack;
         }
-        let wide = if self.config.trim_ratio > 0.0 { self.config.trim_ratio - 1.0 } else { Arena::WIDE_SLACK };
-        slack.max(wide)
+        let a = self.arena_mut(si).1;
+        a.want_map(runs);
+        if a.hungry() { slack.max(Arena::WIDE_SLACK) } else { slack }
     }
 
     /// Makes the block `plan` names in arena `si` and hands it out for request `p` (letting

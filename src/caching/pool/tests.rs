@@ -332,8 +332,12 @@ fn out_of_map_credit_an_arena_grows_rather_than_maps() {
         let (grew, maps) = (reserved(&p) - r0, p.stats.device.num_remaps - m0);
         if spent {
             assert_eq!((grew, maps), (8 * unit, 0), "out of credit: new units, no view");
+            assert!(arena(&mut p, si).hungry(), "out of credit, not hungry");
+            // Its free units are its own slack's: not counted against the trim policy's bound.
+            assert_eq!(p.budget().arena_free as usize, 12 * unit);
         } else {
             assert_eq!((grew, maps), (0, 2), "with credit: a view of the two free runs");
+            assert!(!arena(&mut p, si).hungry() && p.budget().arena_free == 0);
             // Its view cached and taken again, out of credit: the view's two runs come back.
             step!(p.apply(FreeMsg::Free(big)));
             arena(&mut p, si).spend_map_credit();
