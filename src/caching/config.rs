@@ -73,8 +73,9 @@ pub struct Config {
     /// bought for speed: a workload whose free units are scattered maps far fewer views
     /// (random sizes and lifetimes: about a third as many), and one that repeats settles a
     /// step or two later. An arena that has spent its map credit (a workload whose views are
-    /// not used again; `caching/arena.rs`) grows within 10% instead, if wider, until its
-    /// credit is full again. 0: the arena grows only when its free units cannot hold the
+    /// not used again, and a credit's worth of them cached unused; `caching/arena.rs`) grows
+    /// within 10% instead, if wider, until its credit is full again: such a workload may peak
+    /// past 3%. 0: the arena grows only when its free units cannot hold the
     /// block, credit or not.
     pub stitch_grow_slack: f64,
     /// Bypass caching.

@@ -135,6 +135,11 @@ impl Pool {
         if over > 0 {
             self.punch_block_beyond(id, rounded, over);
         }
+        if self.budget().over_allowed(need) > 0 {
+            // The pools had not enough free pages to punch: the arenas' free units go too
+            // (their views stay), rather than refuse a request the allowed memory holds.
+            self.arena_release_cached(None, false);
+        }
         self.stats.device.reserved_bytes[stats::AGGREGATE].current as u64 + need <= self.allowed
     }
 

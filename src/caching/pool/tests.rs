@@ -302,14 +302,22 @@ fn a_cached_block_with_a_backed_tail_beyond_the_request_gives_the_tail_back() {
     step!(p.apply(FreeMsg::Free(f)));
 }
 
+fn arena(p: &mut Pool, si: u32) -> &mut Arena {
+    p.segments[si as usize].as_mut().unwrap().arena.as_mut().unwrap()
+}
+
+fn reserved(p: &Pool) -> usize {
+    p.stats.device.reserved_bytes[stats::AGGREGATE].current as usize
+}
+
 /// Map credit: a block that fits no free run of the arena, with the free units 3% of it (above
-/// the 2% `stitch_grow_slack`, within the trim policy's 4.5%). While the arena's map credit
-/// pays for a view the block is stitched from the free runs (two `mmap`s, no new memory);
-/// with the credit spent (a workload whose views are never used again) it gets new units
-/// instead, with no call. A cached view taken again gives back what its runs cost.
+/// the 2% `stitch_grow_slack`). With credit it is stitched from the free runs (two `mmap`s, no
+/// new memory). With the credit spent but no views cached unused (views still in use, as in
+/// the first step of a periodic workload: `tests/hostile_review28.rs`) the arena is not
+/// hungry and stitches all the same. A cached view taken again gives back what its runs cost.
 #[test]
 #[cfg_attr(miri, ignore = "Miri makes no arenas")]
-fn out_of_map_credit_an_arena_grows_rather_than_maps() {
+fn spent_map_credit_alone_does_not_make_an_arena_hungry() {
     for spent in [false, true] {
         let mut p = pool("expandable_segments:True");
         let q = QueueKey::test(0);
@@ -319,32 +327,83 @@ fn out_of_map_credit_an_arena_grows_rather_than_maps() {
             step!(p.apply(FreeMsg::Free(ids[i])));
         }
         let si = p.arenas[&q];
-        fn arena(p: &mut Pool, si: u32) -> &mut Arena {
-            p.segments[si as usize].as_mut().unwrap().arena.as_mut().unwrap()
-        }
         if spent {
             arena(&mut p, si).spend_map_credit();
         }
-        let reserved = |p: &Pool| p.stats.device.reserved_bytes[stats::AGGREGATE].current as usize;
         let (r0, m0) = (reserved(&p), p.stats.device.num_remaps);
         assert_eq!(r0, 400 * unit, "one unit more or less than the blocks: the setup is off");
         let big = got(step!(p.allocate(8 * unit, q, false, false))).id;
         let (grew, maps) = (reserved(&p) - r0, p.stats.device.num_remaps - m0);
-        if spent {
-            assert_eq!((grew, maps), (8 * unit, 0), "out of credit: new units, no view");
-            assert!(arena(&mut p, si).hungry(), "out of credit, not hungry");
-            // Its free units are its own slack's: not counted against the trim policy's bound.
-            assert_eq!(p.budget().arena_free as usize, 12 * unit);
-        } else {
-            assert_eq!((grew, maps), (0, 2), "with credit: a view of the two free runs");
-            assert!(!arena(&mut p, si).hungry() && p.budget().arena_free == 0);
-            // Its view cached and taken again, out of credit: the view's two runs come back.
-            step!(p.apply(FreeMsg::Free(big)));
-            arena(&mut p, si).spend_map_credit();
-            let again = got(step!(p.allocate(8 * unit, q, false, false))).id;
-            assert_eq!(p.stats.device.num_remaps - m0, 2, "the cached view was not taken again");
-            assert_eq!(arena(&mut p, si).map_credit(), 2, "taken again, the view gives its runs' credit back");
-            step!(p.apply(FreeMsg::Free(again)));
-        }
+        assert_eq!((grew, maps), (0, 2), "spent {spent}: not a view of the two free runs");
+        assert!(!arena(&mut p, si).hungry() && p.budget().arena_free == 0, "spent {spent}: hungry");
+        // Its view cached and taken again, out of credit: the view's two runs come back.
+        step!(p.apply(FreeMsg::Free(big)));
+        arena(&mut p, si).spend_map_credit();
+        let again = got(step!(p.allocate(8 * unit, q, false, false))).id;
+        assert_eq!(p.stats.device.num_remaps - m0, 2, "the cached view was not taken again");
+        assert_eq!(arena(&mut p, si).map_credit(), 2, "taken again, the view gives its runs' credit back");
+        step!(p.apply(FreeMsg::Free(again)));
+    }
+}
+
+/// A hungry arena: stitched views made and let go unused (1,024 runs cached, their units
+/// taken back by home blocks), and the credit spent. A block that fits no free run and no
+/// cached view then gets new units (no call) while the reserved bytes stay within the wider
+/// slack (`Arena::WIDE_SLACK` above the allocated bytes); the trim policy does not count the
+/// arena's free units meanwhile (they count against the allowed memory).
+#[test]
+#[cfg_attr(miri, ignore = "Miri makes no arenas")]
+fn a_hungry_arena_grows_within_its_bound_rather_than_maps() {
+    let mut p = pool("expandable_segments:True");
+    let q = QueueKey::test(0);
+    let unit = p.config.stitch_unit;
+    let ids: Vec<_> = (0..2400).map(|_| got(p.allocate(4 * unit, q, false, false)).id).collect();
+    for &id in ids.iter().step_by(2) {
+        p.apply(FreeMsg::Free(id));
+    }
+    // Half the memory free, in 1,200 runs of four units: blocks of eight are stitched (some
+    // grow, within the 2% slack), until 1,024 runs are mapped.
+    let m0 = p.stats.device.num_remaps;
+    let mut views = Vec::new();
+    while p.stats.device.num_remaps - m0 < 1024 {
+        views.push(got(p.allocate(8 * unit, q, false, false)).id);
+        assert!(views.len() <= 600, "the blocks of eight are not stitched");
+    }
+    for id in views {
+        p.apply(FreeMsg::Free(id));
+    }
+    // The views stay cached (unused: no block of eight comes again) while blocks of four take
+    // their units back, until the arena has to grow for one; three of them freed leave three
+    // runs of four units free.
+    let r = reserved(&p);
+    let mut fill = Vec::new();
+    while reserved(&p) == r {
+        fill.push(got(p.allocate(4 * unit, q, false, false)).id);
+    }
+    for i in [10, 500, 900] {
+        p.apply(FreeMsg::Free(fill[i]));
+    }
+    p.check_invariants().unwrap();
+    let si = p.arenas[&q];
+    assert!(!arena(&mut p, si).hungry(), "hungry with credit");
+    arena(&mut p, si).spend_map_credit();
+    let (r0, m1) = (reserved(&p), p.stats.device.num_remaps);
+    // Twelve units: no free run (four each) and no cached view (eight each) holds it.
+    let x = got(step!(p.allocate(12 * unit, q, false, false))).id;
+    assert!(arena(&mut p, si).hungry(), "out of credit with 1,024 runs cached unused, not hungry");
+    assert_eq!((reserved(&p) - r0, p.stats.device.num_remaps - m1), (12 * unit, 0), "not grown");
+    let free = arena(&mut p, si).free_backed_bytes();
+    assert_eq!(free, 12 * unit, "the three runs of four");
+    assert_eq!(p.budget().arena_free as usize, free, "the free units counted against the trim bound");
+    // Freed blocks of twelve leave free runs of twelve: more of them take those, no call.
+    step!(p.apply(FreeMsg::Free(x)));
+    let r1 = reserved(&p);
+    let again: Vec<_> = (0..3).map(|_| got(step!(p.allocate(12 * unit, q, false, false))).id).collect();
+    assert_eq!(p.stats.device.num_remaps, m1, "hungry, a view was mapped");
+    assert_eq!(reserved(&p) - r1, 24 * unit, "the freed run of twelve was not taken first");
+    let allocated = p.stats.hot.array(stats::ALLOCATED_BYTES)[stats::AGGREGATE].current as f64;
+    assert!(reserved(&p) as f64 <= allocated * (1.0 + Arena::WIDE_SLACK), "grew past the wider slack");
+    for id in again {
+        step!(p.apply(FreeMsg::Free(id)));
     }
 }
