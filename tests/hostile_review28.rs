@@ -239,7 +239,8 @@ fn a_hungry_arena_under_a_lowered_fraction() {
         eprintln!("seed {seed:#x}: hungry after {steps} steps, {} remaps", m.a.stats().num_remaps);
         let mut allowed = limit_to(&m.a, reserved(&m.a));
         let (mut ok, mut refused) = (0, 0);
-        for step in 0..scaled(1500) {
+        let steps = scaled(1500);
+        for step in 0..steps {
             let what = format!("seed {seed:#x}, limited step {step}");
             let r = rng.below(100);
             if r < 50 {
@@ -274,7 +275,12 @@ fn a_hungry_arena_under_a_lowered_fraction() {
             }
             m.check(&what);
         }
-        assert!(ok > 50 && refused > 50, "seed {seed:#x}: the model was not exercised: {ok} served, {refused} refused");
+        // A thirtieth of the steps each way (50 of 1,500; the kernel lane runs an eighth).
+        let least = steps / 30;
+        assert!(
+            ok > least && refused > least,
+            "seed {seed:#x}: the model was not exercised: {ok} served, {refused} refused in {steps} steps"
+        );
         m.check_tags("limited");
         // Back to the whole device: everything fits again.
         m.a.set_memory_fraction(1.0).unwrap();
