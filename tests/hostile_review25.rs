@@ -893,11 +893,16 @@ mod capi {
                 assert_eq!(dmabuf_rt_device_free(0, p), DMABUF_RT_OK);
             }
             let stop = Arc::new(AtomicBool::new(false));
-            // A pointer freed once by the owner below; the others try to free it again only
-            // after it is freed and before anything is allocated again (the owner waits).
+            // Thread 0 allocates as well, so the owner's double free below is only a double
+            // free while nobody can allocate: thread 0 allocates under a read guard of `gate`,
+            // the owner frees and frees again under its write guard. (Without the gate thread 0
+            // may be handed the freed address in between, and the second free is then a good
+            // free of its live block: no address-only API can tell, and CI once saw exactly
+            // that.)
+            let gate = Arc::new(std::sync::RwLock::new(()));
             let hs: Vec<_> = (0..3)
                 .map(|t| {
-                    let stop = stop.clone();
+                    let (stop, gate) = (stop.clone(), gate.clone());
                     std::thread::spawn(move || {
                         let local = 0u64;
                         let mut i = 0u64;
@@ -909,8 +914,10 @@ mod capi {
                             assert!(s.allocations < 1 << 20);
                             if t == 0 && i % 4 == 0 {
                                 let mut p: *mut c_void = std::ptr::null_mut();
+                                let held = gate.read().unwrap();
                                 // SAFETY: valid out-pointer.
                                 assert_eq!(unsafe { dmabuf_rt_device_alloc(0, 4 * KB, &mut p) }, DMABUF_RT_OK);
+                                drop(held);
                                 Raw::new(p.cast(), 4 * KB).check("capi other");
                                 // SAFETY: a live stream and a callback that frees `p` once.
                                 let r = unsafe {
@@ -930,10 +937,13 @@ mod capi {
                 r.check("capi owner");
                 rq.check("capi owner");
                 assert_eq!(dmabuf_rt_device_free(0, p), DMABUF_RT_OK);
-                assert_eq!(dmabuf_rt_device_free(0, q), DMABUF_RT_OK);
                 if i % 512 == 0 {
-                    // Double free of `q` by the owner (nobody allocated since: refused).
+                    // Double free of `q` by the owner (nobody can allocate in between: refused).
+                    let _held = gate.write().unwrap();
+                    assert_eq!(dmabuf_rt_device_free(0, q), DMABUF_RT_OK);
                     assert_ne!(dmabuf_rt_device_free(0, q), DMABUF_RT_OK, "double free accepted");
+                } else {
+                    assert_eq!(dmabuf_rt_device_free(0, q), DMABUF_RT_OK);
                 }
             }
             stop.store(true, Ordering::Relaxed);
