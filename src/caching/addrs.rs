@@ -280,6 +280,7 @@ impl BlockAddrs {
             if u >= r.ids.len() {
                 // Past the table made up front (a region beyond `REGION_UP_FRONT` units).
                 r.ids.resize((u + 1).next_power_of_two(), 0);
+                crate::sys::huge_pages::advise(&r.ids);
             }
             r.starts.insert(u);
             r.ids[u] = id;
@@ -307,6 +308,8 @@ impl BlockAddrs {
         // arena growing unit by unit neither fills nor copies the table: only the entries
         // where the bitmap says a block starts are ever read.
         let ids = vec![0; (len >> shift).min(REGION_UP_FRONT)];
+        // Written where blocks start, all over it (as a free run's tags are).
+        crate::sys::huge_pages::advise(&ids);
         self.regions.push(Region { base, len, shift, starts: Starts::default(), ids });
     }
 

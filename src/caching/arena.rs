@@ -54,7 +54,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::bitmap::{bit, count, set, words};
+use super::bitmap::{bit, count, put, set, words};
 use super::block::BlockId;
 use super::free_runs::FreeRuns;
 use super::quick::FxBuild;
@@ -471,7 +471,7 @@ impl Arena {
         let (u, k) = ((off >> self.shift) as u32, n as u32);
         debug_assert!(self.is_home(off) && off % self.unit == 0);
         self.home_live -= 1;
-        set(&mut self.freed, u as usize, u as usize + 1, true);
+        put(&mut self.freed, u as usize, true);
         self.free.vacate(u, k);
     }
 
@@ -639,7 +639,7 @@ impl Arena {
     pub(crate) fn make_home(&mut self, s: u32, n: usize) -> usize {
         debug_assert!(self.n_holes == 0 && (s as usize) + n <= self.len);
         self.free.occupy(s, n as u32);
-        set(&mut self.freed, s as usize, s as usize + 1, false);
+        put(&mut self.freed, s as usize, false);
         self.home_live += 1;
         self.earn();
         (s as usize) << self.shift
@@ -775,7 +775,7 @@ impl Arena {
         }
         if home {
             // A block starts here now: the mark of one freed here goes.
-            set(&mut self.freed, first.0 as usize, first.0 as usize + 1, false);
+            put(&mut self.freed, first.0 as usize, false);
             self.home_live += 1;
             self.earn();
             return Ok(Some((va, None, Made { maps: 0, rebacked, grown })));

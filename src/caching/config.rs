@@ -59,7 +59,9 @@ pub struct Config {
     /// leaving fewer in the small pool (whose cached pages the arena cannot use), and waste
     /// less; larger ones keep less bookkeeping: at most about 17 bytes of host memory per unit
     /// the arena has used (0.4% of it with 4 KiB units, 0.1% with 16 KiB; allocated zeroed, so
-    /// only the pages where a free run's tags were written cost memory), fewer bitmap words per
+    /// only the pages where a free run's tags were written cost memory: 4 KiB pages in a
+    /// table's first 2 MiB, transparent huge pages of 2 MiB past it where the system allows
+    /// them, `sys/huge_pages.rs`), fewer bitmap words per
     /// block, fewer mappings (VMAs) per view when the free units are scattered. Measured on the
     /// ten traces of `examples/torch-traces` (README, "Page stitching"): with 4 KiB all ten
     /// stay within 1.009 of their peak allocated; with 16 KiB `llm_serving` needs 1.040 (a

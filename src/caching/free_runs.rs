@@ -66,19 +66,26 @@ impl FreeRuns {
     /// allocated zeroed at once, so that growing never copies them, and a large table's pages
     /// (zero pages from the kernel until written) cost memory only where a run's tags are
     /// written, not per unit: an arena of large blocks touches a small share of them. (Tags are
-    /// only ever read where they were written: at a free run's ends.)
+    /// only ever read where they were written: at a free run's ends.) The table's aligned 2 MiB
+    /// (all of it past its first 2 MiB at most) ask for transparent huge pages
+    /// (`sys::huge_pages`): an arena of gigabytes writes
+    /// tags all over megabytes of it, where 4 KiB pages cost a fault each and miss the TLB
+    /// (the random workload of `benches/allocator.rs`: 3,100 faults, 480 with them, and 10%
+    /// less time).
     ///
     /// At most [`UP_FRONT`] units' room is allocated at once (address space, not memory, but
     /// a system that does not overcommit counts it): an arena that grows past them grows its
     /// tables then.
     pub(crate) fn with_capacity(units: usize) -> Self {
         let units = units.min(UP_FRONT);
-        Self {
+        let runs = Self {
             free: vec![0; units.div_ceil(64)],
             tags: vec![[0; 4]; units],
             heads: vec![NIL; CLASSES],
             ..Self::default()
-        }
+        };
+        crate::sys::huge_pages::advise(&runs.tags);
+        runs
     }
 
     /// Units covered (`[0, units)`).
@@ -112,6 +119,7 @@ impl FreeRuns {
             let cap = new_len.max(self.tags.len() * 3 / 2);
             self.free.resize(cap.div_ceil(64), 0);
             self.tags.resize(cap, [0; 4]);
+            crate::sys::huge_pages::advise(&self.tags);
         }
         self.len = new_len;
     }

@@ -13,6 +13,7 @@
 pub mod dma_buf;
 pub mod dma_heap;
 pub mod drm;
+pub mod huge_pages;
 pub mod limits;
 pub mod memfd;
 pub mod sync_file;
