@@ -1463,3 +1463,38 @@ fn an_owner_thread_and_threads_taking_the_lock_back_keep_every_block_intact() {
     assert_eq!(st.allocated_bytes[AGGREGATE].current, 0);
     assert_eq!(st.simple().num_allocs, st.simple().num_frees);
 }
+
+/// Classic segments fragment as PyTorch's do: blocks in use pin the free memory of their
+/// segments, and a request no free block holds cannot be served although the memory reserved
+/// but free would: the error says so and names the settings that avoid it (and the expandable
+/// segments of the default configuration serve the same sequence).
+#[test]
+fn fragmentation_out_of_memory_says_so_and_how_to_avoid_it() {
+    let run = |cfg: &str| {
+        let a = alloc(cfg, 40 * MB);
+        // Two 20 MiB segments, each holding 5 + 5 + 10 MiB; the middle 5 MiB stays in use.
+        let mut held = Vec::new();
+        let mut freed = Vec::new();
+        for _ in 0..2 {
+            freed.push(a.allocate(5 * MB, None).unwrap());
+            held.push(a.allocate(5 * MB, None).unwrap());
+            freed.push(a.allocate(10 * MB, None).unwrap());
+        }
+        assert_eq!(a.stats().reserved_bytes[AGGREGATE].current as usize, 40 * MB, "{cfg}");
+        drop(freed);
+        (a.allocate(12 * MB, None).map(drop), held)
+    };
+    let (r, _held) = run("");
+    let e = r.unwrap_err();
+    let Error::AllocatorOom { reserved_free, largest_free, .. } = &e else { panic!("not an OOM: {e}") };
+    assert_eq!((*reserved_free as usize, *largest_free as usize), (30 * MB, 10 * MB), "{e}");
+    let text = e.to_string();
+    assert!(
+        text.contains("fragmentation")
+            && text.contains("`expandable_segments:True`")
+            && text.contains("max_split_size_mb"),
+        "{text}"
+    );
+    let (r, _held) = run("expandable_segments:True");
+    r.unwrap_or_else(|e| panic!("expandable segments: {e}"));
+}

@@ -422,6 +422,56 @@ fn allocations_waiting_for_a_deferred_free_are_woken_when_it_completes() {
     });
 }
 
+/// The same wait while a newer deferred free stays pending throughout (a small block used on
+/// a third queue, gated shut until the end): the waiting allocation must be woken by the
+/// completion of the free it needs, not wait for the pending count to reach zero, which it
+/// never does here. (That wait slept to its limit, then retried: with another thread
+/// requesting deferred frees all the time, an allocation refused with gigabytes about to be
+/// free, `hostile_review24::preexisting_oom_with_large_deferred_raw_fills`.) With an hour-long
+/// wait limit, waiting for zero is a hang the watchdog reports.
+#[test]
+fn allocations_waiting_for_a_deferred_free_are_woken_while_newer_frees_stay_pending() {
+    watchdog("pending wake-up, newer free pending", 120, || {
+        let a = CachingAllocator::builder(dmabuf_rt::source::ShmemSource::new().reserve(false))
+            .config(dmabuf_rt::caching::Config::parse("expandable_segments:False").unwrap())
+            .capacity(20 * MB as u64)
+            .pending_wait_limit(Duration::from_secs(3600))
+            .build()
+            .unwrap();
+        let (q2, q3) = (Queue::new().unwrap(), Queue::new().unwrap());
+        let stuck = QueueGate::close(&q3);
+        let mut small = a.allocate(4 * KB, None).unwrap();
+        small.record_queue(&q3);
+        q3.fill(small.mem(), 1).unwrap();
+        drop(small);
+        for round in 0..scaled(300) {
+            let mut b = a.allocate(12 * MB, None).unwrap();
+            let gate = QueueGate::close(&q2);
+            b.record_queue(&q2);
+            q2.fill(b.mem(), round as u8).unwrap();
+            drop(b);
+            let bar = Arc::new(Barrier::new(2));
+            let waiter = {
+                let (a, bar) = (a.clone(), Arc::clone(&bar));
+                std::thread::spawn(move || {
+                    bar.wait();
+                    a.allocate(12 * MB, None).map(drop).map_err(|e| e.to_string())
+                })
+            };
+            bar.wait();
+            if round % 2 == 0 {
+                std::thread::yield_now();
+            }
+            gate.open();
+            waiter.join().unwrap().unwrap_or_else(|e| panic!("round {round}: {e}"));
+        }
+        stuck.open();
+        q3.synchronize().unwrap();
+        q2.synchronize().unwrap();
+        drained(&a, "pending wake-up, newer free pending");
+    });
+}
+
 /// `Queue::synchronize` returns only after the markers placed before it have passed (the
 /// promise in `finish`'s documentation): three threads, each with its own allocator, free a
 /// block used on a queue another thread keeps busy with large fills (run by the executor),

@@ -104,16 +104,27 @@ impl<T> Drop for FreeList<T> {
 /// The count of deferred frees' outstanding waits: counted when a free is requested (before
 /// its request is pushed), uncounted as each of its completions is pushed (one per queue it
 /// waits for). Whoever sees it at zero and then takes from the list gets every completion
-/// pushed before it dropped to zero. A thread that must wait for it to reach zero (the OOM
-/// ladder, `empty_cache`) sleeps until the last `end` wakes it: no polling.
+/// pushed before it dropped to zero. A thread that must wait for the frees outstanding (the
+/// OOM ladder, `empty_cache`) sleeps until an `end` wakes it: no polling.
 #[derive(Debug)]
 pub struct Pending {
     count: AtomicUsize,
-    /// Threads in [`Pending::wait_zero`]: `end` takes the lock and notifies only when some
-    /// sleep, so the usual deferred free pays one atomic load for it.
+    /// Completions uncounted so far (calls of `end`, wrapping), for
+    /// [`Pending::wait_outstanding`].
+    ended: AtomicUsize,
+    /// Threads in [`Pending::wait_zero`] or [`Pending::wait_outstanding`]: `end` takes the
+    /// lock and notifies only when some sleep, so the usual deferred free pays a fence and an
+    /// atomic load for it.
     sleepers: AtomicUsize,
     lock: Mutex<()>,
     zero: Condvar,
+}
+
+/// What [`Pending::mark`] saw: the completions counted so far and the waits outstanding.
+#[derive(Debug, Clone, Copy)]
+pub struct PendingMark {
+    ended: usize,
+    outstanding: usize,
 }
 
 impl Default for Pending {
@@ -125,7 +136,13 @@ impl Default for Pending {
 impl Pending {
     /// None pending.
     pub fn new() -> Self {
-        Self { count: AtomicUsize::new(0), sleepers: AtomicUsize::new(0), lock: Mutex::new(()), zero: Condvar::new() }
+        Self {
+            count: AtomicUsize::new(0),
+            ended: AtomicUsize::new(0),
+            sleepers: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            zero: Condvar::new(),
+        }
     }
 
     /// Counts a deferred free that waits for one completion; call before pushing its
@@ -140,16 +157,17 @@ impl Pending {
     }
 
     /// Uncounts one completion; call after pushing it. Release: the push happens-before
-    /// whatever sees the count drop. The last one wakes the threads in
-    /// [`Pending::wait_zero`].
+    /// whatever sees the count drop (or the completions counted up). Each one wakes the
+    /// threads asleep in [`Pending::wait_zero`] and [`Pending::wait_outstanding`] to look
+    /// again (not only the last one: a wait for the frees outstanding when it began must not
+    /// sleep on while newer frees keep the count above zero).
     pub fn end(&self) {
-        if self.count.fetch_sub(1, Ordering::AcqRel) != 1 {
-            return;
-        }
-        // A Dekker pair with `wait_zero`, each side a write, a SeqCst fence, a read: either
-        // the sleeper, which counts itself before it reads the count, sees this decrement, or
+        self.ended.fetch_add(1, Ordering::Release);
+        self.count.fetch_sub(1, Ordering::AcqRel);
+        // A Dekker pair with the sleepers, each side a write, a SeqCst fence, a read: either
+        // the sleeper, which counts itself before it reads the counts, sees this decrement, or
         // this sees the sleeper and wakes it (under the lock the sleeper holds from its read
-        // of the count until it sleeps).
+        // of the counts until it sleeps).
         fence(Ordering::SeqCst); // the decrement's side
         if self.sleepers.load(Ordering::Relaxed) > 0 {
             let _held = self.lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -166,14 +184,58 @@ impl Pending {
     /// Sleeps until no deferred free is outstanding, or `limit` passes; returns whether the
     /// count reached zero.
     pub fn wait_zero(&self, limit: std::time::Duration) -> bool {
-        if self.is_zero() {
+        self.sleep_until(limit, || self.is_zero())
+    }
+
+    /// Sleeps until the waits outstanding now have completed, as far as counts can tell: until
+    /// none is outstanding, or as many completions as were outstanding have been counted since
+    /// (a queue's completions come in order; frees requested meanwhile on another queue may
+    /// complete first and count instead), or `limit` passes. Returns whether it did before the
+    /// limit. Unlike [`Pending::wait_zero`], a thread that keeps requesting deferred frees
+    /// cannot keep it asleep until the limit: it is the wait of the OOM ladder and
+    /// `empty_cache`, which want the frees requested before they looked (as PyTorch's
+    /// `synchronize_and_free_events` waits for the events outstanding then).
+    pub fn wait_outstanding(&self, limit: std::time::Duration) -> bool {
+        self.wait_past(self.mark(), limit)
+    }
+
+    /// The waits outstanding now, for [`Pending::wait_past`].
+    pub fn mark(&self) -> PendingMark {
+        let ended = self.ended.load(Ordering::Acquire);
+        PendingMark { ended, outstanding: self.count.load(Ordering::Acquire) }
+    }
+
+    /// [`Pending::wait_outstanding`] for the waits outstanding at `mark`.
+    pub fn wait_past(&self, mark: PendingMark, limit: std::time::Duration) -> bool {
+        self.sleep_until(limit, || {
+            self.is_zero() || self.ended.load(Ordering::Acquire).wrapping_sub(mark.ended) >= mark.outstanding
+        })
+    }
+
+    /// Sleeps until a completion has been counted since `mark`, or none is outstanding, or
+    /// `limit` passes; returns whether it did before the limit. The OOM ladder's wait: the
+    /// allocation is tried again after each completion (the one it needs may be the first of
+    /// many, or come while another queue's never does).
+    pub fn wait_next(&self, mark: PendingMark, limit: std::time::Duration) -> bool {
+        self.sleep_until(limit, || self.is_zero() || self.ended.load(Ordering::Acquire) != mark.ended)
+    }
+
+    /// Sleeps until `done` (read under the lock, after an `end` wakes it) or `limit` passes;
+    /// returns `done`.
+    fn sleep_until(&self, limit: std::time::Duration, done: impl Fn() -> bool) -> bool {
+        if done() {
             return true;
         }
-        let deadline = std::time::Instant::now() + limit;
+        // No deadline past what an `Instant` can hold: as good as none.
+        let deadline = std::time::Instant::now().checked_add(limit);
         self.sleepers.fetch_add(1, Ordering::Relaxed);
         fence(Ordering::SeqCst); // the sleeper's side of the Dekker pair in `end`
         let mut held = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        while self.count.load(Ordering::Acquire) != 0 {
+        while !done() {
+            let Some(deadline) = deadline else {
+                held = self.zero.wait(held).unwrap_or_else(|p| p.into_inner());
+                continue;
+            };
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
                 break;
@@ -182,7 +244,7 @@ impl Pending {
         }
         drop(held);
         self.sleepers.fetch_sub(1, Ordering::Relaxed);
-        self.is_zero()
+        done()
     }
 }
 

@@ -198,7 +198,9 @@ impl AllocatorBuilder {
     }
 
     /// How long the OOM ladder and `empty_cache` wait for deferred frees (default 5 s) before
-    /// going on without them.
+    /// going on without them. The ladder tries the allocation again after each deferred free
+    /// that completes meanwhile, and `empty_cache` waits for the frees requested before it was
+    /// called: neither waits for frees requested later, nor for none to be pending.
     pub fn pending_wait_limit(mut self, limit: std::time::Duration) -> Self {
         self.pending_limit = limit;
         self
@@ -328,13 +330,16 @@ impl CachingAllocator {
     ) -> Result<T> {
         let key = QueueKey::of(queue.map(Queue::id));
         let mut waited = false;
+        let (mut first_wait, mut out_of_time) = (None, false);
         loop {
             let mut pool = held.take().unwrap_or_else(|| self.lock());
             // The free list's protocol (see `free_list`): read the pending count first, then
             // drain. Read after the drain, a completion pushed between the two would be seen
             // as no longer pending and yet not applied: a false out-of-memory error. (The
-            // lock's own drain came before the read: this one comes after it.)
+            // lock's own drain came before the read: this one comes after it.) The mark too:
+            // a completion after it wakes the wait below, and is drained by the next pass.
             let pending = !self.inner.pending.is_zero();
+            let mark = self.inner.pending.mark();
             self.drain(&mut pool);
             if let Some(q) = queue {
                 if pool.register_queue(q) {
@@ -355,22 +360,31 @@ impl CachingAllocator {
                     });
                 }
             }
-            match pool.allocate(size, key, pending, waited)? {
+            match pool.allocate(size, key, pending && !out_of_time, waited)? {
                 Outcome::Got(b) => return Ok(take(pool, b)),
                 Outcome::WaitForPending => {
+                    // Until the next completion, and the ladder again (which may wait again),
+                    // until the pending-wait limit from the first wait: not until none is
+                    // pending, which a queue that never finishes, or a thread that keeps
+                    // requesting deferred frees, would hold off for the whole limit, and the
+                    // retry then fail with the memory it needed free (`tests/hostile_review13.rs`,
+                    // `tests/hostile_review24.rs`). Past the limit, the rest of the ladder.
                     drop(pool);
-                    self.wait_for_pending();
+                    let since = *first_wait.get_or_insert_with(std::time::Instant::now);
+                    let left = self.inner.pending_limit.saturating_sub(since.elapsed());
+                    out_of_time = !self.inner.pending.wait_next(mark, left);
                     waited = true;
                 }
             }
         }
     }
 
-    /// Waits, without the allocator's lock, until every deferred free has completed or the
-    /// pending-wait limit passes (a queue stuck on an event that never completes must not
-    /// hang the allocator).
+    /// Waits, without the allocator's lock, until the deferred frees requested so far have
+    /// completed or the pending-wait limit passes (a queue stuck on an event that never
+    /// completes must not hang the allocator). Not until none is pending: a thread that keeps
+    /// requesting deferred frees would hold `empty_cache` for the whole limit.
     fn wait_for_pending(&self) {
-        self.inner.pending.wait_zero(self.inner.pending_limit);
+        self.inner.pending.wait_outstanding(self.inner.pending_limit);
     }
 
     /// Returns every cached, unsplit segment to the source, and the pages of free parts of

@@ -85,9 +85,11 @@ struct AllocParams {
     alloc_size: usize,
     pool: PoolKind,
     queue: QueueKey,
-    /// Deferred frees were outstanding when the caller took the lock.
+    /// Deferred frees were outstanding when the caller took the lock, and it may still wait
+    /// for them (its pending-wait limit has not passed).
     pending: bool,
-    /// The caller already waited for them: the ladder's second pass.
+    /// The caller waited for them before: a later pass of the ladder (the miss and the retry
+    /// were counted by the first).
     waited: bool,
     /// The block found.
     block: Option<BlockId>,
@@ -437,9 +439,10 @@ impl Pool {
 
     /// Seed 003's malloc, read as PyTorch's `malloc` reads: after the quick cache (an exact fit
     /// freed on this queue), best fit among the cached blocks, and on a miss the OOM ladder
-    /// ([`Pool::ladder`]). With deferred frees outstanding (`pending`), the ladder stops once
-    /// with [`Outcome::WaitForPending`] so the caller can wait for them without holding the
-    /// lock, then call again with `waited`.
+    /// ([`Pool::ladder`]). With deferred frees outstanding (`pending`), the ladder stops with
+    /// [`Outcome::WaitForPending`] so the caller can wait for one to complete without holding
+    /// the lock, then call again with `waited` (and without `pending` once its wait limit has
+    /// passed, for the rest of the ladder).
     pub(crate) fn allocate(&mut self, size: usize, queue: QueueKey, pending: bool, waited: bool) -> Result<Outcome> {
         if size == 0 {
             return Err(Error::ZeroLength);
@@ -619,9 +622,10 @@ impl Pool {
         self.release_available_cached(p.rounded, p.queue)
     }
 
-    /// Rung 5: stops the ladder so the caller can wait for deferred frees (once).
+    /// Rung 5: stops the ladder so the caller can wait for deferred frees (for the next one
+    /// to complete, then the ladder again, until its limit: `CachingAllocator::allocate_slow`).
     fn wait_for_pending_frees(&mut self, p: &mut AllocParams) -> bool {
-        p.wait = p.pending && !p.waited;
+        p.wait = p.pending;
         p.wait
     }
 
@@ -654,14 +658,28 @@ impl Pool {
         self.log(HistoryKind::Oom, self.allowed.saturating_sub(reserved) as usize, p.size, p.queue);
         let largest = self.pools.iter().flat_map(|p| p.iter()).map(|k| k.1).max().unwrap_or(0);
         let allocated = self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE] as u64;
+        let reserved_free = reserved.saturating_sub(allocated);
+        let mut cause = p.cause;
+        if !self.uses_expandable() && reserved_free >= p.size as u64 {
+            // The ladder gave back every segment it could: what is left free shares its
+            // segments with blocks in use (PyTorch's message gives the same advice).
+            cause.push_str(
+                "; the memory reserved but free lies in segments that also hold blocks in use (fragmentation): ",
+            );
+            cause.push_str(if self.config.expandable_segments {
+                "`max_split_size_mb` avoids it (this memory source makes no expandable segments)"
+            } else {
+                "`expandable_segments:True` (the default) or `max_split_size_mb` avoids it"
+            });
+        }
         Error::AllocatorOom {
             requested: p.size as u64,
             capacity: self.capacity,
             allocated,
-            reserved_free: reserved.saturating_sub(allocated),
+            reserved_free,
             largest_free: largest as u64,
             allowed: self.allowed,
-            cause: p.cause,
+            cause,
         }
     }
 

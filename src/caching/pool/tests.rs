@@ -189,15 +189,18 @@ fn cached_oversize_blocks_go_back_before_the_rest() {
     assert_eq!(segment_events(&p)[2..], [(HistoryKind::SegmentFree, 80 * MB), (HistoryKind::SegmentAlloc, 50 * MB)]);
 }
 
-/// With deferred frees outstanding the ladder stops once for the caller to wait, then runs
-/// to the end: one retry and one OOM for the request, with the source's reason.
+/// With deferred frees outstanding the ladder stops for the caller to wait, and again after
+/// a completion that did not free enough; once the caller's wait limit has passed it runs to
+/// the end: one retry and one OOM for the request, with the source's reason.
 #[test]
-fn the_ladder_stops_once_for_pending_frees_then_fails_with_the_reason() {
+fn the_ladder_stops_for_pending_frees_until_the_limit_then_fails_with_the_reason() {
     let (mut p, refusals, calls) = refusing_pool("expandable_segments:False", false);
     refusals.store(usize::MAX, Ordering::Relaxed);
     assert!(matches!(step!(p.allocate(4096, QueueKey::test(0), true, false)), Ok(Outcome::WaitForPending)));
     assert_eq!(calls.load(Ordering::Relaxed), 1, "rung 2 only: nothing cached to release");
-    let err = match step!(p.allocate(4096, QueueKey::test(0), true, true)) {
+    assert!(matches!(step!(p.allocate(4096, QueueKey::test(0), true, true)), Ok(Outcome::WaitForPending)));
+    assert_eq!((p.stats().num_alloc_retries, p.stats().num_ooms), (1, 0), "a later pass counts nothing");
+    let err = match step!(p.allocate(4096, QueueKey::test(0), false, true)) {
         Err(e) => e,
         Ok(_) => panic!("the source refuses everything"),
     };
