@@ -472,6 +472,46 @@ fn allocations_waiting_for_a_deferred_free_are_woken_while_newer_frees_stay_pend
     });
 }
 
+/// Cached memory under a queue's work in flight is not given back (that work may still use
+/// the freed block), so an allocation that needs it waits for the queues, as PyTorch's last
+/// rung does through `cudaFree`'s synchronization, then frees it: a 40 MiB block is used on
+/// a gated queue and freed (no deferred free: it was not recorded on another queue), and
+/// another thread asks for 40 MiB of a 64 MiB capacity while this one opens the gate. Without
+/// the wait, the rounds where the gate is still shut fail with out-of-memory.
+#[test]
+fn allocations_needing_memory_under_queued_work_wait_for_the_queue() {
+    watchdog("cached memory under queued work", 120, || {
+        let a = CachingAllocator::builder(dmabuf_rt::source::ShmemSource::new().reserve(false))
+            .capacity(64 * MB as u64)
+            .pending_wait_limit(Duration::from_secs(3600))
+            .build()
+            .unwrap();
+        let q1 = Queue::new().unwrap();
+        for round in 0..scaled(100) {
+            let b = a.allocate(40 * MB, Some(&q1)).unwrap();
+            let gate = QueueGate::close(&q1);
+            q1.fill(b.mem(), round as u8).unwrap();
+            drop(b);
+            let bar = Arc::new(Barrier::new(2));
+            let waiter = {
+                let (a, bar) = (a.clone(), Arc::clone(&bar));
+                std::thread::spawn(move || {
+                    bar.wait();
+                    a.allocate(40 * MB, None).map(drop).map_err(|e| e.to_string())
+                })
+            };
+            bar.wait();
+            if round % 2 == 0 {
+                std::thread::yield_now();
+            }
+            gate.open();
+            waiter.join().unwrap().unwrap_or_else(|e| panic!("round {round}: {e}"));
+        }
+        q1.synchronize().unwrap();
+        drained(&a, "cached memory under queued work");
+    });
+}
+
 /// `Queue::synchronize` returns only after the markers placed before it have passed (the
 /// promise in `finish`'s documentation): three threads, each with its own allocator, free a
 /// block used on a queue another thread keeps busy with large fills (run by the executor),

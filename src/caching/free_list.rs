@@ -207,9 +207,13 @@ impl Pending {
 
     /// [`Pending::wait_outstanding`] for the waits outstanding at `mark`.
     pub fn wait_past(&self, mark: PendingMark, limit: std::time::Duration) -> bool {
-        self.sleep_until(limit, || {
-            self.is_zero() || self.ended.load(Ordering::Acquire).wrapping_sub(mark.ended) >= mark.outstanding
-        })
+        self.sleep_until(limit, || self.passed(mark))
+    }
+
+    /// Whether the waits outstanding at `mark` have completed, as far as counts can tell (see
+    /// [`Pending::wait_outstanding`]).
+    pub fn passed(&self, mark: PendingMark) -> bool {
+        self.is_zero() || self.ended.load(Ordering::Acquire).wrapping_sub(mark.ended) >= mark.outstanding
     }
 
     /// Sleeps until a completion has been counted since `mark`, or none is outstanding, or

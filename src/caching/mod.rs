@@ -199,8 +199,12 @@ impl AllocatorBuilder {
 
     /// How long the OOM ladder and `empty_cache` wait for deferred frees (default 5 s) before
     /// going on without them. The ladder tries the allocation again after each deferred free
-    /// that completes meanwhile, and `empty_cache` waits for the frees requested before it was
-    /// called: neither waits for frees requested later, nor for none to be pending.
+    /// that completes, until those outstanding when it first waited have, and gives up when
+    /// none completes within the limit (a queue that never finishes); `empty_cache` waits up
+    /// to the limit for the frees requested before it was called. Neither waits for frees
+    /// requested later, nor for none to be pending. An allocation the ladder cannot serve
+    /// while a queue has work in flight (under which no cached memory is given back) waits
+    /// for each such queue, up to the limit, and tries once more.
     pub fn pending_wait_limit(mut self, limit: std::time::Duration) -> Self {
         self.pending_limit = limit;
         self
@@ -330,7 +334,7 @@ impl CachingAllocator {
     ) -> Result<T> {
         let key = QueueKey::of(queue.map(Queue::id));
         let mut waited = false;
-        let (mut first_wait, mut out_of_time) = (None, false);
+        let (mut first_mark, mut out_of_time, mut synced) = (None, false, false);
         loop {
             let mut pool = held.take().unwrap_or_else(|| self.lock());
             // The free list's protocol (see `free_list`): read the pending count first, then
@@ -360,20 +364,36 @@ impl CachingAllocator {
                     });
                 }
             }
-            match pool.allocate(size, key, pending && !out_of_time, waited)? {
+            match pool.allocate(size, key, pending && !out_of_time, waited, synced)? {
                 Outcome::Got(b) => return Ok(take(pool, b)),
                 Outcome::WaitForPending => {
-                    // Until the next completion, and the ladder again (which may wait again),
-                    // until the pending-wait limit from the first wait: not until none is
-                    // pending, which a queue that never finishes, or a thread that keeps
-                    // requesting deferred frees, would hold off for the whole limit, and the
-                    // retry then fail with the memory it needed free (`tests/hostile_review13.rs`,
-                    // `tests/hostile_review24.rs`). Past the limit, the rest of the ladder.
+                    // Until the next completion, then the ladder again (which may wait again):
+                    // as long as completions come, until the frees outstanding at the first
+                    // wait have completed (PyTorch waits for the events outstanding then), but
+                    // no longer than the pending-wait limit for any one completion (a queue
+                    // that never finishes must not hang the allocator). Not until none is
+                    // pending, which a thread that keeps freeing blocks used on other queues
+                    // puts off, and not a limit on the whole wait, which a long backlog of
+                    // work passes while it is still freeing what is needed
+                    // (`tests/hostile_review13.rs`, `tests/hostile_review24.rs`). Then the
+                    // rest of the ladder.
                     drop(pool);
-                    let since = *first_wait.get_or_insert_with(std::time::Instant::now);
-                    let left = self.inner.pending_limit.saturating_sub(since.elapsed());
-                    out_of_time = !self.inner.pending.wait_next(mark, left);
+                    let first = *first_mark.get_or_insert(mark);
+                    out_of_time = !self.inner.pending.wait_next(mark, self.inner.pending_limit)
+                        || self.inner.pending.passed(first);
                     waited = true;
+                }
+                Outcome::WaitForQueues => {
+                    // Once, each queue bounded by the pending-wait limit (a queue waiting on
+                    // itself, from a callback, is refused at once).
+                    let queues = pool.queue_handles();
+                    drop(pool);
+                    for q in queues {
+                        if let Ok(done) = q.record() {
+                            let _ = done.synchronize(Some(self.inner.pending_limit));
+                        }
+                    }
+                    (synced, waited) = (true, true);
                 }
             }
         }

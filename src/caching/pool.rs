@@ -65,6 +65,10 @@ pub(crate) enum Outcome {
     Got(Handed),
     /// Only deferred frees could help: wait for them without the lock, then try again.
     WaitForPending,
+    /// Nothing could help but the work in flight on the queues blocks are bound to, under
+    /// which no cached memory is given back: wait for it without the lock (as `cudaFree`
+    /// synchronizes the device before PyTorch's last rung), then try again.
+    WaitForQueues,
 }
 
 /// A block handed to the allocator's caller.
@@ -443,7 +447,16 @@ impl Pool {
     /// [`Outcome::WaitForPending`] so the caller can wait for one to complete without holding
     /// the lock, then call again with `waited` (and without `pending` once its wait limit has
     /// passed, for the rest of the ladder).
-    pub(crate) fn allocate(&mut self, size: usize, queue: QueueKey, pending: bool, waited: bool) -> Result<Outcome> {
+    /// A request the ladder cannot serve while a queue has work in flight stops with
+    /// [`Outcome::WaitForQueues`] unless the caller already `synced` them.
+    pub(crate) fn allocate(
+        &mut self,
+        size: usize,
+        queue: QueueKey,
+        pending: bool,
+        waited: bool,
+        synced: bool,
+    ) -> Result<Outcome> {
         if size == 0 {
             return Err(Error::ZeroLength);
         }
@@ -482,7 +495,12 @@ impl Pool {
             let id = p.block.expect("an exact fit was found");
             return Ok(Outcome::Got(self.hand_out(id, size, queue)));
         }
-        let Some(id) = p.block else { return Err(self.out_of_memory(p)) };
+        let Some(id) = p.block else {
+            if !synced && !self.config.no_caching && self.queues.values().any(|h| !h.is_idle()) {
+                return Ok(Outcome::WaitForQueues);
+            }
+            return Err(self.out_of_memory(p));
+        };
         self.take_from_pool(id, rounded);
         Ok(Outcome::Got(self.hand_out(id, size, queue)))
     }
