@@ -98,11 +98,11 @@ pub(crate) const MIN_UNITS: usize = 4;
 /// for one that never repeats before it is.
 pub(crate) const MAP_CREDIT_RUNS: u64 = 1024;
 
-/// Blocks handed out by an arena that earn one run of map credit. A run costs about 10 µs
-/// all told (the `mmap`, the eviction's `munmap`, the pool's search for a view; measured on
-/// the random workload of `benches/allocator.rs`: 18,773 runs cost about 100 ms more than
-/// 400), about as much as 100 home blocks, so a workload that spends all it earns spends
-/// about a sixth of its time on views.
+/// Blocks handed out by an arena that earn one run of map credit. A run costs 4-10 µs all
+/// told (the `mmap`, the eviction's `munmap`, the pool's search for a view; measured on the
+/// random workload of `benches/allocator.rs`: 18,773 runs cost about 100 ms more than 400,
+/// and its first 1,411 runs about 7 µs each), about as much as 50-100 home blocks, so a
+/// workload that spends all it earns spends at most about a sixth of its time on views.
 pub(crate) const EARN_EVERY: u64 = 512;
 
 /// A full map credit, in [`EARN_EVERY`]ths of a run.
@@ -265,10 +265,10 @@ impl Arena {
     }
 
     /// The share above the allocated bytes an arena out of map credit may grow within rather
-    /// than map a view: what a workload of
-    /// random sizes and lifetimes needs to map almost nothing (the random workload of
-    /// `benches/allocator.rs` maps about 400 runs in 400,000 operations with it, 18,000 with
-    /// the default `stitch_grow_slack`).
+    /// than map a view: what a workload of random sizes and lifetimes needs to map almost
+    /// nothing once hungry (the random workload of `benches/allocator.rs`, 400,000 operations:
+    /// 1,821 runs in all with the credit, most of them before it turns hungry; about 400 with
+    /// this slack from the start; 18,000 with the default `stitch_grow_slack` alone).
     pub(crate) const WIDE_SLACK: f64 = 0.1;
 
     /// Whether the map credit pays for a view of `runs` runs.
