@@ -109,8 +109,8 @@ impl<T> Drop for FreeList<T> {
 #[derive(Debug)]
 pub struct Pending {
     count: AtomicUsize,
-    /// Completions uncounted so far (calls of `end`, wrapping), for
-    /// [`Pending::wait_outstanding`].
+    /// Completions uncounted so far (calls of `end`, wrapping), for the waits that start
+    /// from a [`PendingMark`].
     ended: AtomicUsize,
     /// Threads in [`Pending::wait_zero`] or [`Pending::wait_outstanding`]: `end` takes the
     /// lock and notifies only when some sleep, so the usual deferred free pays a fence and an

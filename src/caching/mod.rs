@@ -124,7 +124,7 @@ pub use snapshot::{BlockSnapshot, BlockState, HistoryEvent, HistoryKind, Segment
 pub use stats::{DeviceStats, SimpleStats, Stat};
 
 use crate::error::{Error, Result};
-use crate::queue::{Mem, Queue, QueueId};
+use crate::queue::{Mem, Queue, QueueHandle, QueueId};
 use crate::source::MemorySource;
 
 /// Default limit on waiting for deferred frees.
@@ -384,15 +384,10 @@ impl CachingAllocator {
                     waited = true;
                 }
                 Outcome::WaitForQueues => {
-                    // Once, each queue bounded by the pending-wait limit (a queue waiting on
-                    // itself, from a callback, is refused at once).
+                    // Once.
                     let queues = pool.queue_handles();
                     drop(pool);
-                    for q in queues {
-                        if let Ok(done) = q.record() {
-                            let _ = done.synchronize(Some(self.inner.pending_limit));
-                        }
-                    }
+                    self.wait_for_queues(queues);
                     (synced, waited) = (true, true);
                 }
             }
@@ -414,12 +409,19 @@ impl CachingAllocator {
     pub fn empty_cache(&self) {
         self.wait_for_pending();
         let queues = self.lock().queue_handles();
+        self.wait_for_queues(queues);
+        self.lock().release_cached(None);
+    }
+
+    /// Waits, without the allocator's lock, for the work submitted so far to `queues`, each
+    /// bounded by the pending-wait limit (a queue waiting on itself, from a callback, is
+    /// refused at once).
+    fn wait_for_queues(&self, queues: Vec<QueueHandle>) {
         for q in queues {
             if let Ok(done) = q.record() {
                 let _ = done.synchronize(Some(self.inner.pending_limit));
             }
         }
-        self.lock().release_cached(None);
     }
 
     /// The statistics, with every free made so far accounted for.

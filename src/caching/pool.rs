@@ -496,7 +496,7 @@ impl Pool {
             return Ok(Outcome::Got(self.hand_out(id, size, queue)));
         }
         let Some(id) = p.block else {
-            if !synced && !self.config.no_caching && self.queues.values().any(|h| !h.is_idle()) {
+            if !synced && !self.config.no_caching && self.any_queue_busy() {
                 return Ok(Outcome::WaitForQueues);
             }
             return Err(self.out_of_memory(p));

@@ -96,6 +96,11 @@ impl Pool {
         queue.is_some() && self.queues.get(&queue).is_some_and(|h| !h.is_idle())
     }
 
+    /// Whether any queue blocks are bound to has work queued or running.
+    pub(super) fn any_queue_busy(&self) -> bool {
+        self.queues.values().any(|h| !h.is_idle())
+    }
+
     /// The queues blocks are bound to (for `empty_cache`, which lets them finish first).
     pub(crate) fn queue_handles(&self) -> Vec<QueueHandle> {
         self.queues.values().cloned().collect()
