@@ -378,6 +378,36 @@ fn after_queues_closure_dropping_its_queue_while_records_run_inline() {
     });
 }
 
+/// An allocator on shmem of `capacity` bytes (with `conf`, else the environment's settings)
+/// whose waits for deferred frees and queues are limited to an hour: a wait that is not woken
+/// is a hang the watchdog reports.
+fn waiting_allocator(conf: Option<&str>, capacity: usize) -> CachingAllocator {
+    let mut b = CachingAllocator::builder(dmabuf_rt::source::ShmemSource::new().reserve(false));
+    if let Some(conf) = conf {
+        b = b.config(dmabuf_rt::caching::Config::parse(conf).unwrap());
+    }
+    b.capacity(capacity as u64).pending_wait_limit(Duration::from_secs(3600)).build().unwrap()
+}
+
+/// Another thread allocates `size` bytes while this one opens `gate` (after a yield in even
+/// rounds, so that either may come first); the allocation must succeed.
+fn allocate_while_opening(a: &CachingAllocator, size: usize, gate: QueueGate, round: usize) {
+    let bar = Arc::new(Barrier::new(2));
+    let waiter = {
+        let (a, bar) = (a.clone(), Arc::clone(&bar));
+        std::thread::spawn(move || {
+            bar.wait();
+            a.allocate(size, None).map(drop).map_err(|e| e.to_string())
+        })
+    };
+    bar.wait();
+    if round % 2 == 0 {
+        std::thread::yield_now();
+    }
+    gate.open();
+    waiter.join().unwrap().unwrap_or_else(|e| panic!("round {round}: {e}"));
+}
+
 /// The OOM ladder's wait for deferred frees (`Pending::wait_zero`, a condvar now): the whole
 /// capacity is one block used on a gated queue and freed; another thread then allocates it
 /// (it must sleep until the free completes) while this one opens the gate. With an hour-long
@@ -385,12 +415,7 @@ fn after_queues_closure_dropping_its_queue_while_records_run_inline() {
 #[test]
 fn allocations_waiting_for_a_deferred_free_are_woken_when_it_completes() {
     watchdog("pending wake-up", 120, || {
-        let a = CachingAllocator::builder(dmabuf_rt::source::ShmemSource::new().reserve(false))
-            .config(dmabuf_rt::caching::Config::parse("expandable_segments:False").unwrap())
-            .capacity(20 * MB as u64)
-            .pending_wait_limit(Duration::from_secs(3600))
-            .build()
-            .unwrap();
+        let a = waiting_allocator(Some("expandable_segments:False"), 20 * MB);
         let q2 = Queue::new().unwrap();
         for round in 0..scaled(300) {
             let mut b = a.allocate(12 * MB, None).unwrap();
@@ -398,24 +423,7 @@ fn allocations_waiting_for_a_deferred_free_are_woken_when_it_completes() {
             b.record_queue(&q2);
             q2.fill(b.mem(), round as u8).unwrap();
             drop(b);
-            let bar = Arc::new(Barrier::new(2));
-            let waiters: Vec<_> = (0..1)
-                .map(|_| {
-                    let (a, bar) = (a.clone(), Arc::clone(&bar));
-                    std::thread::spawn(move || {
-                        bar.wait();
-                        a.allocate(12 * MB, None).map(drop).map_err(|e| e.to_string())
-                    })
-                })
-                .collect();
-            bar.wait();
-            if round % 2 == 0 {
-                std::thread::yield_now();
-            }
-            gate.open();
-            for w in waiters {
-                w.join().unwrap().unwrap_or_else(|e| panic!("round {round}: {e}"));
-            }
+            allocate_while_opening(&a, 12 * MB, gate, round);
         }
         q2.synchronize().unwrap();
         drained(&a, "pending wake-up");
@@ -432,12 +440,7 @@ fn allocations_waiting_for_a_deferred_free_are_woken_when_it_completes() {
 #[test]
 fn allocations_waiting_for_a_deferred_free_are_woken_while_newer_frees_stay_pending() {
     watchdog("pending wake-up, newer free pending", 120, || {
-        let a = CachingAllocator::builder(dmabuf_rt::source::ShmemSource::new().reserve(false))
-            .config(dmabuf_rt::caching::Config::parse("expandable_segments:False").unwrap())
-            .capacity(20 * MB as u64)
-            .pending_wait_limit(Duration::from_secs(3600))
-            .build()
-            .unwrap();
+        let a = waiting_allocator(Some("expandable_segments:False"), 20 * MB);
         let (q2, q3) = (Queue::new().unwrap(), Queue::new().unwrap());
         let stuck = QueueGate::close(&q3);
         let mut small = a.allocate(4 * KB, None).unwrap();
@@ -450,20 +453,7 @@ fn allocations_waiting_for_a_deferred_free_are_woken_while_newer_frees_stay_pend
             b.record_queue(&q2);
             q2.fill(b.mem(), round as u8).unwrap();
             drop(b);
-            let bar = Arc::new(Barrier::new(2));
-            let waiter = {
-                let (a, bar) = (a.clone(), Arc::clone(&bar));
-                std::thread::spawn(move || {
-                    bar.wait();
-                    a.allocate(12 * MB, None).map(drop).map_err(|e| e.to_string())
-                })
-            };
-            bar.wait();
-            if round % 2 == 0 {
-                std::thread::yield_now();
-            }
-            gate.open();
-            waiter.join().unwrap().unwrap_or_else(|e| panic!("round {round}: {e}"));
+            allocate_while_opening(&a, 12 * MB, gate, round);
         }
         stuck.open();
         q3.synchronize().unwrap();
@@ -481,31 +471,14 @@ fn allocations_waiting_for_a_deferred_free_are_woken_while_newer_frees_stay_pend
 #[test]
 fn allocations_needing_memory_under_queued_work_wait_for_the_queue() {
     watchdog("cached memory under queued work", 120, || {
-        let a = CachingAllocator::builder(dmabuf_rt::source::ShmemSource::new().reserve(false))
-            .capacity(64 * MB as u64)
-            .pending_wait_limit(Duration::from_secs(3600))
-            .build()
-            .unwrap();
+        let a = waiting_allocator(None, 64 * MB);
         let q1 = Queue::new().unwrap();
         for round in 0..scaled(100) {
             let b = a.allocate(40 * MB, Some(&q1)).unwrap();
             let gate = QueueGate::close(&q1);
             q1.fill(b.mem(), round as u8).unwrap();
             drop(b);
-            let bar = Arc::new(Barrier::new(2));
-            let waiter = {
-                let (a, bar) = (a.clone(), Arc::clone(&bar));
-                std::thread::spawn(move || {
-                    bar.wait();
-                    a.allocate(40 * MB, None).map(drop).map_err(|e| e.to_string())
-                })
-            };
-            bar.wait();
-            if round % 2 == 0 {
-                std::thread::yield_now();
-            }
-            gate.open();
-            waiter.join().unwrap().unwrap_or_else(|e| panic!("round {round}: {e}"));
+            allocate_while_opening(&a, 40 * MB, gate, round);
         }
         q1.synchronize().unwrap();
         drained(&a, "cached memory under queued work");

@@ -143,16 +143,17 @@ fn a_deferred_free_on_two_queues_wakes_the_sleeper_once_both_markers_passed() {
     });
 }
 
-/// The OOM ladder's and `empty_cache`'s wait (`Pending::wait_outstanding`, here its two
-/// halves): one deferred free is outstanding when the allocator looks; another thread then
-/// requests a newer one, which never completes, and completes the first. The sleeper is woken
-/// by that completion and sees it, though the count never returns to zero (a wait for zero, as
-/// before, sleeps to its limit there; a lost wake-up is a deadlock loom reports).
-#[test]
-fn a_wait_for_the_outstanding_frees_ends_with_their_completions_while_newer_ones_wait() {
+/// One deferred free is outstanding when the allocator looks (`Pending::mark`); another
+/// thread then requests a newer one, which never completes, and completes the first. `wait`,
+/// from that mark, must be woken by that completion and see it, though the count never
+/// returns to zero (a wait for zero, as before, sleeps to its limit there; a lost wake-up is a
+/// deadlock loom reports).
+fn woken_by_the_outstanding_completion_while_a_newer_free_waits(
+    wait: fn(&dmabuf_rt::caching::free_list::Pending, dmabuf_rt::caching::free_list::PendingMark) -> bool,
+) {
     use dmabuf_rt::caching::free_list::Pending;
     use loom::sync::atomic::{AtomicBool, Ordering};
-    loom::model(|| {
+    loom::model(move || {
         let list = Arc::new(FreeList::new());
         let pending = Arc::new(Pending::new());
         pending.begin();
@@ -170,7 +171,7 @@ fn a_wait_for_the_outstanding_frees_ends_with_their_completions_while_newer_ones
         });
         let mark = pending.mark();
         looked.store(true, Ordering::Release);
-        assert!(pending.wait_past(mark, std::time::Duration::from_secs(3600)), "the wait ran to its limit");
+        assert!(wait(&pending, mark), "the wait ran to its limit");
         let mut applied = Vec::new();
         list.drain_oldest_first(|n| applied.push(n.value));
         assert!(applied.contains(&"passed"), "the completion that woke it is not seen: {applied:?}");
@@ -179,34 +180,20 @@ fn a_wait_for_the_outstanding_frees_ends_with_their_completions_while_newer_ones
     });
 }
 
-/// The OOM ladder's wait (`Pending::wait_next`): the same frees, one outstanding when the
-/// allocator looks and a newer one requested after that never completes. The first free's
-/// completion wakes the sleeper, which sees it (the ladder then tries again).
+/// `empty_cache`'s wait (`Pending::wait_outstanding`, here its two halves), for the frees
+/// outstanding when it looked.
+#[test]
+fn a_wait_for_the_outstanding_frees_ends_with_their_completions_while_newer_ones_wait() {
+    woken_by_the_outstanding_completion_while_a_newer_free_waits(|p, mark| {
+        p.wait_past(mark, std::time::Duration::from_secs(3600))
+    });
+}
+
+/// The OOM ladder's wait (`Pending::wait_next`), for the next completion (the ladder then
+/// tries again).
 #[test]
 fn the_ladders_wait_ends_with_the_next_completion_while_newer_frees_wait() {
-    use dmabuf_rt::caching::free_list::Pending;
-    use loom::sync::atomic::{AtomicBool, Ordering};
-    loom::model(|| {
-        let list = Arc::new(FreeList::new());
-        let pending = Arc::new(Pending::new());
-        pending.begin();
-        list.push(Node::new("requested"));
-        let looked = Arc::new(AtomicBool::new(false));
-        let (l, p, seen) = (Arc::clone(&list), Arc::clone(&pending), Arc::clone(&looked));
-        let other = thread::spawn(move || {
-            while !seen.load(Ordering::Acquire) {
-                thread::yield_now();
-            }
-            p.begin();
-            l.push(Node::new("passed"));
-            p.end();
-        });
-        let mark = pending.mark();
-        looked.store(true, Ordering::Release);
-        assert!(pending.wait_next(mark, std::time::Duration::from_secs(3600)), "the wait ran to its limit");
-        let mut applied = Vec::new();
-        list.drain_oldest_first(|n| applied.push(n.value));
-        assert!(applied.contains(&"passed"), "the completion that woke it is not seen: {applied:?}");
-        other.join().unwrap();
+    woken_by_the_outstanding_completion_while_a_newer_free_waits(|p, mark| {
+        p.wait_next(mark, std::time::Duration::from_secs(3600))
     });
 }
