@@ -197,3 +197,41 @@ fn the_ladders_wait_ends_with_the_next_completion_while_newer_frees_wait() {
         p.wait_next(mark, std::time::Duration::from_secs(3600))
     });
 }
+
+/// The OOM ladder's last wait, made holding the allocator's lock (`Pending::wait_past_holding`),
+/// for the frees outstanding when it looked.
+#[test]
+fn the_last_wait_ends_with_the_outstanding_completion_while_newer_frees_wait() {
+    woken_by_the_outstanding_completion_while_a_newer_free_waits(|p, mark| {
+        p.wait_past_holding(mark, std::time::Duration::from_secs(3600))
+    });
+}
+
+/// The last wait holds the allocator's lock for a free that never completes (its queue's
+/// callback waits for that lock); the callback's thread asks it to let go
+/// (`Pending::ask_yield`), before or after the wait starts: the wait must end (a lost wake-up
+/// is a deadlock loom reports), not passed, with the ask seen.
+#[test]
+fn the_last_wait_lets_the_lock_go_when_asked() {
+    use dmabuf_rt::caching::free_list::Pending;
+    use loom::sync::atomic::{AtomicBool, Ordering};
+    loom::model(|| {
+        let pending = Arc::new(Pending::new());
+        pending.begin();
+        let done = Arc::new(AtomicBool::new(false));
+        let (p, d) = (Arc::clone(&pending), Arc::clone(&done));
+        let asker = thread::spawn(move || {
+            let ask = p.ask_yield();
+            while !d.load(Ordering::Acquire) {
+                thread::yield_now();
+            }
+            drop(ask);
+        });
+        let mark = pending.mark();
+        assert!(!pending.wait_past_holding(mark, std::time::Duration::from_secs(3600)), "the free never completes");
+        assert!(pending.yield_asked(), "woken without an ask");
+        done.store(true, Ordering::Release);
+        asker.join().unwrap();
+        assert!(!pending.yield_asked(), "the ask outlived its guard");
+    });
+}

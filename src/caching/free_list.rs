@@ -116,8 +116,23 @@ pub struct Pending {
     /// lock and notifies only when some sleep, so the usual deferred free pays a fence and an
     /// atomic load for it.
     sleepers: AtomicUsize,
+    /// Threads waiting for the allocator's lock that a wait holding it must let go for
+    /// ([`Pending::ask_yield`]): a level, not an event, so a wait that starts after the ask
+    /// still sees it.
+    yield_asked: AtomicUsize,
     lock: Mutex<()>,
     zero: Condvar,
+}
+
+/// A thread's ask that waits holding the allocator's lock let it go ([`Pending::ask_yield`]);
+/// withdrawn when dropped.
+#[derive(Debug)]
+pub struct YieldAsk<'a>(&'a Pending);
+
+impl Drop for YieldAsk<'_> {
+    fn drop(&mut self) {
+        self.0.yield_asked.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// What [`Pending::mark`] saw: the completions counted so far and the waits outstanding.
@@ -140,6 +155,7 @@ impl Pending {
             count: AtomicUsize::new(0),
             ended: AtomicUsize::new(0),
             sleepers: AtomicUsize::new(0),
+            yield_asked: AtomicUsize::new(0),
             lock: Mutex::new(()),
             zero: Condvar::new(),
         }
@@ -214,6 +230,31 @@ impl Pending {
     /// [`Pending::wait_outstanding`]).
     pub fn passed(&self, mark: PendingMark) -> bool {
         self.is_zero() || self.ended.load(Ordering::Acquire).wrapping_sub(mark.ended) >= mark.outstanding
+    }
+
+    /// [`Pending::wait_past`] for a thread that holds the allocator's lock (the OOM ladder's
+    /// last wait): it also ends as soon as another thread asks it to let the lock go
+    /// ([`Pending::ask_yield`]: a queue's executor, whose work may be what the frees wait for).
+    /// Returns whether the waits outstanding at `mark` completed.
+    pub fn wait_past_holding(&self, mark: PendingMark, limit: std::time::Duration) -> bool {
+        self.sleep_until(limit, || self.passed(mark) || self.yield_asked.load(Ordering::SeqCst) > 0);
+        self.passed(mark)
+    }
+
+    /// Whether some thread asks waits holding the allocator's lock to let it go.
+    pub fn yield_asked(&self) -> bool {
+        self.yield_asked.load(Ordering::SeqCst) > 0
+    }
+
+    /// Asks every wait holding the allocator's lock ([`Pending::wait_past_holding`]) to let it
+    /// go, until the returned ask is dropped: the asker then waits for the lock.
+    pub fn ask_yield(&self) -> YieldAsk<'_> {
+        // Counted before the wake, and read by the sleeper under the same lock it sleeps with:
+        // a sleeper that read the count before this sees the wake.
+        self.yield_asked.fetch_add(1, Ordering::SeqCst);
+        let _held = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.zero.notify_all();
+        YieldAsk(self)
     }
 
     /// Sleeps until a completion has been counted since `mark`, or none is outstanding, or

@@ -28,10 +28,14 @@
 //!   returns to its pool only when they complete, reported through the events' completion
 //!   hooks, never by polling.
 //! - On a miss: garbage-collect old cached blocks above the threshold, ask the source; if it
-//!   refuses, free cached oversize blocks and retry, then wait for pending frees, free every
-//!   unsplit cached block and retry; then fail with an [`Error::AllocatorOom`] that says what
+//!   refuses, free cached oversize blocks and retry, then wait for pending frees (without the
+//!   lock, trying again after each completion), free every unsplit cached block and retry;
+//!   then, if queues have work in flight or deferred frees are outstanding, wait for the
+//!   queues and then for those frees *holding* the lock (PyTorch's last rung waits for its
+//!   events under its mutex: another thread's next allocation cannot take what they free)
+//!   and run the ladder once more; then fail with an [`Error::AllocatorOom`] that says what
 //!   was requested, the capacity, what is allocated, what is cached and the largest free
-//!   block.
+//!   block, and how much of the cached memory deferred frees still hold.
 //!
 //! Files, each importing only those above it: `block` (blocks, sizes, pools, the segment
 //! reference), `quick` (the exact-reuse cache), `addrs` and `raw` (the address and raw-pointer
@@ -117,7 +121,7 @@ use block::{FreeMsg, QueueKey};
 pub use config::Config;
 use free_list::{FreeList, Node, Pending};
 pub use host::{HostAllocation, HostCachingAllocator, HostStats};
-use pool::{Outcome, Pool};
+use pool::{Outcome, Pool, Tried};
 use pool_lock::{PoolGuard, PoolLock};
 use shared::AllocatorShared;
 pub use snapshot::{BlockSnapshot, BlockState, HistoryEvent, HistoryKind, SegmentSnapshot, Snapshot};
@@ -252,9 +256,23 @@ impl CachingAllocator {
 
     #[inline]
     fn lock(&self) -> PoolGuard<'_, Pool> {
-        let mut pool = self.inner.pool.lock();
+        let mut pool =
+            if crate::queue::executing_queue().is_none() { self.inner.pool.lock() } else { self.lock_on_executor() };
         self.drain(&mut pool);
         pool
+    }
+
+    /// The lock, taken on a queue's executor (a host callback calling the allocator): if it is
+    /// held, a holder waiting for deferred frees (the OOM ladder's last wait) is asked to let
+    /// it go first, since those frees may be queued behind this very callback.
+    #[cold]
+    #[inline(never)]
+    fn lock_on_executor(&self) -> PoolGuard<'_, Pool> {
+        if let Some(pool) = self.inner.pool.try_lock() {
+            return pool;
+        }
+        let _ask = self.inner.pending.ask_yield();
+        self.inner.pool.lock()
     }
 
     /// The owner thread's hold of the pool ([`PoolLock::fast`]: no atomic read-modify-write)
@@ -334,7 +352,7 @@ impl CachingAllocator {
     ) -> Result<T> {
         let key = QueueKey::of(queue.map(Queue::id));
         let mut waited = false;
-        let (mut first_mark, mut out_of_time, mut synced) = (None, false, false);
+        let (mut first_mark, mut out_of_time, mut last_wait) = (None, false, false);
         loop {
             let mut pool = held.take().unwrap_or_else(|| self.lock());
             // The free list's protocol (see `free_list`): read the pending count first, then
@@ -364,7 +382,9 @@ impl CachingAllocator {
                     });
                 }
             }
-            match pool.allocate(size, key, pending && !out_of_time, waited, synced)? {
+            let tried =
+                Tried { pending: pending && !out_of_time && !last_wait, outstanding: pending, waited, last_wait };
+            match pool.allocate(size, key, tried)? {
                 Outcome::Got(b) => return Ok(take(pool, b)),
                 Outcome::WaitForPending => {
                     // Until the next completion, then the ladder again (which may wait again):
@@ -383,12 +403,29 @@ impl CachingAllocator {
                         || self.inner.pending.passed(first);
                     waited = true;
                 }
-                Outcome::WaitForQueues => {
-                    // Once.
+                Outcome::LastWait => {
+                    // Once. The queues' work without the lock; then the deferred frees
+                    // outstanding, holding it until the next pass has tried: otherwise a thread
+                    // that keeps freeing blocks used on a queue takes what they free before this
+                    // one wakes, every time, and it fails with the memory it waited for in
+                    // another's hands (`tests/hostile_review29.rs`). Their completions need no
+                    // lock of ours (`shared::mark_all`); a queue whose work waits for a thread
+                    // held up by the lock is bounded by the pending-wait limit, as any wait.
                     let queues = pool.queue_handles();
                     drop(pool);
                     self.wait_for_queues(queues);
-                    (synced, waited) = (true, true);
+                    let mut pool = self.lock();
+                    let (mark, start) = (self.inner.pending.mark(), std::time::Instant::now());
+                    let limit = self.inner.pending_limit;
+                    if !self.inner.pending.wait_past_holding(mark, limit) && self.inner.pending.yield_asked() {
+                        // A queue's executor wants the lock (its callback calls the allocator,
+                        // and the frees may be queued behind it): the rest of the wait without.
+                        drop(pool);
+                        self.inner.pending.wait_past(mark, limit.saturating_sub(start.elapsed()));
+                        pool = self.lock();
+                    }
+                    held = Some(pool);
+                    (last_wait, waited) = (true, true);
                 }
             }
         }

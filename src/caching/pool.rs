@@ -65,10 +65,35 @@ pub(crate) enum Outcome {
     Got(Handed),
     /// Only deferred frees could help: wait for them without the lock, then try again.
     WaitForPending,
-    /// Nothing could help but the work in flight on the queues blocks are bound to, under
-    /// which no cached memory is given back: wait for it without the lock (as `cudaFree`
-    /// synchronizes the device before PyTorch's last rung), then try again.
-    WaitForQueues,
+    /// Nothing could help but work in flight: on the queues blocks are bound to (under which
+    /// no cached memory is given back), and the deferred frees outstanding. The caller waits
+    /// for the queues without the lock (as `cudaFree` synchronizes the device before
+    /// PyTorch's last rung), then for the deferred frees outstanding then *holding* the lock
+    /// (as PyTorch's `synchronize_and_free_events` waits under its mutex: a thread that keeps
+    /// freeing blocks used on a queue would otherwise take what they free before the waiter
+    /// tries again, every time), then tries once more with [`Tried::last_wait`].
+    LastWait,
+}
+
+/// What an allocation has been through before this attempt, for [`Pool::allocate`].
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Tried {
+    /// Deferred frees are outstanding and the caller may still wait for them without the lock
+    /// (the ladder then stops with [`Outcome::WaitForPending`] before its last rungs).
+    pub(crate) pending: bool,
+    /// Deferred frees are outstanding (whether or not the caller may still wait for them).
+    pub(crate) outstanding: bool,
+    /// The caller waited before (a later pass of the ladder: the miss and the retry are not
+    /// counted again, nor garbage collected).
+    pub(crate) waited: bool,
+    /// The caller has been through [`Outcome::LastWait`]: the ladder's answer is final.
+    pub(crate) last_wait: bool,
+}
+
+impl Tried {
+    /// A first attempt with nothing to wait for: the ladder's answer is final.
+    #[cfg(test)]
+    pub(crate) const FINAL: Tried = Tried { pending: false, outstanding: false, waited: false, last_wait: true };
 }
 
 /// A block handed to the allocator's caller.
@@ -443,20 +468,13 @@ impl Pool {
 
     /// Seed 003's malloc, read as PyTorch's `malloc` reads: after the quick cache (an exact fit
     /// freed on this queue), best fit among the cached blocks, and on a miss the OOM ladder
-    /// ([`Pool::ladder`]). With deferred frees outstanding (`pending`), the ladder stops with
-    /// [`Outcome::WaitForPending`] so the caller can wait for one to complete without holding
-    /// the lock, then call again with `waited` (and without `pending` once its wait limit has
-    /// passed, for the rest of the ladder).
-    /// A request the ladder cannot serve while a queue has work in flight stops with
-    /// [`Outcome::WaitForQueues`] unless the caller already `synced` them.
-    pub(crate) fn allocate(
-        &mut self,
-        size: usize,
-        queue: QueueKey,
-        pending: bool,
-        waited: bool,
-        synced: bool,
-    ) -> Result<Outcome> {
+    /// ([`Pool::ladder`]). With deferred frees outstanding ([`Tried::pending`]), the ladder
+    /// stops with [`Outcome::WaitForPending`] so the caller can wait for one to complete
+    /// without holding the lock, then call again with `waited` (and without `pending` once
+    /// that wait is over, for the rest of the ladder).
+    /// A request the ladder cannot serve while a queue has work in flight or deferred frees
+    /// are outstanding stops with [`Outcome::LastWait`], unless the caller has been through it.
+    pub(crate) fn allocate(&mut self, size: usize, queue: QueueKey, tried: Tried) -> Result<Outcome> {
         if size == 0 {
             return Err(Error::ZeroLength);
         }
@@ -479,7 +497,7 @@ impl Pool {
             return Ok(Outcome::Got(self.hand_out(id, size, queue)));
         }
         let alloc_size = self.allocation_size(rounded).ok_or_else(too_large)?;
-        let mut p = AllocParams::new(size, rounded, alloc_size, queue, pending, waited);
+        let mut p = AllocParams::new(size, rounded, alloc_size, queue, tried.pending, tried.waited);
         p.arena = arena;
         // A cached block whose punched pages cannot be taken again goes through the ladder,
         // which may release enough elsewhere (or wait for frees) to take it after all; a
@@ -496,8 +514,8 @@ impl Pool {
             return Ok(Outcome::Got(self.hand_out(id, size, queue)));
         }
         let Some(id) = p.block else {
-            if !synced && !self.config.no_caching && self.any_queue_busy() {
-                return Ok(Outcome::WaitForQueues);
+            if !tried.last_wait && (tried.outstanding || (!self.config.no_caching && self.any_queue_busy())) {
+                return Ok(Outcome::LastWait);
             }
             return Err(self.out_of_memory(p));
         };
@@ -678,7 +696,16 @@ impl Pool {
         let allocated = self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE] as u64;
         let reserved_free = reserved.saturating_sub(allocated);
         let mut cause = p.cause;
-        if !self.uses_expandable() && reserved_free >= p.size as u64 {
+        let pending = self.stats.pending_bytes_now();
+        if pending > 0 {
+            // Counted free (as PyTorch counts a block freed under `record_stream`), but still
+            // used by work queued before its free: the waits for it were over.
+            cause.push_str(&format!(
+                "; {pending} bytes of the memory reserved but free are blocks freed while work queued on other queues \
+                 still used them, and that work had not finished (deferred frees outstanding after the wait for them)"
+            ));
+        }
+        if !self.uses_expandable() && reserved_free.saturating_sub(pending.max(0) as u64) >= p.size as u64 {
             // The ladder gave back every segment it could: what is left free shares its
             // segments with blocks in use (PyTorch's message gives the same advice).
             cause.push_str(

@@ -410,6 +410,11 @@ impl PoolStats {
         self.pending[AGGREGATE].current > 0
     }
 
+    /// The bytes of the blocks waiting (all pools).
+    pub(crate) fn pending_bytes_now(&self) -> i64 {
+        self.pending_bytes[AGGREGATE].current
+    }
+
     /// The blocks waiting, as (all, small, large).
     pub(crate) fn pending_current(&self) -> [i64; 3] {
         self.pending.map(|s| s.current)

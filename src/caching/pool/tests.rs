@@ -25,7 +25,7 @@ fn got(o: Result<Outcome>) -> Handed {
     match o.unwrap() {
         Outcome::Got(h) => h,
         Outcome::WaitForPending => panic!("nothing is pending"),
-        Outcome::WaitForQueues => panic!("the queues were synced"),
+        Outcome::LastWait => panic!("the last wait was done"),
     }
 }
 
@@ -89,10 +89,10 @@ fn segment_events(p: &Pool) -> Vec<(HistoryKind, usize)> {
 #[test]
 fn release_block_refuses_blocks_in_use_split_or_cached() {
     let mut p = pool("expandable_segments:False");
-    let whole = got(step!(p.allocate(4 * MB, QueueKey::test(0), false, false, true))).id;
+    let whole = got(step!(p.allocate(4 * MB, QueueKey::test(0), Tried::FINAL))).id;
     assert!(p.blocks[whole as usize].allocated);
     assert!(!step!(p.release_block(whole)), "released an allocated block's segment");
-    let part = got(step!(p.allocate(4096, QueueKey::test(0), false, false, true))).id;
+    let part = got(step!(p.allocate(4096, QueueKey::test(0), Tried::FINAL))).id;
     assert!(p.blocks[part as usize].is_split());
     let rest = p.blocks[part as usize].next.unwrap();
     assert!(!step!(p.release_block(rest)), "released the segment under an allocated neighbour");
@@ -110,9 +110,9 @@ fn release_block_refuses_blocks_in_use_split_or_cached() {
 fn a_gone_queues_segments_go_when_their_last_block_is_freed() {
     for conf in ["expandable_segments:False", "expandable_segments:True"] {
         let mut p = pool(conf);
-        let a = got(step!(p.allocate(4096, QueueKey::test(7), false, false, true))).id;
-        let b = got(step!(p.allocate(3 * MB, QueueKey::test(7), false, false, true))).id;
-        let other = got(step!(p.allocate(4096, QueueKey::test(8), false, false, true))).id;
+        let a = got(step!(p.allocate(4096, QueueKey::test(7), Tried::FINAL))).id;
+        let b = got(step!(p.allocate(3 * MB, QueueKey::test(7), Tried::FINAL))).id;
+        let other = got(step!(p.allocate(4096, QueueKey::test(8), Tried::FINAL))).id;
         step!(p.queue_gone(QueueKey::test(7)));
         assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 3, "{conf}: blocks are live");
         step!(p.apply(FreeMsg::Free(a)));
@@ -130,17 +130,17 @@ fn a_gone_queues_segments_go_when_their_last_block_is_freed() {
 #[cfg_attr(miri, ignore = "a 20 MiB segment: slow under Miri, which keeps metadata per byte")]
 fn best_fit_splits_and_the_free_merges_back() {
     let mut p = pool("expandable_segments:False");
-    let a = got(step!(p.allocate(4 * MB, QueueKey::test(0), false, false, true))).id;
-    let b = got(step!(p.allocate(6 * MB, QueueKey::test(0), false, false, true))).id;
+    let a = got(step!(p.allocate(4 * MB, QueueKey::test(0), Tried::FINAL))).id;
+    let b = got(step!(p.allocate(6 * MB, QueueKey::test(0), Tried::FINAL))).id;
     assert_eq!(p.blocks[a as usize].seg, p.blocks[b as usize].seg, "one 20 MiB segment, split");
     step!(p.apply(FreeMsg::Free(a)));
     step!(p.flush_quick());
     // 2 MiB fits the freed 4 MiB block best (not the 10 MiB rest after `b`): reused, and
     // split, as more than 1 MiB remains.
-    let c = got(step!(p.allocate(2 * MB, QueueKey::test(0), false, false, true))).id;
+    let c = got(step!(p.allocate(2 * MB, QueueKey::test(0), Tried::FINAL))).id;
     assert_eq!((p.blocks[c as usize].offset, p.blocks[c as usize].size), (0, 2 * MB));
     // 1 MiB more of the 2 MiB left would leave 1 MiB: not worth a large-pool split.
-    let d = got(step!(p.allocate(MB + 512, QueueKey::test(0), false, false, true))).id;
+    let d = got(step!(p.allocate(MB + 512, QueueKey::test(0), Tried::FINAL))).id;
     assert_eq!((p.blocks[d as usize].offset, p.blocks[d as usize].size), (2 * MB, 2 * MB));
     step!(p.apply(FreeMsg::Free(d)));
     step!(p.apply(FreeMsg::Free(b)));
@@ -156,10 +156,10 @@ fn best_fit_splits_and_the_free_merges_back() {
 #[test]
 fn a_refusal_is_retried_after_the_cached_blocks_are_released() {
     let (mut p, refusals, calls) = refusing_pool("expandable_segments:False", false);
-    let a = got(step!(p.allocate(4096, QueueKey::test(1), false, false, true))).id;
+    let a = got(step!(p.allocate(4096, QueueKey::test(1), Tried::FINAL))).id;
     step!(p.apply(FreeMsg::Free(a)));
     refusals.store(1, Ordering::Relaxed);
-    let b = got(step!(p.allocate(8192, QueueKey::test(2), false, false, true)));
+    let b = got(step!(p.allocate(8192, QueueKey::test(2), Tried::FINAL)));
     assert_eq!(p.blocks[b.id as usize].queue, QueueKey::test(2));
     assert_eq!(calls.load(Ordering::Relaxed), 3, "the first segment, the refusal, the retry");
     let d = p.stats();
@@ -177,13 +177,13 @@ fn a_refusal_is_retried_after_the_cached_blocks_are_released() {
 #[cfg_attr(miri, ignore = "80 MiB segments: the Miri stand-in maps at most 64 MiB")]
 fn cached_oversize_blocks_go_back_before_the_rest() {
     let (mut p, refusals, _) = refusing_pool("expandable_segments:False,max_split_size_mb:40", false);
-    let small = got(step!(p.allocate(4096, QueueKey::test(0), false, false, true))).id;
-    let big = got(step!(p.allocate(80 * MB, QueueKey::test(0), false, false, true))).id;
+    let small = got(step!(p.allocate(4096, QueueKey::test(0), Tried::FINAL))).id;
+    let big = got(step!(p.allocate(80 * MB, QueueKey::test(0), Tried::FINAL))).id;
     step!(p.apply(FreeMsg::Free(small)));
     step!(p.apply(FreeMsg::Free(big)));
     refusals.store(1, Ordering::Relaxed);
     // 50 MiB: the 80 MiB oversize block (40 MiB and up) is more than 20 MiB too large for it.
-    got(step!(p.allocate(50 * MB, QueueKey::test(0), false, false, true)));
+    got(step!(p.allocate(50 * MB, QueueKey::test(0), Tried::FINAL)));
     let d = p.stats();
     assert_eq!((d.num_alloc_retries, d.num_ooms, d.num_device_free), (1, 0, 1));
     assert_eq!(d.segment[stats::SMALL_POOL].current, 1, "rung 7 did not run");
@@ -191,17 +191,23 @@ fn cached_oversize_blocks_go_back_before_the_rest() {
 }
 
 /// With deferred frees outstanding the ladder stops for the caller to wait, and again after
-/// a completion that did not free enough; once the caller's wait limit has passed it runs to
+/// a completion that did not free enough; once that wait is over it stops once more for the
+/// last wait (the queues, then the frees outstanding, holding the lock), and after that runs to
 /// the end: one retry and one OOM for the request, with the source's reason.
 #[test]
-fn the_ladder_stops_for_pending_frees_until_the_limit_then_fails_with_the_reason() {
+fn the_ladder_stops_for_pending_frees_then_the_last_wait_then_fails_with_the_reason() {
     let (mut p, refusals, calls) = refusing_pool("expandable_segments:False", false);
     refusals.store(usize::MAX, Ordering::Relaxed);
-    assert!(matches!(step!(p.allocate(4096, QueueKey::test(0), true, false, true)), Ok(Outcome::WaitForPending)));
+    let first = Tried { pending: true, outstanding: true, waited: false, last_wait: false };
+    assert!(matches!(step!(p.allocate(4096, QueueKey::test(0), first)), Ok(Outcome::WaitForPending)));
     assert_eq!(calls.load(Ordering::Relaxed), 1, "rung 2 only: nothing cached to release");
-    assert!(matches!(step!(p.allocate(4096, QueueKey::test(0), true, true, true)), Ok(Outcome::WaitForPending)));
+    let again = Tried { waited: true, ..first };
+    assert!(matches!(step!(p.allocate(4096, QueueKey::test(0), again)), Ok(Outcome::WaitForPending)));
     assert_eq!((p.stats().num_alloc_retries, p.stats().num_ooms), (1, 0), "a later pass counts nothing");
-    let err = match step!(p.allocate(4096, QueueKey::test(0), false, true, true)) {
+    let waited_out = Tried { pending: false, ..again };
+    assert!(matches!(step!(p.allocate(4096, QueueKey::test(0), waited_out)), Ok(Outcome::LastWait)));
+    assert_eq!((p.stats().num_alloc_retries, p.stats().num_ooms), (1, 0), "no OOM before the last wait");
+    let err = match step!(p.allocate(4096, QueueKey::test(0), Tried { last_wait: true, ..waited_out })) {
         Err(e) => e,
         Ok(_) => panic!("the source refuses everything"),
     };
@@ -211,8 +217,8 @@ fn the_ladder_stops_for_pending_frees_until_the_limit_then_fails_with_the_reason
     let d = p.stats();
     assert_eq!((d.num_alloc_retries, d.num_ooms), (1, 1), "counted once per request");
     assert_eq!(p.history().last().map(|e| e.kind), Some(HistoryKind::Oom));
-    // Without pending frees: no stop, one more retry and OOM.
-    assert!(step!(p.allocate(4096, QueueKey::test(0), false, false, true)).is_err());
+    // Without pending frees or queues at work: no stop, one more retry and OOM.
+    assert!(step!(p.allocate(4096, QueueKey::test(0), Tried::default())).is_err());
     assert_eq!((p.stats().num_alloc_retries, p.stats().num_ooms), (2, 2));
 }
 
@@ -221,8 +227,7 @@ fn the_ladder_stops_for_pending_frees_until_the_limit_then_fails_with_the_reason
 #[test]
 fn a_request_beyond_the_allowed_memory_fails_at_once() {
     let (mut p, _, calls) = refusing_pool("expandable_segments:False", false);
-    let Err(Error::AllocatorOom { cause, .. }) = step!(p.allocate(2 << 30, QueueKey::test(0), false, false, true))
-    else {
+    let Err(Error::AllocatorOom { cause, .. }) = step!(p.allocate(2 << 30, QueueKey::test(0), Tried::FINAL)) else {
         panic!("2 GiB of a 1 GiB device")
     };
     assert!(cause.contains("more than the allowed memory"), "{cause}");
@@ -237,7 +242,7 @@ fn a_request_beyond_the_allowed_memory_fails_at_once() {
 fn a_permission_failure_is_reported_as_itself() {
     let (mut p, refusals, _) = refusing_pool("expandable_segments:False", true);
     refusals.store(usize::MAX, Ordering::Relaxed);
-    let Err(e) = step!(p.allocate(4096, QueueKey::test(0), false, false, true)) else { panic!("refused") };
+    let Err(e) = step!(p.allocate(4096, QueueKey::test(0), Tried::FINAL)) else { panic!("refused") };
     assert!(matches!(e, Error::Open { .. }), "{e}");
     assert_eq!((p.stats().num_alloc_retries, p.stats().num_ooms), (1, 0));
 }
@@ -249,10 +254,10 @@ fn without_caching_a_refusal_is_an_oom_without_retry() {
     config.no_caching = true;
     let (mut p, refusals, calls) = refusing_pool_with(config, false);
     refusals.store(1, Ordering::Relaxed);
-    assert!(step!(p.allocate(4096, QueueKey::test(0), false, false, true)).is_err());
+    assert!(step!(p.allocate(4096, QueueKey::test(0), Tried::FINAL)).is_err());
     assert_eq!((calls.load(Ordering::Relaxed), p.stats().num_alloc_retries, p.stats().num_ooms), (1, 0, 1));
     // The next request is served, and freed straight back to the source.
-    let h = got(step!(p.allocate(4096, QueueKey::test(0), false, false, true)));
+    let h = got(step!(p.allocate(4096, QueueKey::test(0), Tried::FINAL)));
     step!(p.apply(FreeMsg::Free(h.id)));
     assert_eq!(p.stats().segment[stats::AGGREGATE].current, 0);
 }
@@ -262,8 +267,8 @@ fn without_caching_a_refusal_is_an_oom_without_retry() {
 #[test]
 fn expandable_growth_punch_and_reback() {
     let mut p = pool("expandable_segments:True");
-    let a = got(step!(p.allocate(3 * MB, QueueKey::test(0), false, false, true))).id;
-    let b = got(step!(p.allocate(MB + 512, QueueKey::test(0), false, false, true))).id;
+    let a = got(step!(p.allocate(3 * MB, QueueKey::test(0), Tried::FINAL))).id;
+    let b = got(step!(p.allocate(MB + 512, QueueKey::test(0), Tried::FINAL))).id;
     assert_eq!(p.stats.device.segment[stats::AGGREGATE].current, 1, "one reservation, grown");
     let reserved = |p: &Pool| p.stats.device.reserved_bytes[stats::AGGREGATE].current;
     let grown = reserved(&p);
@@ -271,7 +276,7 @@ fn expandable_growth_punch_and_reback() {
     step!(p.release_cached(None));
     let after_punch = reserved(&p);
     assert!(grown - after_punch >= 3 * MB as i64, "the free 3 MiB (and the free tail) gave their pages back");
-    let c = got(step!(p.allocate(3 * MB, QueueKey::test(0), false, false, true))).id;
+    let c = got(step!(p.allocate(3 * MB, QueueKey::test(0), Tried::FINAL))).id;
     assert_eq!(p.blocks[c as usize].offset, 0, "the punched block is reused");
     assert_eq!(reserved(&p) - after_punch, 3 * MB as i64, "its pages count as reserved again");
     step!(p.apply(FreeMsg::Free(b)));
@@ -289,20 +294,20 @@ fn expandable_growth_punch_and_reback() {
 fn a_cached_block_with_a_backed_tail_beyond_the_request_gives_the_tail_back() {
     let mut p = Pool::new(Box::new(SparseSource), Config::parse("expandable_segments:True").unwrap(), 16 * MB as u64);
     let q = QueueKey::test(0);
-    let a = got(step!(p.allocate(6 * MB, q, false, false, true))).id;
-    let b = got(step!(p.allocate(6 * MB, q, false, false, true))).id;
-    let c = got(step!(p.allocate(4 * MB, q, false, false, true))).id;
+    let a = got(step!(p.allocate(6 * MB, q, Tried::FINAL))).id;
+    let b = got(step!(p.allocate(6 * MB, q, Tried::FINAL))).id;
+    let c = got(step!(p.allocate(4 * MB, q, Tried::FINAL))).id;
     step!(p.apply(FreeMsg::Free(c)));
     step!(p.apply(FreeMsg::Free(a)));
-    let d = got(step!(p.allocate(2 * MB, q, false, false, true))).id;
+    let d = got(step!(p.allocate(2 * MB, q, Tried::FINAL))).id;
     step!(p.apply(FreeMsg::Free(b)));
     // Grows the reservation past 16 MiB, punching the free front to stay within the allowed
     // memory: the front is punched, the end backed.
-    let e = got(step!(p.allocate(14 * MB, q, false, false, true))).id;
+    let e = got(step!(p.allocate(14 * MB, q, Tried::FINAL))).id;
     step!(p.apply(FreeMsg::Free(d)));
     step!(p.apply(FreeMsg::Free(e)));
     assert_eq!(p.stats.device.reserved_bytes[stats::AGGREGATE].current, 16 * MB as i64);
-    let f = got(step!(p.allocate(16 * MB, q, false, false, true))).id;
+    let f = got(step!(p.allocate(16 * MB, q, Tried::FINAL))).id;
     assert!(p.stats.device.reserved_bytes[stats::AGGREGATE].current <= 16 * MB as i64);
     step!(p.apply(FreeMsg::Free(f)));
 }
@@ -327,7 +332,7 @@ fn spent_map_credit_alone_does_not_make_an_arena_hungry() {
         let mut p = pool("expandable_segments:True");
         let q = QueueKey::test(0);
         let unit = p.config.stitch_unit;
-        let ids: Vec<_> = (0..100).map(|_| got(step!(p.allocate(4 * unit, q, false, false, true))).id).collect();
+        let ids: Vec<_> = (0..100).map(|_| got(step!(p.allocate(4 * unit, q, Tried::FINAL))).id).collect();
         for i in [10, 50, 90] {
             step!(p.apply(FreeMsg::Free(ids[i])));
         }
@@ -337,14 +342,14 @@ fn spent_map_credit_alone_does_not_make_an_arena_hungry() {
         }
         let (r0, m0) = (reserved(&p), p.stats.device.num_remaps);
         assert_eq!(r0, 400 * unit, "one unit more or less than the blocks: the setup is off");
-        let big = got(step!(p.allocate(8 * unit, q, false, false, true))).id;
+        let big = got(step!(p.allocate(8 * unit, q, Tried::FINAL))).id;
         let (grew, maps) = (reserved(&p) - r0, p.stats.device.num_remaps - m0);
         assert_eq!((grew, maps), (0, 2), "spent {spent}: not a view of the two free runs");
         assert!(!arena(&mut p, si).hungry() && p.budget().arena_free == 0, "spent {spent}: hungry");
         // Its view cached and taken again, out of credit: the view's two runs come back.
         step!(p.apply(FreeMsg::Free(big)));
         arena(&mut p, si).spend_map_credit();
-        let again = got(step!(p.allocate(8 * unit, q, false, false, true))).id;
+        let again = got(step!(p.allocate(8 * unit, q, Tried::FINAL))).id;
         assert_eq!(p.stats.device.num_remaps - m0, 2, "the cached view was not taken again");
         assert_eq!(arena(&mut p, si).map_credit(), 2, "taken again, the view gives its runs' credit back");
         step!(p.apply(FreeMsg::Free(again)));
@@ -362,7 +367,7 @@ fn a_hungry_arena_grows_within_its_bound_rather_than_maps() {
     let mut p = pool("expandable_segments:True");
     let q = QueueKey::test(0);
     let unit = p.config.stitch_unit;
-    let ids: Vec<_> = (0..2400).map(|_| got(p.allocate(4 * unit, q, false, false, true)).id).collect();
+    let ids: Vec<_> = (0..2400).map(|_| got(p.allocate(4 * unit, q, Tried::FINAL)).id).collect();
     for &id in ids.iter().step_by(2) {
         p.apply(FreeMsg::Free(id));
     }
@@ -371,7 +376,7 @@ fn a_hungry_arena_grows_within_its_bound_rather_than_maps() {
     let m0 = p.stats.device.num_remaps;
     let mut views = Vec::new();
     while p.stats.device.num_remaps - m0 < 1024 {
-        views.push(got(p.allocate(8 * unit, q, false, false, true)).id);
+        views.push(got(p.allocate(8 * unit, q, Tried::FINAL)).id);
         assert!(views.len() <= 600, "the blocks of eight are not stitched");
     }
     for id in views {
@@ -383,7 +388,7 @@ fn a_hungry_arena_grows_within_its_bound_rather_than_maps() {
     let r = reserved(&p);
     let mut fill = Vec::new();
     while reserved(&p) == r {
-        fill.push(got(p.allocate(4 * unit, q, false, false, true)).id);
+        fill.push(got(p.allocate(4 * unit, q, Tried::FINAL)).id);
     }
     for i in [10, 500, 900] {
         p.apply(FreeMsg::Free(fill[i]));
@@ -394,7 +399,7 @@ fn a_hungry_arena_grows_within_its_bound_rather_than_maps() {
     arena(&mut p, si).spend_map_credit();
     let (r0, m1) = (reserved(&p), p.stats.device.num_remaps);
     // Twelve units: no free run (four each) and no cached view (eight each) holds it.
-    let x = got(step!(p.allocate(12 * unit, q, false, false, true))).id;
+    let x = got(step!(p.allocate(12 * unit, q, Tried::FINAL))).id;
     assert!(arena(&mut p, si).hungry(), "out of credit with 1,024 runs cached unused, not hungry");
     assert_eq!((reserved(&p) - r0, p.stats.device.num_remaps - m1), (12 * unit, 0), "not grown");
     let free = arena(&mut p, si).free_backed_bytes();
@@ -403,7 +408,7 @@ fn a_hungry_arena_grows_within_its_bound_rather_than_maps() {
     // Freed blocks of twelve leave free runs of twelve: more of them take those, no call.
     step!(p.apply(FreeMsg::Free(x)));
     let r1 = reserved(&p);
-    let again: Vec<_> = (0..3).map(|_| got(step!(p.allocate(12 * unit, q, false, false, true))).id).collect();
+    let again: Vec<_> = (0..3).map(|_| got(step!(p.allocate(12 * unit, q, Tried::FINAL))).id).collect();
     assert_eq!(p.stats.device.num_remaps, m1, "hungry, a view was mapped");
     assert_eq!(reserved(&p) - r1, 24 * unit, "the freed run of twelve was not taken first");
     let allocated = p.stats.hot.array(stats::ALLOCATED_BYTES)[stats::AGGREGATE].current as f64;
