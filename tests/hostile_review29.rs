@@ -184,3 +184,48 @@ fn a_callback_that_allocates_is_not_held_up_by_the_last_wait() {
         }
     });
 }
+
+/// A host callback whose allocation needs the memory of a deferred free queued behind it
+/// (on its own queue) cannot be served until its waits run out (the pending-wait limit, twice:
+/// the ladder's wait, then the last one), and fails; meanwhile other threads must keep
+/// allocating: the callback's last wait does not hold the lock. Each of the main thread's
+/// calls must return well within the limit (a call held up by the callback's wait takes the
+/// whole limit).
+#[test]
+fn a_callback_waiting_for_frees_behind_itself_does_not_hold_the_lock() {
+    within("callback self-wait", Duration::from_secs(120 * common::time_scale() as u64), || {
+        let limit = Duration::from_secs(3);
+        let a = allocator("", 64 * MB, limit);
+        let q = Queue::new().unwrap();
+        let gate = QueueGate::close(&q);
+        let mut big = a.allocate(40 * MB, None).unwrap();
+        big.record_queue(&q);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let a2 = a.clone();
+        q.callback(move |_| {
+            let _ = tx.send(a2.allocate(40 * MB, None).map(drop).map_err(|e| e.to_string()));
+        })
+        .unwrap();
+        drop(big); // its free waits for the callback
+        gate.open();
+        let mut slowest = Duration::ZERO;
+        let mut calls = 0u32;
+        let result = loop {
+            if let Ok(r) = rx.try_recv() {
+                break r;
+            }
+            let t = std::time::Instant::now();
+            drop(a.allocate(4096, None).unwrap());
+            slowest = slowest.max(t.elapsed());
+            calls += 1;
+            std::thread::yield_now();
+        };
+        let e = result.expect_err("the memory is held behind the callback itself");
+        assert!(e.contains("out of memory"), "{e}");
+        assert!(calls > 0);
+        assert!(slowest < limit / 2, "a 4 KiB allocation took {slowest:?} while the callback waited (limit {limit:?})");
+        q.synchronize().unwrap();
+        drop(a.allocate(40 * MB, None).unwrap());
+        a.check_invariants().unwrap();
+    });
+}

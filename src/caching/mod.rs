@@ -417,7 +417,13 @@ impl CachingAllocator {
                     let mut pool = self.lock();
                     let (mark, start) = (self.inner.pending.mark(), std::time::Instant::now());
                     let limit = self.inner.pending_limit;
-                    if !self.inner.pending.wait_past_holding(mark, limit) && self.inner.pending.yield_asked() {
+                    if crate::queue::executing_queue().is_some() {
+                        // A host callback: the frees may be queued behind it, and no other
+                        // thread must wait for the lock while it waits for them.
+                        drop(pool);
+                        self.inner.pending.wait_past(mark, limit);
+                        pool = self.lock();
+                    } else if !self.inner.pending.wait_past_holding(mark, limit) && self.inner.pending.yield_asked() {
                         // A queue's executor wants the lock (its callback calls the allocator,
                         // and the frees may be queued behind it): the rest of the wait without.
                         drop(pool);
