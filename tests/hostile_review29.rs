@@ -208,22 +208,62 @@ fn a_callback_waiting_for_frees_behind_itself_does_not_hold_the_lock() {
         .unwrap();
         drop(big); // its free waits for the callback
         gate.open();
-        let mut slowest = Duration::ZERO;
-        let mut calls = 0u32;
-        let result = loop {
-            if let Ok(r) = rx.try_recv() {
-                break r;
-            }
-            let t = std::time::Instant::now();
-            drop(a.allocate(4096, None).unwrap());
-            slowest = slowest.max(t.elapsed());
-            calls += 1;
-            std::thread::yield_now();
-        };
-        let e = result.expect_err("the memory is held behind the callback itself");
+        let e = allocate_until(&a, &rx, limit).expect_err("the memory is held behind the callback itself");
         assert!(e.contains("out of memory"), "{e}");
-        assert!(calls > 0);
-        assert!(slowest < limit / 2, "a 4 KiB allocation took {slowest:?} while the callback waited (limit {limit:?})");
+        q.synchronize().unwrap();
+        drop(a.allocate(40 * MB, None).unwrap());
+        a.check_invariants().unwrap();
+    });
+}
+
+/// Allocates and frees 4 KiB blocks until `rx` brings another thread's result, and returns
+/// it; each of these calls must return well within `limit` (one held up by another thread's
+/// wait for deferred frees takes the whole limit).
+fn allocate_until(
+    a: &CachingAllocator,
+    rx: &std::sync::mpsc::Receiver<Result<(), String>>,
+    limit: Duration,
+) -> Result<(), String> {
+    let mut slowest = Duration::ZERO;
+    let mut calls = 0u32;
+    let result = loop {
+        if let Ok(r) = rx.try_recv() {
+            break r;
+        }
+        let t = std::time::Instant::now();
+        drop(a.allocate(4096, None).unwrap());
+        slowest = slowest.max(t.elapsed());
+        calls += 1;
+        std::thread::yield_now();
+    };
+    assert!(calls > 0);
+    assert!(slowest < limit / 2, "a 4 KiB allocation took {slowest:?} while another waited (limit {limit:?})");
+    result
+}
+
+/// A deferred free that never completes (its queue held by a gate): a request that needs its
+/// memory waits once for the limit, without the lock, and fails; its last wait does not wait
+/// for the stuck free again holding the lock, so other threads keep allocating meanwhile.
+#[test]
+fn a_stuck_deferred_free_is_not_waited_for_again_holding_the_lock() {
+    within("stuck free", Duration::from_secs(120 * common::time_scale() as u64), || {
+        let limit = Duration::from_secs(3);
+        let a = allocator("", 64 * MB, limit);
+        let q = Queue::new().unwrap();
+        let gate = QueueGate::close(&q);
+        let mut big = a.allocate(40 * MB, None).unwrap();
+        big.record_queue(&q);
+        q.fill(big.mem(), 7).unwrap();
+        drop(big);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let a2 = a.clone();
+        let waiter = std::thread::spawn(move || {
+            let _ = tx.send(a2.allocate(40 * MB, None).map(drop).map_err(|e| e.to_string()));
+        });
+        let e = allocate_until(&a, &rx, limit).expect_err("the memory is held by a stuck free");
+        assert!(e.contains(&format!("{} bytes of the memory reserved but free are blocks freed", 40 * MB)), "{e}");
+        waiter.join().unwrap();
+        gate.open();
         q.synchronize().unwrap();
         drop(a.allocate(40 * MB, None).unwrap());
         a.check_invariants().unwrap();

@@ -353,6 +353,9 @@ impl CachingAllocator {
         let key = QueueKey::of(queue.map(Queue::id));
         let mut waited = false;
         let (mut first_mark, mut out_of_time, mut last_wait) = (None, false, false);
+        // No completion came within the limit: the frees are stuck (a queue that never
+        // finishes), and the last wait does not wait for them again, holding the lock.
+        let mut stuck = false;
         loop {
             let mut pool = held.take().unwrap_or_else(|| self.lock());
             // The free list's protocol (see `free_list`): read the pending count first, then
@@ -382,8 +385,12 @@ impl CachingAllocator {
                     });
                 }
             }
-            let tried =
-                Tried { pending: pending && !out_of_time && !last_wait, outstanding: pending, waited, last_wait };
+            let tried = Tried {
+                pending: pending && !out_of_time && !last_wait,
+                outstanding: pending && !stuck,
+                waited,
+                last_wait,
+            };
             match pool.allocate(size, key, tried)? {
                 Outcome::Got(b) => return Ok(take(pool, b)),
                 Outcome::WaitForPending => {
@@ -399,8 +406,8 @@ impl CachingAllocator {
                     // rest of the ladder.
                     drop(pool);
                     let first = *first_mark.get_or_insert(mark);
-                    out_of_time = !self.inner.pending.wait_next(mark, self.inner.pending_limit)
-                        || self.inner.pending.passed(first);
+                    stuck = !self.inner.pending.wait_next(mark, self.inner.pending_limit);
+                    out_of_time = stuck || self.inner.pending.passed(first);
                     waited = true;
                 }
                 Outcome::LastWait => {
@@ -417,7 +424,9 @@ impl CachingAllocator {
                     let mut pool = self.lock();
                     let (mark, start) = (self.inner.pending.mark(), std::time::Instant::now());
                     let limit = self.inner.pending_limit;
-                    if crate::queue::executing_queue().is_some() {
+                    if stuck {
+                        // Only the queues were waited for (the frees never completed once).
+                    } else if crate::queue::executing_queue().is_some() {
                         // A host callback: the frees may be queued behind it, and no other
                         // thread must wait for the lock while it waits for them.
                         drop(pool);
