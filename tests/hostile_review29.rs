@@ -5,7 +5,9 @@
 //! race: 3.6 GB in 4,161 deferred frees outstanding). The last rung now waits for the frees
 //! outstanding while holding the allocator's lock, as PyTorch's `synchronize_and_free_events`
 //! does under its mutex; and an OOM error with deferred frees outstanding says how many bytes
-//! they hold.
+//! they hold. What holding the lock must not do is tested too: hold up a host callback that
+//! calls the allocator (the frees may be queued behind it), hold the lock in a callback's own
+//! wait, or wait again, holding it, for frees that did not complete within the limit once.
 
 mod common;
 
