@@ -2,12 +2,14 @@
 //! queue of its own (deferred frees): the memory such frees give back went to that thread's
 //! next allocation before a waiting request woke, every time, and the request failed with the
 //! memory it had waited for in another thread's hands (`tests/hostile_review24.rs`'s large-fill
-//! race: 3.6 GB in 4,161 deferred frees outstanding). The last rung now waits for the frees
-//! outstanding while holding the allocator's lock, as PyTorch's `synchronize_and_free_events`
-//! does under its mutex; and an OOM error with deferred frees outstanding says how many bytes
-//! they hold. What holding the lock must not do is tested too: hold up a host callback that
-//! calls the allocator (the frees may be queued behind it), hold the lock in a callback's own
-//! wait, or wait again, holding it, for frees that did not complete within the limit once.
+//! race: 3.6 GB in 4,161 deferred frees outstanding). The last rung now claims the request's
+//! room while it waits for the frees outstanding (`pool/claims.rs`: an allocation that would
+//! take it waits), where PyTorch waits for its events under its mutex; and an OOM error with
+//! deferred frees outstanding says how many bytes they hold. What the wait must not do is
+//! tested too: hold up a host callback that calls the allocator (the frees may be queued
+//! behind it), keep others out while a callback waits for frees behind itself, or wait
+//! again for frees that did not complete within the limit once. (A first version held the
+//! lock for the wait: `tests/hostile_review30.rs` found what that held up.)
 
 mod common;
 
@@ -190,11 +192,11 @@ fn a_callback_that_allocates_is_not_held_up_by_the_last_wait() {
 /// A host callback whose allocation needs the memory of a deferred free queued behind it
 /// (on its own queue) cannot be served until its waits run out (the pending-wait limit, twice:
 /// the ladder's wait, then the last one), and fails; meanwhile other threads must keep
-/// allocating: the callback's last wait does not hold the lock. Each of the main thread's
+/// allocating: the callback's last wait claims nothing. Each of the main thread's
 /// calls must return well within the limit (a call held up by the callback's wait takes the
 /// whole limit).
 #[test]
-fn a_callback_waiting_for_frees_behind_itself_does_not_hold_the_lock() {
+fn a_callback_waiting_for_frees_behind_itself_does_not_hold_up_other_threads() {
     within("callback self-wait", Duration::from_secs(120 * common::time_scale() as u64), || {
         let limit = Duration::from_secs(3);
         let a = allocator("", 64 * MB, limit);
@@ -245,9 +247,9 @@ fn allocate_until(
 
 /// A deferred free that never completes (its queue held by a gate): a request that needs its
 /// memory waits once for the limit, without the lock, and fails; its last wait does not wait
-/// for the stuck free again holding the lock, so other threads keep allocating meanwhile.
+/// for the stuck free again (with its room claimed), so other threads keep allocating.
 #[test]
-fn a_stuck_deferred_free_is_not_waited_for_again_holding_the_lock() {
+fn a_stuck_deferred_free_does_not_hold_up_other_threads() {
     within("stuck free", Duration::from_secs(120 * common::time_scale() as u64), || {
         let limit = Duration::from_secs(3);
         let a = allocator("", 64 * MB, limit);

@@ -198,40 +198,29 @@ fn the_ladders_wait_ends_with_the_next_completion_while_newer_frees_wait() {
     });
 }
 
-/// The OOM ladder's last wait, made holding the allocator's lock (`Pending::wait_past_holding`),
-/// for the frees outstanding when it looked.
+/// A request kept out by another's claim (`Pending::wait_for`) while the claimant withdraws it
+/// and wakes the sleepers (`Pending::wake_all`), before or after the sleeper looks: the sleeper
+/// must wake and see the change (a lost wake-up is a deadlock loom reports), with no deferred
+/// free completing meanwhile.
 #[test]
-fn the_last_wait_ends_with_the_outstanding_completion_while_newer_frees_wait() {
-    woken_by_the_outstanding_completion_while_a_newer_free_waits(|p, mark| {
-        p.wait_past_holding(mark, std::time::Duration::from_secs(3600))
-    });
-}
-
-/// The last wait holds the allocator's lock for a free that never completes (its queue's
-/// callback waits for that lock); the callback's thread asks it to let go
-/// (`Pending::ask_yield`), before or after the wait starts: the wait must end (a lost wake-up
-/// is a deadlock loom reports), not passed, with the ask seen.
-#[test]
-fn the_last_wait_lets_the_lock_go_when_asked() {
+fn a_request_kept_out_by_a_claim_wakes_when_the_claim_goes() {
     use dmabuf_rt::caching::free_list::Pending;
-    use loom::sync::atomic::{AtomicBool, Ordering};
+    use loom::sync::atomic::{AtomicUsize, Ordering};
     loom::model(|| {
         let pending = Arc::new(Pending::new());
         pending.begin();
-        let done = Arc::new(AtomicBool::new(false));
-        let (p, d) = (Arc::clone(&pending), Arc::clone(&done));
-        let asker = thread::spawn(move || {
-            let ask = p.ask_yield();
-            while !d.load(Ordering::Acquire) {
-                thread::yield_now();
-            }
-            drop(ask);
+        let changed = Arc::new(AtomicUsize::new(0));
+        let (p, c) = (Arc::clone(&pending), Arc::clone(&changed));
+        let claimant = thread::spawn(move || {
+            c.fetch_add(1, Ordering::AcqRel);
+            p.wake_all();
         });
-        let mark = pending.mark();
-        assert!(!pending.wait_past_holding(mark, std::time::Duration::from_secs(3600)), "the free never completes");
-        assert!(pending.yield_asked(), "woken without an ask");
-        done.store(true, Ordering::Release);
-        asker.join().unwrap();
-        assert!(!pending.yield_asked(), "the ask outlived its guard");
+        let seen = 0;
+        assert!(
+            pending.wait_for(std::time::Duration::from_secs(3600), || changed.load(Ordering::Acquire) != seen),
+            "woken without the change"
+        );
+        claimant.join().unwrap();
+        assert!(!pending.is_zero(), "no free completed");
     });
 }

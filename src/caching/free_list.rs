@@ -116,23 +116,8 @@ pub struct Pending {
     /// lock and notifies only when some sleep, so the usual deferred free pays a fence and an
     /// atomic load for it.
     sleepers: AtomicUsize,
-    /// Threads waiting for the allocator's lock that a wait holding it must let go for
-    /// ([`Pending::ask_yield`]): a level, not an event, so a wait that starts after the ask
-    /// still sees it.
-    yield_asked: AtomicUsize,
     lock: Mutex<()>,
     zero: Condvar,
-}
-
-/// A thread's ask that waits holding the allocator's lock let it go ([`Pending::ask_yield`]);
-/// withdrawn when dropped.
-#[derive(Debug)]
-pub struct YieldAsk<'a>(&'a Pending);
-
-impl Drop for YieldAsk<'_> {
-    fn drop(&mut self) {
-        self.0.yield_asked.fetch_sub(1, Ordering::SeqCst);
-    }
 }
 
 /// What [`Pending::mark`] saw: the completions counted so far and the waits outstanding.
@@ -155,7 +140,6 @@ impl Pending {
             count: AtomicUsize::new(0),
             ended: AtomicUsize::new(0),
             sleepers: AtomicUsize::new(0),
-            yield_asked: AtomicUsize::new(0),
             lock: Mutex::new(()),
             zero: Condvar::new(),
         }
@@ -232,29 +216,22 @@ impl Pending {
         self.is_zero() || self.ended.load(Ordering::Acquire).wrapping_sub(mark.ended) >= mark.outstanding
     }
 
-    /// [`Pending::wait_past`] for a thread that holds the allocator's lock (the OOM ladder's
-    /// last wait): it also ends as soon as another thread asks it to let the lock go
-    /// ([`Pending::ask_yield`]: a queue's executor, whose work may be what the frees wait for).
-    /// Returns whether the waits outstanding at `mark` completed.
-    pub fn wait_past_holding(&self, mark: PendingMark, limit: std::time::Duration) -> bool {
-        self.sleep_until(limit, || self.passed(mark) || self.yield_asked.load(Ordering::SeqCst) > 0);
-        self.passed(mark)
+    /// Sleeps until `done` holds, a completion is counted, or `limit` passes; returns `done`.
+    /// For a condition that another thread makes true before it calls [`Pending::wake_all`]
+    /// (an allocation waiting for a claim to go: `CachingAllocator::allocate_slow`).
+    pub fn wait_for(&self, limit: std::time::Duration, done: impl Fn() -> bool) -> bool {
+        let ended = self.ended.load(Ordering::Acquire);
+        self.sleep_until(limit, || done() || self.ended.load(Ordering::Acquire) != ended);
+        done()
     }
 
-    /// Whether some thread asks waits holding the allocator's lock to let it go.
-    pub fn yield_asked(&self) -> bool {
-        self.yield_asked.load(Ordering::SeqCst) > 0
-    }
-
-    /// Asks every wait holding the allocator's lock ([`Pending::wait_past_holding`]) to let it
-    /// go, until the returned ask is dropped: the asker then waits for the lock.
-    pub fn ask_yield(&self) -> YieldAsk<'_> {
-        // Counted before the wake, and read by the sleeper under the same lock it sleeps with:
-        // a sleeper that read the count before this sees the wake.
-        self.yield_asked.fetch_add(1, Ordering::SeqCst);
+    /// Wakes every thread in a wait of this count, to test its condition again: call after
+    /// making a [`Pending::wait_for`] condition true (a sleeper that tested it before sees the
+    /// wake-up, as it tests under the lock this takes).
+    pub fn wake_all(&self) {
+        fence(Ordering::SeqCst);
         let _held = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         self.zero.notify_all();
-        YieldAsk(self)
     }
 
     /// Sleeps until a completion has been counted since `mark`, or none is outstanding, or

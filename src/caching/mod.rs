@@ -31,11 +31,11 @@
 //!   refuses, free cached oversize blocks and retry, then wait for pending frees (without the
 //!   lock, trying again after each completion), free every unsplit cached block and retry;
 //!   then, if queues have work in flight or deferred frees are outstanding, wait for the
-//!   queues and then for those frees *holding* the lock (PyTorch's last rung waits for its
-//!   events under its mutex: another thread's next allocation cannot take what they free)
-//!   and run the ladder once more; then fail with an [`Error::AllocatorOom`] that says what
-//!   was requested, the capacity, what is allocated, what is cached and the largest free
-//!   block, and how much of the cached memory deferred frees still hold.
+//!   queues and then for those frees, the request's room claimed meanwhile (another thread's
+//!   allocation that would take it waits: `pool/claims.rs`), and run the ladder once more;
+//!   then fail with an [`Error::AllocatorOom`] that says what was requested, the capacity,
+//!   what is allocated, what is cached and the largest free block, and how much of the cached
+//!   memory deferred frees still hold.
 //!
 //! Files, each importing only those above it: `block` (blocks, sizes, pools, the segment
 //! reference), `quick` (the exact-reuse cache), `addrs` and `raw` (the address and raw-pointer
@@ -233,6 +233,7 @@ impl AllocatorBuilder {
                 pending: Pending::new(),
                 pid: rustix::process::getpid(),
                 pending_limit: self.pending_limit,
+                claims_changed: AtomicUsize::new(0),
             }),
         })
     }
@@ -256,23 +257,9 @@ impl CachingAllocator {
 
     #[inline]
     fn lock(&self) -> PoolGuard<'_, Pool> {
-        let mut pool =
-            if crate::queue::executing_queue().is_none() { self.inner.pool.lock() } else { self.lock_on_executor() };
+        let mut pool = self.inner.pool.lock();
         self.drain(&mut pool);
         pool
-    }
-
-    /// The lock, taken on a queue's executor (a host callback calling the allocator): if it is
-    /// held, a holder waiting for deferred frees (the OOM ladder's last wait) is asked to let
-    /// it go first, since those frees may be queued behind this very callback.
-    #[cold]
-    #[inline(never)]
-    fn lock_on_executor(&self) -> PoolGuard<'_, Pool> {
-        if let Some(pool) = self.inner.pool.try_lock() {
-            return pool;
-        }
-        let _ask = self.inner.pending.ask_yield();
-        self.inner.pool.lock()
     }
 
     /// The owner thread's hold of the pool ([`PoolLock::fast`]: no atomic read-modify-write)
@@ -351,11 +338,18 @@ impl CachingAllocator {
         mut take: impl FnMut(PoolGuard<'a, Pool>, pool::Handed) -> T,
     ) -> Result<T> {
         let key = QueueKey::of(queue.map(Queue::id));
+        let limit = self.inner.pending_limit;
         let mut waited = false;
         let (mut first_mark, mut out_of_time, mut last_wait) = (None, false, false);
-        // No completion came within the limit: the frees are stuck (a queue that never
-        // finishes), and the last wait does not wait for them again, holding the lock.
+        // No completion came within the limit, or a queue did not finish within it: the last
+        // wait does not wait for the frees again (a queue that never finishes).
         let mut stuck = false;
+        // The room this request claimed at its last wait (withdrawn after its final attempt),
+        // and since when another's claim kept it out.
+        let (mut claimed, mut kept_out) = (None, None);
+        // A host callback's request is never kept out, nor claims: the frees the claims wait
+        // for may be queued behind it.
+        let on_executor = crate::queue::executing_queue().is_some();
         loop {
             let mut pool = held.take().unwrap_or_else(|| self.lock());
             // The free list's protocol (see `free_list`): read the pending count first, then
@@ -385,13 +379,33 @@ impl CachingAllocator {
                     });
                 }
             }
+            if claimed.is_none() && !on_executor && !pool.admits(size) {
+                // Another request waits for deferred frees to give back what this one would
+                // take: until its claim goes or a free completes, then look again; not past
+                // the pending-wait limit in all (a claim must not hold anyone up for ever).
+                let since: std::time::Instant = *kept_out.get_or_insert_with(std::time::Instant::now);
+                let left = limit.saturating_sub(since.elapsed());
+                if !left.is_zero() {
+                    let seen = self.inner.claims_changed.load(Ordering::Acquire);
+                    drop(pool);
+                    self.inner.pending.wait_for(left, || self.inner.claims_changed.load(Ordering::Acquire) != seen);
+                    continue;
+                }
+            }
             let tried = Tried {
                 pending: pending && !out_of_time && !last_wait,
                 outstanding: pending && !stuck,
                 waited,
                 last_wait,
             };
-            match pool.allocate(size, key, tried)? {
+            let outcome = pool.allocate(size, key, tried);
+            if let Some(bytes) = claimed.take() {
+                // The final attempt is made: the requests kept out look again.
+                pool.unclaim(bytes);
+                self.inner.claims_changed.fetch_add(1, Ordering::AcqRel);
+                self.inner.pending.wake_all();
+            }
+            match outcome? {
                 Outcome::Got(b) => return Ok(take(pool, b)),
                 Outcome::WaitForPending => {
                     // Until the next completion, then the ladder again (which may wait again):
@@ -411,35 +425,24 @@ impl CachingAllocator {
                     waited = true;
                 }
                 Outcome::LastWait => {
-                    // Once. The queues' work without the lock; then the deferred frees
-                    // outstanding, holding it until the next pass has tried: otherwise a thread
-                    // that keeps freeing blocks used on a queue takes what they free before this
-                    // one wakes, every time, and it fails with the memory it waited for in
-                    // another's hands (`tests/hostile_review29.rs`). Their completions need no
-                    // lock of ours (`shared::mark_all`); a queue whose work waits for a thread
-                    // held up by the lock is bounded by the pending-wait limit, as any wait.
+                    // Once. The queues' work, then the deferred frees outstanding, without the
+                    // lock, this request's room claimed meanwhile (`pool/claims.rs`): otherwise a
+                    // thread that keeps freeing blocks used on a queue takes what they free
+                    // before this one wakes, every time, and it fails with the memory it waited
+                    // for in another's hands (`tests/hostile_review29.rs`). Then the final
+                    // attempt.
                     let queues = pool.queue_handles();
                     drop(pool);
-                    self.wait_for_queues(queues);
-                    let mut pool = self.lock();
-                    let (mark, start) = (self.inner.pending.mark(), std::time::Instant::now());
-                    let limit = self.inner.pending_limit;
-                    if stuck {
-                        // Only the queues were waited for (the frees never completed once).
-                    } else if crate::queue::executing_queue().is_some() {
-                        // A host callback: the frees may be queued behind it, and no other
-                        // thread must wait for the lock while it waits for them.
+                    stuck |= !self.wait_for_queues(queues);
+                    if !stuck {
+                        let mut pool = self.lock();
+                        let mark = self.inner.pending.mark();
+                        if !on_executor {
+                            claimed = Some(pool.claim(size));
+                        }
                         drop(pool);
                         self.inner.pending.wait_past(mark, limit);
-                        pool = self.lock();
-                    } else if !self.inner.pending.wait_past_holding(mark, limit) && self.inner.pending.yield_asked() {
-                        // A queue's executor wants the lock (its callback calls the allocator,
-                        // and the frees may be queued behind it): the rest of the wait without.
-                        drop(pool);
-                        self.inner.pending.wait_past(mark, limit.saturating_sub(start.elapsed()));
-                        pool = self.lock();
                     }
-                    held = Some(pool);
                     (last_wait, waited) = (true, true);
                 }
             }
@@ -468,12 +471,17 @@ impl CachingAllocator {
     /// Waits, without the allocator's lock, for the work submitted so far to `queues`, each
     /// bounded by the pending-wait limit (a queue waiting on itself, from a callback, is
     /// refused at once).
-    fn wait_for_queues(&self, queues: Vec<QueueHandle>) {
+    /// Returns whether all of them finished in time (a failed operation counts as finished;
+    /// a queue that did not finish within the limit, or waited on itself, did not).
+    fn wait_for_queues(&self, queues: Vec<QueueHandle>) -> bool {
+        let mut all = true;
         for q in queues {
             if let Ok(done) = q.record() {
-                let _ = done.synchronize(Some(self.inner.pending_limit));
+                let r = done.synchronize(Some(self.inner.pending_limit));
+                all &= !matches!(r, Err(Error::Timeout { .. } | Error::WouldDeadlock { .. }));
             }
         }
+        all
     }
 
     /// The statistics, with every free made so far accounted for.

@@ -27,6 +27,7 @@ use crate::queue::QueueHandle;
 use crate::segment::Segment;
 use crate::source::MemorySource;
 
+mod claims;
 mod free_path;
 mod free_set;
 mod growth;
@@ -67,11 +68,10 @@ pub(crate) enum Outcome {
     WaitForPending,
     /// Nothing could help but work in flight: on the queues blocks are bound to (under which
     /// no cached memory is given back), and the deferred frees outstanding. The caller waits
-    /// for the queues without the lock (as `cudaFree` synchronizes the device before
-    /// PyTorch's last rung), then for the deferred frees outstanding then *holding* the lock
-    /// (as PyTorch's `synchronize_and_free_events` waits under its mutex: a thread that keeps
-    /// freeing blocks used on a queue would otherwise take what they free before the waiter
-    /// tries again, every time), then tries once more with [`Tried::last_wait`].
+    /// for the queues (as `cudaFree` synchronizes the device before PyTorch's last rung), then
+    /// claims room for the request ([`Pool::claim`]: other allocations are admitted only if
+    /// they leave it) and waits for the deferred frees outstanding then, without the lock,
+    /// then tries once more with [`Tried::last_wait`] and withdraws the claim.
     LastWait,
 }
 
@@ -187,6 +187,9 @@ pub(crate) struct Pool {
     /// The fast paths' size test: `size - 1` below this is rounded plainly to 512 bytes (1 TiB
     /// without `roundup_power2_divisions`, 0 with them, which the slow path applies).
     plain_below: usize,
+    /// Requests at the OOM ladder's last wait, and what other allocations must leave them
+    /// (`pool/claims.rs`).
+    claims: claims::Claims,
     /// Deferred frees waiting for more than one marker: the markers still to pass.
     deferred_waits: HashMap<BlockId, u32>,
     /// The queues blocks were allocated on, to tell whether one still has work in flight.
@@ -246,6 +249,7 @@ impl Pool {
             spares: Spares::default(),
             quick_on,
             plain_below,
+            claims: claims::Claims::default(),
             deferred_waits: HashMap::new(),
             held: HashMap::new(),
             queues: HashMap::default(),

@@ -35,6 +35,9 @@ pub(crate) struct AllocatorShared {
     pub(crate) pid: rustix::process::Pid,
     /// How long the OOM ladder and `empty_cache` wait for them.
     pub(crate) pending_limit: std::time::Duration,
+    /// Bumped when a request's claim goes (`pool/claims.rs`): the requests it kept out look
+    /// again.
+    pub(crate) claims_changed: AtomicUsize,
 }
 
 /// Whether [`CachingAllocator`](super::CachingAllocator) handles remain, read under the

@@ -103,6 +103,7 @@ impl Pool {
                 self.account_free_request(id);
                 let (pool, size) = (self.blocks[id as usize].pool, self.blocks[id as usize].size as i64);
                 self.stats.pending_begin(pool, size);
+                self.claims_note_request(id, size as u64);
                 let (addr, size, queue) =
                     (self.addr(id), self.blocks[id as usize].size, self.blocks[id as usize].queue);
                 self.log(HistoryKind::FreeRequested, addr, size, queue);
@@ -115,6 +116,7 @@ impl Pool {
                     }
                     self.deferred_waits.remove(&id);
                 }
+                self.claims_note_passed(id);
                 if self.passed_into_limbo(id) {
                     return;
                 }

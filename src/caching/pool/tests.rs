@@ -192,7 +192,7 @@ fn cached_oversize_blocks_go_back_before_the_rest() {
 
 /// With deferred frees outstanding the ladder stops for the caller to wait, and again after
 /// a completion that did not free enough; once that wait is over it stops once more for the
-/// last wait (the queues, then the frees outstanding, holding the lock), and after that runs to
+/// last wait (the queues, then the frees outstanding, its room claimed), and after that runs to
 /// the end: one retry and one OOM for the request, with the source's reason.
 #[test]
 fn the_ladder_stops_for_pending_frees_then_the_last_wait_then_fails_with_the_reason() {
@@ -416,4 +416,32 @@ fn a_hungry_arena_grows_within_its_bound_rather_than_maps() {
     for id in again {
         step!(p.apply(FreeMsg::Free(id)));
     }
+}
+
+/// A claim (`pool/claims.rs`): while it is in force the fast paths are off (`plain_below` 0)
+/// and an allocation is admitted only if allocated bytes, the deferred frees requested since,
+/// the request and the claims fit in the allowed memory; the frees outstanding before the
+/// claim do not count (they give back what it waits for). Withdrawn, everything is as before.
+#[test]
+fn a_claim_admits_only_what_leaves_it_room() {
+    let mut p = pool("expandable_segments:False");
+    let plain = p.plain_below;
+    let a = got(step!(p.allocate(600 * MB, QueueKey::test(0), Tried::FINAL))).id;
+    assert!(p.admits(900 * MB), "no claim: everything is admitted (the ladder decides)");
+    let c = p.claim(300 * MB);
+    assert_eq!((c, p.plain_below), (300 * MB as u64, 0));
+    assert!(p.admits(100 * MB) && !p.admits(200 * MB), "600 allocated + 300 claimed of 1024");
+    // A deferred free requested under the claim: the claim does not wait for it.
+    p.apply(FreeMsg::Requested(a, 1));
+    assert!(p.admits(100 * MB) && !p.admits(200 * MB), "600 freed, but not for the claim");
+    p.apply(FreeMsg::Passed(a));
+    assert!(p.admits(700 * MB) && !p.admits(800 * MB), "its free completed: 0 + 300 claimed");
+    let c2 = p.claim(MB);
+    p.unclaim(c);
+    assert!(!p.admits(1024 * MB) && p.admits(1000 * MB), "the other claim stays");
+    assert_eq!(p.plain_below, 0);
+    p.unclaim(c2);
+    assert_eq!(p.plain_below, plain, "the fast paths are back");
+    assert!(p.admits(usize::MAX / 2));
+    p.check_invariants().unwrap();
 }

@@ -1,0 +1,98 @@
+//! Claims: requests at the OOM ladder's last wait, which wait (without the lock) for the
+//! deferred frees outstanding to give memory back. While one waits, another allocation is
+//! admitted only if what it takes leaves room for the claims once those frees complete:
+//! otherwise a thread that keeps freeing blocks used on a queue of its own takes what each
+//! completion gives back before the waiting request wakes, every time, and the request fails
+//! with the memory it waited for in another thread's hands (`tests/hostile_review24.rs`'s
+//! large-fill race, `tests/hostile_review29.rs`). PyTorch gets the same by waiting for its
+//! events under its mutex; a wait holding the lock here would also hold up threads that the
+//! queues' work waits for (a host callback, a thread that opens a gate after its next
+//! allocation: `tests/hostile_review30.rs`), and calls that take no memory at all.
+//!
+//! The test is in bytes: allocated, plus the deferred frees requested since a claim was made
+//! (the claims do not wait for those), plus the request, plus the claims, must stay within the
+//! allowed memory. The frees outstanding when the claims were made are not counted: they give
+//! back what the claims wait for. Segments fragment, so it is a bound on what an admitted
+//! allocation can take from the claims, not a promise that they fit.
+
+use std::collections::HashMap;
+
+use super::super::block::BlockId;
+use super::super::stats;
+use super::Pool;
+
+/// The claims in force.
+#[derive(Debug, Default)]
+pub(super) struct Claims {
+    /// Rounded bytes claimed, all claims together.
+    bytes: u64,
+    /// Requests with a claim.
+    count: u32,
+    /// [`Pool`]'s `plain_below` while no claim is in force (it is 0 while one is: the fast
+    /// paths, which test it first, then leave every allocation to the admission test).
+    plain_below: usize,
+    /// Deferred frees requested while a claim is in force and not completed yet, with their
+    /// bytes: the claims' waits do not wait for them.
+    newer: HashMap<BlockId, u64>,
+    /// Their bytes.
+    newer_bytes: u64,
+}
+
+impl Pool {
+    /// Claims room for a request of `size` bytes at its last wait; returns the bytes claimed,
+    /// for [`Pool::unclaim`] (which the caller must call, after its final attempt).
+    pub(crate) fn claim(&mut self, size: usize) -> u64 {
+        let bytes = self.round_size(size).unwrap_or(size) as u64;
+        if self.claims.count == 0 {
+            self.claims.plain_below = std::mem::replace(&mut self.plain_below, 0);
+        }
+        self.claims.count += 1;
+        self.claims.bytes += bytes;
+        bytes
+    }
+
+    /// Withdraws a claim of `bytes` made by [`Pool::claim`].
+    pub(crate) fn unclaim(&mut self, bytes: u64) {
+        debug_assert!(self.claims.count > 0 && self.claims.bytes >= bytes);
+        self.claims.count -= 1;
+        self.claims.bytes -= bytes;
+        if self.claims.count == 0 {
+            self.plain_below = self.claims.plain_below;
+            self.claims.newer.clear();
+            self.claims.newer_bytes = 0;
+        }
+    }
+
+    /// The deferred free of block `id` (`bytes`) was requested: while a claim is in force, it
+    /// is one the claims do not wait for.
+    #[inline]
+    pub(super) fn claims_note_request(&mut self, id: BlockId, bytes: u64) {
+        if self.claims.count > 0 && self.claims.newer.insert(id, bytes).is_none() {
+            self.claims.newer_bytes += bytes;
+        }
+    }
+
+    /// The deferred free of block `id` completed.
+    #[inline]
+    pub(super) fn claims_note_passed(&mut self, id: BlockId) {
+        if !self.claims.newer.is_empty()
+            && let Some(bytes) = self.claims.newer.remove(&id)
+        {
+            self.claims.newer_bytes -= bytes;
+        }
+    }
+
+    /// Whether a request of `size` bytes may take memory now: no claim is in force, or what it
+    /// takes leaves room for the claims once the deferred frees they wait for complete.
+    pub(crate) fn admits(&self, size: usize) -> bool {
+        if self.claims.count == 0 {
+            return true;
+        }
+        let rounded = self.round_size(size).unwrap_or(usize::MAX) as u64;
+        let allocated = self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE].max(0) as u64;
+        [self.claims.newer_bytes, rounded, self.claims.bytes]
+            .iter()
+            .try_fold(allocated, |sum, &b| sum.checked_add(b))
+            .is_some_and(|sum| sum <= self.allowed)
+    }
+}
