@@ -205,6 +205,11 @@ impl Pending {
         PendingMark { ended, outstanding: self.count.load(Ordering::Acquire) }
     }
 
+    /// Whether a completion has been counted since `mark`.
+    pub fn progressed_since(&self, mark: PendingMark) -> bool {
+        self.ended.load(Ordering::Acquire) != mark.ended
+    }
+
     /// [`Pending::wait_outstanding`] for the waits outstanding at `mark`.
     pub fn wait_past(&self, mark: PendingMark, limit: std::time::Duration) -> bool {
         self.sleep_until(limit, || self.passed(mark))

@@ -381,14 +381,19 @@ impl CachingAllocator {
             }
             if claimed.is_none() && !on_executor && !pool.admits(size) {
                 // Another request waits for deferred frees to give back what this one would
-                // take: until its claim goes or a free completes, then look again; not past
-                // the pending-wait limit in all (a claim must not hold anyone up for ever).
+                // take: until its claim goes or a free completes, then look again; as long as
+                // frees keep completing, each within the pending-wait limit (the claim's own
+                // wait ends no later), not past it without one (a claim must not hold anyone
+                // up for ever).
                 let since: std::time::Instant = *kept_out.get_or_insert_with(std::time::Instant::now);
                 let left = limit.saturating_sub(since.elapsed());
                 if !left.is_zero() {
                     let seen = self.inner.claims_changed.load(Ordering::Acquire);
                     drop(pool);
                     self.inner.pending.wait_for(left, || self.inner.claims_changed.load(Ordering::Acquire) != seen);
+                    if self.inner.pending.progressed_since(mark) {
+                        kept_out = Some(std::time::Instant::now());
+                    }
                     continue;
                 }
             }
@@ -435,13 +440,25 @@ impl CachingAllocator {
                     drop(pool);
                     stuck |= !self.wait_for_queues(queues);
                     if !stuck {
-                        let mut pool = self.lock();
+                        // The mark before the drain (the free list's protocol, as above).
                         let mark = self.inner.pending.mark();
+                        let mut pool = self.lock();
                         if !on_executor {
                             claimed = Some(pool.claim(size));
                         }
-                        drop(pool);
-                        self.inner.pending.wait_past(mark, limit);
+                        // As the ladder's wait: as long as frees keep completing, each within
+                        // the limit (a long backlog of work is no reason to fail), until those
+                        // outstanding now have (by bytes, under the lock: counts cannot tell
+                        // them from newer frees on other queues, which may complete first).
+                        let mut last = mark;
+                        while pool.claimed_frees_outstanding() > 0 {
+                            drop(pool);
+                            if !self.inner.pending.wait_next(last, limit) {
+                                break;
+                            }
+                            last = self.inner.pending.mark();
+                            pool = self.lock();
+                        }
                     }
                     (last_wait, waited) = (true, true);
                 }

@@ -1,5 +1,7 @@
 //! Claims: requests at the OOM ladder's last wait, which wait (without the lock) for the
-//! deferred frees outstanding to give memory back. While one waits, another allocation is
+//! deferred frees outstanding to give memory back, as long as they keep completing, each
+//! within the pending-wait limit, until their bytes are all back
+//! ([`Pool::claimed_frees_outstanding`]). While one waits, another allocation is
 //! admitted only if what it takes leaves room for the claims once those frees complete:
 //! otherwise a thread that keeps freeing blocks used on a queue of its own takes what each
 //! completion gives back before the waiting request wakes, every time, and the request fails
@@ -10,10 +12,11 @@
 //! allocation: `tests/hostile_review30.rs`), and calls that take no memory at all.
 //!
 //! The test is in bytes: allocated, plus the deferred frees requested since a claim was made
-//! (the claims do not wait for those), plus the request, plus the claims, must stay within the
-//! allowed memory. The frees outstanding when the claims were made are not counted: they give
-//! back what the claims wait for. Segments fragment, so it is a bound on what an admitted
-//! allocation can take from the claims, not a promise that they fit.
+//! (the claims do not wait for those), plus the request, plus the larger of the claims and the
+//! frees outstanding from before (those give back what the claims wait for; until they have,
+//! others take only memory free now), must stay within the allowed memory. Segments fragment,
+//! so it is a bound on what an admitted allocation can take from the claims, not a promise
+//! that they fit.
 
 use std::collections::HashMap;
 
@@ -82,6 +85,11 @@ impl Pool {
         }
     }
 
+    /// Bytes of the deferred frees outstanding from before the claims (what they wait for).
+    pub(crate) fn claimed_frees_outstanding(&self) -> u64 {
+        (self.stats.pending_bytes_now().max(0) as u64).saturating_sub(self.claims.newer_bytes)
+    }
+
     /// Whether a request of `size` bytes may take memory now: no claim is in force, or what it
     /// takes leaves room for the claims once the deferred frees they wait for complete.
     pub(crate) fn admits(&self, size: usize) -> bool {
@@ -90,7 +98,10 @@ impl Pool {
         }
         let rounded = self.round_size(size).unwrap_or(usize::MAX) as u64;
         let allocated = self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE].max(0) as u64;
-        [self.claims.newer_bytes, rounded, self.claims.bytes]
+        // The frees outstanding before the claims: they give back what the claims wait for,
+        // and no more than that is free for others until they complete.
+        let older = self.claimed_frees_outstanding();
+        [self.claims.newer_bytes, rounded, older.max(self.claims.bytes)]
             .iter()
             .try_fold(allocated, |sum, &b| sum.checked_add(b))
             .is_some_and(|sum| sum <= self.allowed)

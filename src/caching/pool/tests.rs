@@ -443,5 +443,16 @@ fn a_claim_admits_only_what_leaves_it_room() {
     p.unclaim(c2);
     assert_eq!(p.plain_below, plain, "the fast paths are back");
     assert!(p.admits(usize::MAX / 2));
+    // A free outstanding from before a claim gives back what the claim waits for: until it
+    // completes, others take only memory free now.
+    let live = got(step!(p.allocate(700 * MB, QueueKey::test(0), Tried::FINAL))).id;
+    let older = got(step!(p.allocate(200 * MB, QueueKey::test(0), Tried::FINAL))).id;
+    p.apply(FreeMsg::Requested(older, 1));
+    let c = p.claim(100 * MB);
+    assert!(p.admits(124 * MB) && !p.admits(125 * MB), "700 allocated + 200 being freed for the claim");
+    p.apply(FreeMsg::Passed(older));
+    assert!(p.admits(224 * MB) && !p.admits(225 * MB), "700 allocated + 100 claimed");
+    p.unclaim(c);
+    p.apply(FreeMsg::Free(live));
     p.check_invariants().unwrap();
 }
