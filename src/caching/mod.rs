@@ -134,6 +134,41 @@ use crate::source::MemorySource;
 /// Default limit on waiting for deferred frees.
 const PENDING_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// A request's claim at the OOM ladder's last wait (`pool/claims.rs`): withdrawn by its final
+/// attempt ([`Claimed::withdraw`]), or when dropped without it (a panic in the memory source
+/// unwinding through the attempt), so that no claim outlives its request.
+struct Claimed<'a> {
+    inner: &'a shared::AllocatorShared,
+    bytes: Option<u64>,
+}
+
+impl Claimed<'_> {
+    /// Withdraws the claim under the lock `pool` (held): the requests kept out look again.
+    fn withdraw(mut self, pool: &mut Pool) {
+        if let Some(bytes) = self.bytes.take() {
+            pool.unclaim(bytes);
+            self.announce();
+        }
+    }
+
+    fn announce(&self) {
+        self.inner.claims_changed.fetch_add(1, Ordering::AcqRel);
+        self.inner.pending.wake_all();
+    }
+}
+
+impl Drop for Claimed<'_> {
+    fn drop(&mut self) {
+        if let Some(bytes) = self.bytes.take() {
+            // Unwinding: this thread's lock guard is gone by now (declared later).
+            if let Some(mut pool) = self.inner.pool.lock_unless_held_here() {
+                pool.unclaim(bytes);
+            }
+            self.announce();
+        }
+    }
+}
+
 /// The allocator. Cheap to clone (all clones share one cache).
 pub struct CachingAllocator {
     inner: Arc<AllocatorShared>,
@@ -346,7 +381,7 @@ impl CachingAllocator {
         let mut stuck = false;
         // The room this request claimed at its last wait (withdrawn after its final attempt),
         // and since when another's claim kept it out.
-        let (mut claimed, mut kept_out) = (None, None);
+        let (mut claimed, mut kept_out): (Option<Claimed<'_>>, _) = (None, None);
         // A host callback's request is never kept out, nor claims: the frees the claims wait
         // for may be queued behind it.
         let on_executor = crate::queue::executing_queue().is_some();
@@ -404,11 +439,9 @@ impl CachingAllocator {
                 last_wait,
             };
             let outcome = pool.allocate(size, key, tried);
-            if let Some(bytes) = claimed.take() {
+            if let Some(c) = claimed.take() {
                 // The final attempt is made: the requests kept out look again.
-                pool.unclaim(bytes);
-                self.inner.claims_changed.fetch_add(1, Ordering::AcqRel);
-                self.inner.pending.wake_all();
+                c.withdraw(&mut pool);
             }
             match outcome? {
                 Outcome::Got(b) => return Ok(take(pool, b)),
@@ -444,7 +477,7 @@ impl CachingAllocator {
                         let mark = self.inner.pending.mark();
                         let mut pool = self.lock();
                         if !on_executor {
-                            claimed = Some(pool.claim(size));
+                            claimed = Some(Claimed { inner: &self.inner, bytes: Some(pool.claim(size)) });
                         }
                         // As the ladder's wait: as long as frees keep completing, each within
                         // the limit (a long backlog of work is no reason to fail), until those
