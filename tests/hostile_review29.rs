@@ -19,20 +19,11 @@ use std::time::Duration;
 
 use common::wait::within;
 use common::{QueueGate, scaled};
-use dmabuf_rt::caching::{CachingAllocator, Config};
+use dmabuf_rt::caching::CachingAllocator;
 use dmabuf_rt::queue::Queue;
 use dmabuf_rt::{Access, Error};
 
 const MB: usize = 1 << 20;
-
-fn allocator(conf: &str, capacity: usize, limit: Duration) -> CachingAllocator {
-    CachingAllocator::builder(dmabuf_rt::source::ShmemSource::new().reserve(false))
-        .config(Config::parse(conf).unwrap())
-        .capacity(capacity as u64)
-        .pending_wait_limit(limit)
-        .build()
-        .unwrap()
-}
 
 /// A churning thread allocates 20 MiB blocks, fills each on a queue of its own and frees it
 /// at once (a deferred free, completed by the fill's end), as fast as it can, so its frees
@@ -54,7 +45,7 @@ fn requests_get_the_memory_a_churning_deferred_freer_gives_back() {
 }
 
 fn churn(conf: &'static str) {
-    let a = allocator(conf, 64 * MB, Duration::from_secs(60));
+    let a = common::allocator_waiting(conf, 64 * MB, Duration::from_secs(60));
     let stop = Arc::new(AtomicBool::new(false));
     let frees = Arc::new(AtomicUsize::new(0));
     let bar = Arc::new(Barrier::new(2));
@@ -107,7 +98,7 @@ fn churn(conf: &'static str) {
 fn an_oom_under_deferred_frees_names_them() {
     within("oom names deferred frees", Duration::from_secs(120 * common::time_scale() as u64), || {
         for conf in ["expandable_segments:False", "expandable_segments:True,page_stitching:True"] {
-            let a = allocator(conf, 64 * MB, Duration::from_millis(50));
+            let a = common::allocator_waiting(conf, 64 * MB, Duration::from_millis(50));
             let q = Queue::new().unwrap();
             let gate = QueueGate::close(&q);
             let mut b = a.allocate(40 * MB, None).unwrap();
@@ -153,14 +144,8 @@ fn an_oom_under_deferred_frees_names_them() {
 fn a_callback_that_allocates_is_not_held_up_by_the_last_wait() {
     within("callback under the last wait", Duration::from_secs(60 * common::time_scale() as u64), || {
         for round in 0..scaled(30) {
-            let a = allocator("", 64 * MB, Duration::from_secs(3600));
-            let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
-            let (gate1, gate2) = (QueueGate::close(&q1), QueueGate::close(&q2));
-            let mut small = a.allocate(4096, None).unwrap();
-            small.record_queue(&q1);
-            drop(small);
-            let mut big = a.allocate(40 * MB, None).unwrap();
-            big.record_queue(&q2);
+            let a = common::allocator_waiting("", 64 * MB, Duration::from_secs(3600));
+            let (_q1, q2, gate1, gate2, big) = common::two_gated_frees(&a);
             let (tx, rx) = std::sync::mpsc::channel();
             let a2 = a.clone();
             q2.callback(move |_| {
@@ -199,7 +184,7 @@ fn a_callback_that_allocates_is_not_held_up_by_the_last_wait() {
 fn a_callback_waiting_for_frees_behind_itself_does_not_hold_up_other_threads() {
     within("callback self-wait", Duration::from_secs(120 * common::time_scale() as u64), || {
         let limit = Duration::from_secs(3);
-        let a = allocator("", 64 * MB, limit);
+        let a = common::allocator_waiting("", 64 * MB, limit);
         let q = Queue::new().unwrap();
         let gate = QueueGate::close(&q);
         let mut big = a.allocate(40 * MB, None).unwrap();
@@ -252,7 +237,7 @@ fn allocate_until(
 fn a_stuck_deferred_free_does_not_hold_up_other_threads() {
     within("stuck free", Duration::from_secs(120 * common::time_scale() as u64), || {
         let limit = Duration::from_secs(3);
-        let a = allocator("", 64 * MB, limit);
+        let a = common::allocator_waiting("", 64 * MB, limit);
         let q = Queue::new().unwrap();
         let gate = QueueGate::close(&q);
         let mut big = a.allocate(40 * MB, None).unwrap();

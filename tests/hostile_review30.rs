@@ -18,19 +18,10 @@ use std::time::{Duration, Instant};
 use common::wait::within;
 use common::{QueueGate, scaled};
 use dmabuf_rt::Error;
-use dmabuf_rt::caching::{Allocation, CachingAllocator, Config};
+use dmabuf_rt::caching::{Allocation, CachingAllocator};
 use dmabuf_rt::queue::Queue;
 
 const MB: usize = 1 << 20;
-
-fn allocator(conf: &str, capacity: usize, limit: Duration) -> CachingAllocator {
-    CachingAllocator::builder(dmabuf_rt::source::ShmemSource::new().reserve(false))
-        .config(Config::parse(conf).unwrap())
-        .capacity(capacity as u64)
-        .pending_wait_limit(limit)
-        .build()
-        .unwrap()
-}
 
 /// What a host callback does with the allocator and a live block of it while another thread
 /// may be in the last wait. Returns a description of a failure, if any.
@@ -47,14 +38,8 @@ fn callback_round(
     spins: usize,
     probe: Probe,
 ) -> (Result<(), String>, Duration, Result<(), String>) {
-    let a = allocator(conf, 64 * MB, limit);
-    let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
-    let (gate1, gate2) = (QueueGate::close(&q1), QueueGate::close(&q2));
-    let mut small = a.allocate(4096, None).unwrap();
-    small.record_queue(&q1);
-    drop(small);
-    let mut big = a.allocate(40 * MB, None).unwrap();
-    big.record_queue(&q2);
+    let a = common::allocator_waiting(conf, 64 * MB, limit);
+    let (q1, q2, gate1, gate2, big) = common::two_gated_frees(&a);
     let y = a.allocate(64 * 1024, None).unwrap();
     let (tx, rx) = mpsc::channel();
     let a2 = a.clone();
@@ -197,7 +182,7 @@ fn allocate_until<T>(a: &CachingAllocator, rx: &mpsc::Receiver<T>) -> (T, Durati
 fn a_queue_stuck_past_the_wait_for_queues_is_not_waited_for_again() {
     within("stuck queue", Duration::from_secs(120 * common::time_scale() as u64), || {
         let limit = Duration::from_secs(2);
-        let a = allocator("", 64 * MB, limit);
+        let a = common::allocator_waiting("", 64 * MB, limit);
         let r = Queue::new().unwrap();
         let gate = QueueGate::close(&r);
         let bound = a.allocate(4096, Some(&r)).unwrap(); // `r` is a queue of the pool
@@ -243,7 +228,7 @@ fn a_queue_stuck_past_the_wait_for_queues_is_not_waited_for_again() {
 #[test]
 fn a_zero_limit_fails_at_once_naming_the_deferred_bytes() {
     within("zero limit", Duration::from_secs(60 * common::time_scale() as u64), || {
-        let a = allocator("", 64 * MB, Duration::ZERO);
+        let a = common::allocator_waiting("", 64 * MB, Duration::ZERO);
         let q = Queue::new().unwrap();
         let gate = QueueGate::close(&q);
         let mut big = a.allocate(40 * MB, None).unwrap();
@@ -266,14 +251,8 @@ fn a_zero_limit_fails_at_once_naming_the_deferred_bytes() {
 #[test]
 fn a_huge_limit_does_not_overflow() {
     within("huge limit", Duration::from_secs(60 * common::time_scale() as u64), || {
-        let a = allocator("", 64 * MB, Duration::MAX);
-        let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
-        let (gate1, gate2) = (QueueGate::close(&q1), QueueGate::close(&q2));
-        let mut small = a.allocate(4096, None).unwrap();
-        small.record_queue(&q1);
-        drop(small);
-        let mut big = a.allocate(40 * MB, None).unwrap();
-        big.record_queue(&q2);
+        let a = common::allocator_waiting("", 64 * MB, Duration::MAX);
+        let (_q1, _q2, gate1, gate2, big) = common::two_gated_frees(&a);
         let retries = a.stats().num_alloc_retries;
         let waiter = {
             let a = a.clone();
@@ -305,14 +284,8 @@ fn a_thread_the_queue_waits_for_does_not_make_the_request_fail() {
     let limit = Duration::from_secs(2);
     within("producer gate", Duration::from_secs(120 * common::time_scale() as u64), move || {
         for round in 0..scaled(40) {
-            let a = allocator("expandable_segments:False", 64 * MB, limit);
-            let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
-            let (gate1, gate2) = (QueueGate::close(&q1), QueueGate::close(&q2));
-            let mut small = a.allocate(4096, None).unwrap();
-            small.record_queue(&q1);
-            drop(small);
-            let mut big = a.allocate(40 * MB, None).unwrap();
-            big.record_queue(&q2);
+            let a = common::allocator_waiting("expandable_segments:False", 64 * MB, limit);
+            let (_q1, q2, gate1, gate2, big) = common::two_gated_frees(&a);
             let retries = a.stats().num_alloc_retries;
             let waiter = {
                 let a = a.clone();
@@ -354,7 +327,8 @@ fn a_thread_the_queue_waits_for_does_not_make_the_request_fail() {
 /// for the rest of its time (`allocate_slow`'s `yield_asked` branch), where the churner takes
 /// what the frees give back first: the race d957a77 fixed is back, every time.
 fn churn_with_callbacks(calls_allocator: bool) -> Vec<String> {
-    let a = allocator("expandable_segments:True,page_stitching:False", 64 * MB, Duration::from_secs(60));
+    let a =
+        common::allocator_waiting("expandable_segments:True,page_stitching:False", 64 * MB, Duration::from_secs(60));
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let frees = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let bar = Arc::new(Barrier::new(2));

@@ -483,14 +483,23 @@ impl CachingAllocator {
                         // the limit (a long backlog of work is no reason to fail), until those
                         // outstanding now have (by bytes, under the lock: counts cannot tell
                         // them from newer frees on other queues, which may complete first).
-                        let mut last = mark;
-                        while pool.claimed_frees_outstanding() > 0 {
+                        // Not while none is outstanding any more (what is left is held by
+                        // another process), nor once those bytes have not come down within the
+                        // limit (newer frees on other queues completing meanwhile do not count).
+                        let (mut last, mut left, mut since) =
+                            (mark, pool.claimed_frees_outstanding(), std::time::Instant::now());
+                        while left > 0 && !self.inner.pending.is_zero() {
                             drop(pool);
-                            if !self.inner.pending.wait_next(last, limit) {
+                            let time = limit.saturating_sub(since.elapsed());
+                            if time.is_zero() || !self.inner.pending.wait_next(last, time) {
                                 break;
                             }
                             last = self.inner.pending.mark();
                             pool = self.lock();
+                            let now = pool.claimed_frees_outstanding();
+                            if now < left {
+                                (left, since) = (now, std::time::Instant::now());
+                            }
                         }
                     }
                     (last_wait, waited) = (true, true);

@@ -131,6 +131,8 @@ struct AllocParams {
     arena: bool,
     /// The arena refused for lack of allowed memory (not because it cannot hold the request).
     arena_over_allowed: bool,
+    /// No segment within the allowed memory can hold the request (rung 0): nothing can help.
+    beyond_allowed: bool,
     /// Why the steps failed, for the out-of-memory message.
     cause: String,
 }
@@ -151,6 +153,7 @@ impl AllocParams {
             wait: false,
             arena: false,
             arena_over_allowed: false,
+            beyond_allowed: false,
             cause: String::new(),
         }
     }
@@ -518,7 +521,10 @@ impl Pool {
             return Ok(Outcome::Got(self.hand_out(id, size, queue)));
         }
         let Some(id) = p.block else {
-            if !tried.last_wait && (tried.outstanding || (!self.config.no_caching && self.any_queue_busy())) {
+            if !tried.last_wait
+                && !p.beyond_allowed
+                && (tried.outstanding || (!self.config.no_caching && self.any_queue_busy()))
+            {
                 return Ok(Outcome::LastWait);
             }
             return Err(self.out_of_memory(p));
@@ -613,6 +619,8 @@ impl Pool {
         };
         if needs as u64 > self.allowed {
             p.cause = format!("; the request needs {needs} bytes of segment, more than the allowed memory");
+            // Nothing waited for could make room: no last wait, and no claim.
+            p.beyond_allowed = true;
             return false;
         }
         true

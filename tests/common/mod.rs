@@ -138,6 +138,40 @@ impl Rng {
 }
 
 /// A caching allocator over sparse shmem with the `DMABUF_RT_ALLOC_CONF`-syntax settings `conf`.
+/// [`allocator`] with a pending-wait limit of `limit` (the OOM ladder's waits for deferred
+/// frees and queues).
+pub fn allocator_waiting(
+    conf: &str,
+    capacity: usize,
+    limit: std::time::Duration,
+) -> dmabuf_rt::caching::CachingAllocator {
+    dmabuf_rt::caching::CachingAllocator::builder(dmabuf_rt::source::ShmemSource::new().reserve(false))
+        .config(dmabuf_rt::caching::Config::parse(conf).unwrap())
+        .capacity(capacity as u64)
+        .pending_wait_limit(limit)
+        .build()
+        .unwrap()
+}
+
+/// The setup of the last-wait reviews (`hostile_review29`-`31`) on a 64 MiB allocator: a
+/// 4 KiB block freed on gated queue `q1` (a deferred free that ends a request's first wait
+/// when `gate1` opens), and a live 40 MiB block used on gated queue `q2` (dropped, its free is
+/// what a 40 MiB request waits for, until `gate2` opens). Returns (q1, q2, gate1, gate2, the
+/// 40 MiB block).
+pub fn two_gated_frees(
+    a: &dmabuf_rt::caching::CachingAllocator,
+) -> (dmabuf_rt::queue::Queue, dmabuf_rt::queue::Queue, QueueGate, QueueGate, dmabuf_rt::caching::Allocation) {
+    use dmabuf_rt::queue::Queue;
+    let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
+    let (gate1, gate2) = (QueueGate::close(&q1), QueueGate::close(&q2));
+    let mut small = a.allocate(4096, None).unwrap();
+    small.record_queue(&q1);
+    drop(small);
+    let mut big = a.allocate(40 << 20, None).unwrap();
+    big.record_queue(&q2);
+    (q1, q2, gate1, gate2, big)
+}
+
 pub fn allocator(conf: &str, capacity: u64) -> dmabuf_rt::caching::CachingAllocator {
     dmabuf_rt::caching::CachingAllocator::builder(dmabuf_rt::source::ShmemSource::new().reserve(false))
         .config(dmabuf_rt::caching::Config::parse(conf).unwrap())

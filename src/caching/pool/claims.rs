@@ -86,8 +86,11 @@ impl Pool {
     }
 
     /// Bytes of the deferred frees outstanding from before the claims (what they wait for).
+    /// Blocks in limbo (shared with another process when freed) are not among them: they come
+    /// back when that process lets go, not when a queue passes.
     pub(crate) fn claimed_frees_outstanding(&self) -> u64 {
-        (self.stats.pending_bytes_now().max(0) as u64).saturating_sub(self.claims.newer_bytes)
+        let limbo = self.stats.device.limbo_bytes.current.max(0) as u64;
+        (self.stats.pending_bytes_now().max(0) as u64).saturating_sub(limbo).saturating_sub(self.claims.newer_bytes)
     }
 
     /// Whether a request of `size` bytes may take memory now: no claim is in force, or what it
@@ -96,7 +99,9 @@ impl Pool {
         if self.claims.count == 0 {
             return true;
         }
-        let rounded = self.round_size(size).unwrap_or(usize::MAX) as u64;
+        // A request the allocation refuses anyway (zero, too large) is refused at once.
+        let sane = |&r: &usize| size > 0 && r <= isize::MAX as usize;
+        let Some(rounded) = self.round_size(size).filter(sane).map(|r| r as u64) else { return true };
         let allocated = self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE].max(0) as u64;
         // The frees outstanding before the claims: they give back what the claims wait for,
         // and no more than that is free for others until they complete.
