@@ -92,8 +92,9 @@ fn drops_race_every_entry_point() {
 ///   segments pinned by 75 MB in use). PyTorch's remedy is the setting, used here; the error
 ///   now says it is fragmentation (`tests/caching.rs`);
 /// - what the backlog's frees gave back went to the raw thread's next allocations before a
-///   waiting request woke, every time. The last rung now waits for the frees outstanding while
-///   holding the lock, as PyTorch does (`tests/hostile_review29.rs`).
+///   waiting request woke, every time. The last rung now claims the request's room while it
+///   waits for the frees outstanding, and allocations that would take it wait
+///   (`pool/claims.rs`, `tests/hostile_review29.rs`; PyTorch waits under its mutex).
 ///
 /// The capacity shrinks with the time scale: the kernel lane's guest has 2 GiB, and the
 /// backlog's fills touch the memory they hold.

@@ -132,10 +132,10 @@ fn an_oom_under_deferred_frees_names_them() {
     });
 }
 
-/// The last wait holds the lock while the frees it waits for may be queued behind a host
-/// callback that calls the allocator itself: the callback, on the queue's executor, asks the
-/// waiter to let the lock go, and both finish (with an hour-long pending-wait limit, a waiter
-/// that kept the lock would hang until the watchdog). Each round: a small deferred free on one
+/// The frees the last wait waits for may be queued behind a host callback that calls the
+/// allocator itself: the callback, on the queue's executor, is never kept out by the waiter's
+/// claim, and both finish (with an hour-long pending-wait limit, a waiter that held the
+/// callback up would hang until the watchdog). Each round: a small deferred free on one
 /// gated queue makes the request's first wait end early (its frees passed), a 40 MiB deferred
 /// free queued behind the callback on another gated queue is what the request needs, and the
 /// second gate opens after a varying number of yields, so that the request reaches its last

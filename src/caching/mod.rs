@@ -458,7 +458,7 @@ impl CachingAllocator {
                     // rest of the ladder.
                     drop(pool);
                     let first = *first_mark.get_or_insert(mark);
-                    stuck = !self.inner.pending.wait_next(mark, self.inner.pending_limit);
+                    stuck = !self.inner.pending.wait_next(mark, limit);
                     out_of_time = stuck || self.inner.pending.passed(first);
                     waited = true;
                 }

@@ -495,7 +495,6 @@ thread_local! {
 }
 
 /// The queue whose executor thread this is, if any: code running in a host callback.
-#[inline]
 pub fn executing_queue() -> Option<QueueId> {
     QueueId::from_raw(EXECUTING.with(std::cell::Cell::get))
 }
