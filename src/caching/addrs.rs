@@ -2,10 +2,12 @@
 //! and an ordered one for ranges (a copy's pointer may lie anywhere inside a block). Both
 //! change only when blocks are made, split, merged or released: never on the pools' hot path,
 //! which hands out and takes back whole blocks. A page-stitched arena's home blocks are made
-//! and freed on every request, so its home region is a dense region here: starts by unit in a
-//! bitmap, not entries of the ordered map.
+//! and freed on every request, so its home region is a dense region here: two bits a unit (a
+//! block starts here; one started here and was freed) and a table of ids by unit, not entries
+//! of the ordered map.
 //!
-//! A region's blocks are in neither table: its bitmap and table by unit answer both lookups.
+//! A region's blocks are in neither table: its marks and table by unit answer both lookups,
+//! and its freed marks tell a double free of a home block from a foreign pointer.
 //! The exact table is an open-addressing hash table of its own (linear probing, at most half
 //! full, Fibonacci hashing of the address's 512-byte unit): a raw free's lookup is a multiply,
 //! a shift and one or two compares, flat in the number of blocks.
@@ -137,102 +139,125 @@ impl Exact {
     }
 }
 
-/// Levels of [`Starts`]: 64^5 units (over a billion) at most.
-const LEVELS: usize = 5;
+/// The bits of [`Marks`] that say a block starts at a unit (the even bits).
+const START_BITS: u64 = 0x5555_5555_5555_5555;
 
-/// Unit numbers, where the last one at or below any unit is found in a few word reads, however
-/// far back it lies: a bitmap, a summary of it (a bit per word that has any bit set), a summary
-/// of that, and so on.
+/// Two bits per unit of a dense region, 32 units a word: *start* (bit `2i`), a block starts
+/// at unit `i`, and *freed* (bit `2i + 1`), a block started there and was freed, and none has
+/// started there since (a free of it is a double free). Both change together, so a block made
+/// or freed writes one word (where the arena's own double-free mark and a separate bitmap of
+/// starts would write two lines). A summary bit per word, set while the word has a start,
+/// finds the last start at or below a unit in a few word reads however far back it lies.
 #[derive(Default)]
-struct Starts {
-    levels: [Vec<u64>; LEVELS],
+struct Marks {
+    words: Vec<u64>,
+    /// One bit per word of `words`, set while it has a start bit.
+    summary: Vec<u64>,
+    /// Units with a start bit.
+    starts: usize,
 }
 
-impl Starts {
-    fn insert(&mut self, u: usize) {
-        let mut i = u;
-        for v in &mut self.levels {
-            let w = i / 64;
-            if w >= v.len() {
-                v.resize(w + 1, 0);
-            }
-            let had = v[w] != 0;
-            v[w] |= 1 << (i % 64);
-            if had {
-                // The levels above know this word already.
-                return;
-            }
-            i = w;
+impl Marks {
+    /// Room for `units` units (zeroed: pages the kernel supplies on first write).
+    fn with_capacity(units: usize) -> Self {
+        let words = units.div_ceil(32);
+        Self { words: vec![0; words], summary: vec![0; words.div_ceil(64)], starts: 0 }
+    }
+
+    /// Makes room for unit `u` (past the capacity made up front).
+    #[cold]
+    fn reach(&mut self, u: usize) {
+        let words = (u / 32 + 1).next_power_of_two();
+        self.words.resize(words, 0);
+        self.summary.resize(words.div_ceil(64), 0);
+    }
+
+    /// A block starts at unit `u` (its freed mark goes).
+    #[inline]
+    fn start(&mut self, u: usize) {
+        let (w, sh) = (u / 32, 2 * (u % 32));
+        if w >= self.words.len() {
+            self.reach(u);
+        }
+        let old = self.words[w];
+        self.words[w] = (old | 1 << sh) & !(2 << sh);
+        self.starts += usize::from(old & 1 << sh == 0);
+        if old & START_BITS == 0 {
+            self.summary[w / 64] |= 1 << (w % 64);
         }
     }
 
-    fn remove(&mut self, u: usize) {
-        let mut i = u;
-        for v in &mut self.levels {
-            let Some(word) = v.get_mut(i / 64) else { return };
-            *word &= !(1 << (i % 64));
-            if *word != 0 {
-                return;
-            }
-            i /= 64;
+    /// The block that started at unit `u` is freed: its start goes, its freed mark is set.
+    /// Nothing where no block starts.
+    #[inline]
+    fn free(&mut self, u: usize) {
+        let (w, sh) = (u / 32, 2 * (u % 32));
+        let Some(&old) = self.words.get(w) else { return };
+        if old & 1 << sh == 0 {
+            return;
+        }
+        let new = (old & !(1 << sh)) | 2 << sh;
+        self.words[w] = new;
+        self.starts -= 1;
+        if new & START_BITS == 0 {
+            self.summary[w / 64] &= !(1 << (w % 64));
         }
     }
 
-    fn len(&self) -> usize {
-        self.levels[0].iter().map(|w| w.count_ones() as usize).sum()
-    }
-
-    /// Whether unit `u` is filed.
     #[inline(always)]
-    fn contains(&self, u: usize) -> bool {
-        self.levels[0].get(u / 64).is_some_and(|w| w & (1 << (u % 64)) != 0)
+    fn mark(&self, u: usize, bit: u64) -> bool {
+        self.words.get(u / 32).is_some_and(|&w| w & bit << (2 * (u % 32)) != 0)
     }
 
-    /// The last unit filed at or below `u`.
+    /// Whether a block starts at unit `u`.
+    #[inline(always)]
+    fn starts_at(&self, u: usize) -> bool {
+        self.mark(u, 1)
+    }
+
+    /// Whether a block started at unit `u` and was freed, none since.
+    fn freed_at(&self, u: usize) -> bool {
+        self.mark(u, 2)
+    }
+
+    /// The last unit at or below `u` where a block starts.
     fn last_at_or_below(&self, u: usize) -> Option<usize> {
-        let mut i = u;
-        for lvl in 0..LEVELS {
-            let v = &self.levels[lvl];
-            let (mut w, mut b) = (i / 64, i % 64);
-            if w >= v.len() {
-                // Past the end: everything filed at this level lies below.
-                w = v.len().checked_sub(1)?;
-                b = 63;
-            }
-            let below = if b == 63 { !0 } else { (1u64 << (b + 1)) - 1 };
-            let bits = v[w] & below;
-            if bits != 0 {
-                // Down again, taking the highest bit of each word.
-                let mut j = w * 64 + 63 - bits.leading_zeros() as usize;
-                for l in (0..lvl).rev() {
-                    let word = self.levels[l][j];
-                    debug_assert!(word != 0, "a summary bit names a word with bits");
-                    j = j * 64 + 63 - word.leading_zeros() as usize;
-                }
-                return Some(j);
-            }
-            // Nothing at or below `b` in word `w`: the words before it, one level up.
-            i = w.checked_sub(1)?;
+        let highest = |w: usize, bits: u64| w * 32 + (63 - bits.leading_zeros() as usize) / 2;
+        let mut w = (u / 32).min(self.words.len().checked_sub(1)?);
+        let upto = if w < u / 32 { !0 } else { !0u64 >> (63 - 2 * (u % 32)) };
+        let bits = self.words[w] & START_BITS & upto;
+        if bits != 0 {
+            return Some(highest(w, bits));
         }
-        None
+        // The words before `w` that have starts, by their summary bits.
+        let mut sw = w / 64;
+        let mut sbits = self.summary[sw] & ((1u64 << (w % 64)) - 1);
+        loop {
+            if sbits != 0 {
+                w = sw * 64 + 63 - sbits.leading_zeros() as usize;
+                return Some(highest(w, self.words[w] & START_BITS));
+            }
+            sw = sw.checked_sub(1)?;
+            sbits = self.summary[sw];
+        }
     }
 }
 
-/// The most units a region's table of ids is made for at once: 16 MiB of address space
+/// The most units a region's tables are made for at once: 16 MiB of address space for its ids
 /// (4 Mi units, 16 GiB of 4 KiB units), memory only where written. Under Miri, which fills
 /// every allocation it makes, 4096.
 const REGION_UP_FRONT: usize = if cfg!(miri) { 1 << 12 } else { 1 << 22 };
 
 /// A dense region: a page-stitched arena's home region, where blocks start at multiples of
-/// its unit and are made and freed on every request. Its starts are a bitmap and a table by
+/// its unit and are made and freed on every request. Its starts are marks and a table by
 /// unit instead of entries of the ordered map (which cost a tree insert and remove a block).
 struct Region {
     base: usize,
     len: usize,
     shift: u32,
-    /// The units where a block starts.
-    starts: Starts,
-    /// By unit: the block that starts there (where the bit is set).
+    /// Where blocks start, and where one was freed.
+    marks: Marks,
+    /// By unit: the block that starts there (where a start is marked).
     ids: Vec<BlockId>,
 }
 
@@ -242,20 +267,33 @@ impl Region {
         addr.wrapping_sub(self.base) < self.len
     }
 
+    /// The unit `addr` (in the region) starts, if it starts one.
+    #[inline(always)]
+    fn unit_at(&self, addr: usize) -> Option<usize> {
+        let off = addr - self.base;
+        (off & ((1 << self.shift) - 1) == 0).then_some(off >> self.shift)
+    }
+
+    /// Room in the table of ids for unit `u`, past the units made up front (a region beyond
+    /// `REGION_UP_FRONT` units).
+    #[cold]
+    fn grow_ids(&mut self, u: usize) {
+        self.ids.resize((u + 1).next_power_of_two(), 0);
+        crate::sys::huge_pages::advise(&self.ids);
+    }
+
     /// The block that starts at `addr` (in the region), or `NONE`.
     #[inline(always)]
     fn find(&self, addr: usize) -> BlockId {
-        let off = addr - self.base;
-        let u = off >> self.shift;
-        if off & ((1 << self.shift) - 1) != 0 || !self.starts.contains(u) {
-            return NONE;
+        match self.unit_at(addr) {
+            Some(u) if self.marks.starts_at(u) => self.ids[u],
+            _ => NONE,
         }
-        self.ids[u]
     }
 
     /// The last start at or before `addr` (in the region), and its block.
     fn at_or_before(&self, addr: usize) -> Option<(usize, BlockId)> {
-        let s = self.starts.last_at_or_below((addr - self.base) >> self.shift)?;
+        let s = self.marks.last_at_or_below((addr - self.base) >> self.shift)?;
         Some((self.base + (s << self.shift), self.ids[s]))
     }
 }
@@ -273,28 +311,41 @@ impl BlockAddrs {
         self.regions.iter_mut().find(|r| r.holds(addr))
     }
 
+    /// Files block `id` as starting at `addr`. Inlined for a region's blocks (an arena's home
+    /// blocks, made and freed on every request); the tables' path is out of line.
+    #[inline]
     pub(crate) fn insert(&mut self, addr: usize, id: BlockId) {
         if let Some(r) = self.region_of(addr) {
             let u = (addr - r.base) >> r.shift;
             debug_assert_eq!((addr - r.base) & ((1 << r.shift) - 1), 0, "a region's blocks start at its units");
             if u >= r.ids.len() {
-                // Past the table made up front (a region beyond `REGION_UP_FRONT` units).
-                r.ids.resize((u + 1).next_power_of_two(), 0);
-                crate::sys::huge_pages::advise(&r.ids);
+                r.grow_ids(u);
             }
-            r.starts.insert(u);
+            r.marks.start(u);
             r.ids[u] = id;
             return;
         }
+        self.insert_in_tables(addr, id);
+    }
+
+    #[inline(never)]
+    fn insert_in_tables(&mut self, addr: usize, id: BlockId) {
         self.exact.insert(addr, id);
         self.ordered.insert(addr, id);
     }
 
+    /// Forgets the block that starts at `addr` (inlined as [`BlockAddrs::insert`]).
+    #[inline]
     pub(crate) fn remove(&mut self, addr: usize) {
         if let Some(r) = self.region_of(addr) {
-            r.starts.remove((addr - r.base) >> r.shift);
+            r.marks.free((addr - r.base) >> r.shift);
             return;
         }
+        self.remove_from_tables(addr);
+    }
+
+    #[inline(never)]
+    fn remove_from_tables(&mut self, addr: usize) {
         self.exact.remove(addr);
         self.ordered.remove(&addr);
     }
@@ -307,10 +358,18 @@ impl BlockAddrs {
         // Allocated zeroed at once (pages the kernel supplies on first write), so that an
         // arena growing unit by unit neither fills nor copies the table: only the entries
         // where the bitmap says a block starts are ever read.
-        let ids = vec![0; (len >> shift).min(REGION_UP_FRONT)];
+        let units = (len >> shift).min(REGION_UP_FRONT);
+        let ids = vec![0; units];
         // Written where blocks start, all over it (as a free run's tags are).
         crate::sys::huge_pages::advise(&ids);
-        self.regions.push(Region { base, len, shift, starts: Starts::default(), ids });
+        self.regions.push(Region { base, len, shift, marks: Marks::with_capacity(units), ids });
+    }
+
+    /// Whether `addr` lies in a dense region where a block started and was freed, and none
+    /// has started there since (a free of it, when no live block holds it, is a double free).
+    pub(crate) fn freed_at(&self, addr: usize) -> bool {
+        let Some(r) = self.regions.iter().find(|r| r.holds(addr)) else { return false };
+        r.unit_at(addr).is_some_and(|u| r.marks.freed_at(u))
     }
 
     /// Forgets the dense region at `base` (its blocks were removed).
@@ -353,7 +412,7 @@ impl BlockAddrs {
 
     pub(crate) fn len(&self) -> usize {
         debug_assert_eq!(self.exact.len, self.ordered.len());
-        self.exact.len + self.regions.iter().map(|r| r.starts.len()).sum::<usize>()
+        self.exact.len + self.regions.iter().map(|r| r.marks.starts).sum::<usize>()
     }
 }
 
@@ -408,6 +467,8 @@ mod tests {
         a.add_region(base, 1 << 24, unit);
         let mut m = BTreeMap::new();
         m.insert(base - 4096, 7);
+        // Where a block started and was freed, none since (double frees are told by them).
+        let mut freed = std::collections::BTreeSet::new();
         let mut x = 0x9E37_79B9_7F4A_7C15_u64;
         for step in 0..if cfg!(miri) { 300u32 } else { 5_000 } {
             x ^= x << 13;
@@ -416,11 +477,16 @@ mod tests {
             let addr = base + (x as usize % 700) * unit;
             if x % 3 == 0 {
                 a.remove(addr);
-                m.remove(&addr);
+                if m.remove(&addr).is_some() {
+                    freed.insert(addr);
+                }
             } else {
                 a.insert(addr, step);
                 m.insert(addr, step);
+                freed.remove(&addr);
             }
+            assert_eq!(a.freed_at(addr), freed.contains(&addr), "step {step}: {addr:#x}");
+            assert!(!a.freed_at(addr + 512), "only a unit's start is marked");
             assert_eq!(a.len(), m.len());
             let probe = base + (x >> 20) as usize % (800 * unit);
             let want = m.range(..=probe).next_back().map(|(&s, &id)| (s, id)).filter(|&(s, _)| s >= base);
@@ -428,14 +494,18 @@ mod tests {
             assert_eq!(a.get(addr), m.get(&addr).copied());
         }
         assert_eq!(a.at_or_before(base - 1), Some((base - 4096, 7)));
+        assert!(!a.freed_at(base - 4096), "outside regions nothing is marked");
     }
 
-    /// `last_at_or_below` agrees with a sorted set, for units spread over several levels (far
-    /// apart, so that the search climbs and comes down again).
+    /// `last_at_or_below` agrees with a sorted set, for units close together and far apart
+    /// (across many words and summary words, so that the search walks the summary), through
+    /// starts, frees and starts again; the freed marks agree with a model too.
     #[test]
-    fn starts_find_the_last_unit_at_or_below() {
-        let mut st = Starts::default();
+    fn marks_find_the_last_start_at_or_below() {
+        let cap = if cfg!(miri) { 300_000 } else { 30_000_000 };
+        let mut mk = Marks::with_capacity(cap / 8);
         let mut m = std::collections::BTreeSet::new();
+        let mut freed = std::collections::BTreeSet::new();
         let mut x = 0x2545_f491_4f6c_dd1d_u64;
         for step in 0..if cfg!(miri) { 300u32 } else { 20_000 } {
             x ^= x << 13;
@@ -444,18 +514,24 @@ mod tests {
             let u = match x % 4 {
                 0 => (x >> 8) as usize % 100,
                 1 => (x >> 8) as usize % 10_000,
-                _ => (x >> 8) as usize % if cfg!(miri) { 300_000 } else { 30_000_000 },
+                // Past the capacity made up front too: the marks grow.
+                _ => (x >> 8) as usize % cap,
             };
             if x % 5 < 2 {
-                st.remove(u);
-                m.remove(&u);
+                mk.free(u);
+                if m.remove(&u) {
+                    freed.insert(u);
+                }
             } else {
-                st.insert(u);
+                mk.start(u);
                 m.insert(u);
+                freed.remove(&u);
             }
-            let probe = (x >> 20) as usize % 40_000_000;
-            assert_eq!(st.last_at_or_below(probe), m.range(..=probe).next_back().copied(), "step {step}: {probe}");
+            let probe = (x >> 20) as usize % (cap + cap / 3);
+            assert_eq!(mk.last_at_or_below(probe), m.range(..=probe).next_back().copied(), "step {step}: {probe}");
+            assert_eq!((mk.starts_at(u), mk.freed_at(u)), (m.contains(&u), freed.contains(&u)), "step {step}: {u}");
         }
-        assert_eq!(st.len(), m.len());
+        assert_eq!(mk.starts, m.len());
+        assert_eq!(Marks::default().last_at_or_below(5), None);
     }
 }

@@ -54,7 +54,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::bitmap::{bit, count, put, set, words};
+use super::bitmap::{bit, count, set, words};
 use super::block::BlockId;
 use super::free_runs::FreeRuns;
 use super::quick::FxBuild;
@@ -191,9 +191,6 @@ pub(crate) struct Arena {
     /// One bit per unit, set while it is given back (punched); only free units are.
     holes: Vec<u64>,
     n_holes: usize,
-    /// One bit per unit, set where a home block started and was freed, and no home block has
-    /// started there since: a free there is a double free (home blocks leave no trace).
-    freed: Vec<u64>,
     /// Units the home region (and so the memfd) holds: `[0, home_units)`.
     home_units: usize,
     /// The free units (not busy) of `[0, len)` as maximal runs, by size class.
@@ -246,7 +243,6 @@ impl Arena {
             len: 0,
             holes: Vec::new(),
             n_holes: 0,
-            freed: Vec::new(),
             home_units,
             free: FreeRuns::with_capacity(home_units),
             home_live: 0,
@@ -343,14 +339,6 @@ impl Arena {
         off < self.home_bytes()
     }
 
-    /// Whether byte `off` of the reservation is where a home block started and was freed,
-    /// with no home block started there since (a free of it, when no live block holds it,
-    /// is a double free).
-    pub(crate) fn freed_at(&self, off: usize) -> bool {
-        let u = off >> self.shift;
-        self.is_home(off) && off & (self.unit - 1) == 0 && u < self.len && bit(&self.freed, u)
-    }
-
     /// Units used so far (`[0, units)`).
     pub(crate) fn units(&self) -> usize {
         self.len
@@ -362,6 +350,7 @@ impl Arena {
     }
 
     /// The units a block of `size` bytes takes.
+    #[inline]
     pub(crate) fn units_for(&self, size: usize) -> usize {
         (size >> self.shift) + usize::from(size & (self.unit - 1) != 0)
     }
@@ -466,12 +455,13 @@ impl Arena {
     }
 
     /// The home block at byte `off` of `n` units is freed: its units are free (merged into
-    /// the free runs), and nothing is left of it but the mark that a block started there.
+    /// the free runs), and nothing is left of it here (the address table marks where it was,
+    /// for double frees).
+    #[inline]
     pub(crate) fn release_home(&mut self, off: usize, n: usize) {
         let (u, k) = ((off >> self.shift) as u32, n as u32);
         debug_assert!(self.is_home(off) && off % self.unit == 0);
         self.home_live -= 1;
-        put(&mut self.freed, u as usize, true);
         self.free.vacate(u, k);
     }
 
@@ -639,7 +629,6 @@ impl Arena {
     pub(crate) fn make_home(&mut self, s: u32, n: usize) -> usize {
         debug_assert!(self.n_holes == 0 && (s as usize) + n <= self.len);
         self.free.occupy(s, n as u32);
-        put(&mut self.freed, s as usize, false);
         self.home_live += 1;
         self.earn();
         (s as usize) << self.shift
@@ -761,7 +750,6 @@ impl Arena {
             let (old, new_len) = (self.len, self.len + grown);
             let words = new_len.div_ceil(64);
             self.holes.resize(words, 0);
-            self.freed.resize(words, 0);
             self.len = new_len;
             self.free.grow(new_len);
             self.free.vacate(old as u32, grown as u32);
@@ -774,8 +762,6 @@ impl Arena {
             self.free.occupy(u, k);
         }
         if home {
-            // A block starts here now: the mark of one freed here goes.
-            put(&mut self.freed, first.0 as usize, false);
             self.home_live += 1;
             self.earn();
             return Ok(Some((va, None, Made { maps: 0, rebacked, grown })));

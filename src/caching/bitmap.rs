@@ -61,13 +61,6 @@ pub(crate) fn bit(map: &[u64], i: usize) -> bool {
     map[i / 64] & (1 << (i % 64)) != 0
 }
 
-/// Sets (`on`) or clears bit `i`: one word, none of [`set`]'s range walk and count.
-#[inline]
-pub(crate) fn put(map: &mut [u64], i: usize, on: bool) {
-    let (w, m) = (i / 64, 1u64 << (i % 64));
-    map[w] = if on { map[w] | m } else { map[w] & !m };
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -84,8 +77,8 @@ mod tests {
         assert_eq!(count(&m, 0, 256), 64);
         assert_eq!(set(&mut m, 200, 201, true), 1);
         assert!(bit(&m, 200));
-        put(&mut m, 201, true);
-        put(&mut m, 200, false);
+        set(&mut m, 201, 202, true);
+        set(&mut m, 200, 201, false);
         assert!(!bit(&m, 200) && bit(&m, 201) && count(&m, 192, 256) == 1);
     }
 

@@ -303,7 +303,7 @@ impl Pool {
         let n = a.units_for(size);
         a.release_home(off, n);
         self.account_free_request(id);
-        let misses = self.misses;
+        let misses = self.misses as u32;
         let b = &mut self.blocks[id as usize];
         b.allocated = false;
         b.cached_at = misses;
@@ -311,7 +311,8 @@ impl Pool {
         true
     }
 
-    /// Home block `id` at `addr`, its units released, leaves no trace: its address and id go.
+    /// Home block `id` at `addr`, its units released, leaves no trace but the address table's
+    /// mark that a block was freed there: its address and id go.
     fn forget_home(&mut self, id: BlockId, addr: usize) {
         self.raw.addrs.remove(addr);
         self.free_ids.push(id);
@@ -347,11 +348,7 @@ impl Pool {
     /// Whether `addr` is where a home block of an arena started and was freed, with nothing
     /// using its memory since (a free of it is a double free).
     pub(super) fn arena_freed_at(&self, addr: usize) -> bool {
-        self.arenas.values().any(|&si| {
-            let e = self.segments[si as usize].as_ref().expect("live arena");
-            let a = e.arena.as_ref().expect("an arena");
-            addr.checked_sub(e.base).is_some_and(|off| a.freed_at(off))
-        })
+        self.raw.addrs.freed_at(addr)
     }
 
     /// Whether `addr` lies in the memory of an arena: its home region's units used so far.
