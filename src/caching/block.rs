@@ -123,8 +123,10 @@ impl std::fmt::Display for QueueKey {
 }
 
 /// A block: a range of a segment, free or handed out, linked to its neighbours in address
-/// order.
+/// order. One cache line, aligned to it: a free reads the block of an allocation made long
+/// ago (cold), and one line is one miss where a 72-byte block straddled two.
 #[derive(Debug, Clone)]
+#[repr(align(64))]
 pub(crate) struct Block {
     pub(crate) seg: u32,
     pub(crate) offset: usize,
@@ -137,8 +139,9 @@ pub(crate) struct Block {
     pub(crate) prev: Option<BlockId>,
     pub(crate) next: Option<BlockId>,
     pub(crate) pool: PoolKind,
-    /// The allocation-miss count when the block was last cached (for GC age).
-    pub(crate) cached_at: u64,
+    /// The allocation-miss count when the block was last cached (for GC age), its low 32
+    /// bits (ages are told apart modulo 2^32: [`Block::age`]).
+    pub(crate) cached_at: u32,
     /// In the quick cache (free, unmerged, not in a pool).
     pub(crate) in_quick: bool,
     /// Handed out through the raw API.
@@ -149,7 +152,17 @@ pub(crate) struct Block {
     pub(crate) arena: bool,
 }
 
+const _: () = assert!(size_of::<Block>() == 64);
+
 impl Block {
+    /// Allocation misses since the block was last cached, `misses` being the pool's count
+    /// now (modulo 2^32: a block cached for 4 billion misses looks young again, and is only
+    /// collected later).
+    #[inline]
+    pub(crate) fn age(&self, misses: u64) -> u64 {
+        u64::from((misses as u32).wrapping_sub(self.cached_at))
+    }
+
     /// Whether it shares its segment with other blocks.
     #[inline(always)]
     pub(crate) fn is_split(&self) -> bool {

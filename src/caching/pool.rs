@@ -400,7 +400,7 @@ impl Pool {
             prev,
             next,
             pool,
-            cached_at: self.misses,
+            cached_at: self.misses as u32,
             in_quick: false,
             raw: false,
             raw_used: false,

@@ -44,7 +44,7 @@ pub(crate) struct Uses {
 /// What an `Allocation` points at (see the module docs).
 pub(crate) type Record = Box<Node<Body>>;
 
-/// A record's contents.
+/// A record's contents (the record, with its list link, is one cache line: see [`Node`]).
 pub(crate) struct Body {
     /// `Arc::<AllocatorShared>::into_raw`, as an untyped pointer (this file sits below the
     /// shared state's definition): a strong count while the record is an `Allocation`'s or a
@@ -68,7 +68,9 @@ pub(crate) struct Body {
 // threads whole (with its `Allocation`, or through the lock-free list).
 unsafe impl Send for Body {}
 
-/// The most records kept for reuse (about 80 bytes each): a burst of more frees than this
+const _: () = assert!(size_of::<Node<Body>>() == 64);
+
+/// The most records kept for reuse (128 bytes each): a burst of more frees than this
 /// lets the rest go.
 pub(crate) const SPARES_MAX: usize = 16_384;
 

@@ -159,7 +159,7 @@ impl Pool {
     #[inline(always)]
     fn quick_free_now(&mut self, id: BlockId) -> bool {
         let quick_ok = self.quick_on && self.quick.len() < QUICK_MAX;
-        let (max_split, misses) = (self.config.max_split_size, self.misses);
+        let (max_split, misses) = (self.config.max_split_size, self.misses as u32);
         let b = &mut self.blocks[id as usize];
         if !quick_ok || b.size >= max_split || b.arena {
             return false;
@@ -234,7 +234,7 @@ impl Pool {
     pub(crate) fn quick_free_raw(&mut self, addr: usize) -> bool {
         let id = self.raw.addrs.get_or_invalid(addr);
         let quick_ok = self.quick_on && self.quick.len() < QUICK_MAX && self.gone.is_empty() && self.held.is_empty();
-        let (max_split, misses) = (self.config.max_split_size, self.misses);
+        let (max_split, misses) = (self.config.max_split_size, self.misses as u32);
         // An address that starts no block gives an id past the table.
         let Some(b) = self.blocks.get_mut(id as usize) else { return false };
         // A raw block is live: `raw` is set when it is handed out and cleared when it is freed
@@ -288,7 +288,7 @@ impl Pool {
             let addr = self.addr(id);
             self.log(HistoryKind::FreeCompleted, addr, size, queue);
         }
-        let misses = self.misses;
+        let misses = self.misses as u32;
         let b = &mut self.blocks[id as usize];
         b.allocated = false;
         b.requested = 0;

@@ -216,7 +216,7 @@ impl Pool {
                 .flat_map(|p| p.iter())
                 .map(|k| k.3)
                 .filter(|&id| !self.blocks[id as usize].is_split() || self.is_expandable(id))
-                .map(|id| (self.misses - self.blocks[id as usize].cached_at, id))
+                .map(|id| (self.blocks[id as usize].age(self.misses), id))
                 .collect();
             if aged.is_empty() {
                 return;
