@@ -22,12 +22,12 @@ const LOOK: usize = 16;
 /// The class of a run of `k` units (`k > 0`).
 #[inline]
 fn class(k: u32) -> usize {
-    if k < EXACT {
-        return k as usize;
-    }
-    let fl = 31 - k.leading_zeros();
+    // Without a branch (runs of every length come by: it would mispredict): below `EXACT`,
+    // `k` itself is selected.
+    let fl = (31 - k.leading_zeros()).max(4);
     let sl = (k >> (fl - 4)) & 15;
-    (EXACT + (fl - 4) * 16 + sl) as usize
+    let above = (EXACT + (fl - 4) * 16 + sl) as usize;
+    if k < EXACT { k as usize } else { above }
 }
 
 /// The tags of one unit, meaningful only at a free run's ends (written there, and read only
@@ -124,6 +124,7 @@ impl FreeRuns {
         self.len = new_len;
     }
 
+    #[inline]
     fn link(&mut self, s: u32, k: u32) {
         self.tags[s as usize][HEAD_LEN] = k;
         self.tags[(s + k - 1) as usize][TAIL_START] = s;
@@ -140,6 +141,7 @@ impl FreeRuns {
     }
 
     /// Takes the run that starts at `s` out of its class; returns its length.
+    #[inline]
     fn unlink(&mut self, s: u32) -> u32 {
         let k = self.tags[s as usize][HEAD_LEN];
         let (n, p) = (self.tags[s as usize][NEXT], self.tags[s as usize][PREV]);
@@ -160,6 +162,7 @@ impl FreeRuns {
     }
 
     /// Units `[s, s + k)`, busy, come free, merged with the free runs around them.
+    #[inline]
     pub(crate) fn vacate(&mut self, mut s: u32, mut k: u32) {
         debug_assert!(k > 0 && (s + k) as usize <= self.len);
         fill(&mut self.free, s as usize, (s + k) as usize, true);
@@ -195,6 +198,7 @@ impl FreeRuns {
     }
 
     /// Units `[s, s + k)`, all free (so in one free run), become busy.
+    #[inline]
     pub(crate) fn occupy(&mut self, s: u32, k: u32) {
         let rs = if s == 0 || !bit(&self.free, s as usize - 1) { s } else { self.run_start(s) };
         let rl = self.unlink(rs);
