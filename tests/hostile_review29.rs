@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
+use common::scaled;
 use common::wait::within;
-use common::{QueueGate, scaled};
 use dmabuf_rt::caching::CachingAllocator;
 use dmabuf_rt::queue::Queue;
 use dmabuf_rt::{Access, Error};
@@ -99,10 +99,7 @@ fn an_oom_under_deferred_frees_names_them() {
     within("oom names deferred frees", Duration::from_secs(120 * common::time_scale() as u64), || {
         for conf in ["expandable_segments:False", "expandable_segments:True,page_stitching:True"] {
             let a = common::allocator_waiting(conf, 64 * MB, Duration::from_millis(50));
-            let q = Queue::new().unwrap();
-            let gate = QueueGate::close(&q);
-            let mut b = a.allocate(40 * MB, None).unwrap();
-            b.record_queue(&q);
+            let (q, gate, b) = common::gated_block(&a);
             q.fill(b.mem(), 1).unwrap();
             drop(b);
             let bar = Arc::new(Barrier::new(3));
@@ -124,10 +121,7 @@ fn an_oom_under_deferred_frees_names_them() {
                 );
                 assert!(!cause.contains("fragmentation"), "{conf}: the memory is not fragmented: {e}");
             }
-            gate.open();
-            q.synchronize().unwrap();
-            drop(a.allocate(40 * MB, None).unwrap());
-            a.check_invariants().unwrap();
+            common::open_and_serve_40_mib(&a, gate, &q);
         }
     });
 }
@@ -185,10 +179,7 @@ fn a_callback_waiting_for_frees_behind_itself_does_not_hold_up_other_threads() {
     within("callback self-wait", Duration::from_secs(120 * common::time_scale() as u64), || {
         let limit = Duration::from_secs(3);
         let a = common::allocator_waiting("", 64 * MB, limit);
-        let q = Queue::new().unwrap();
-        let gate = QueueGate::close(&q);
-        let mut big = a.allocate(40 * MB, None).unwrap();
-        big.record_queue(&q);
+        let (q, gate, big) = common::gated_block(&a);
         let (tx, rx) = std::sync::mpsc::channel();
         let a2 = a.clone();
         q.callback(move |_| {
@@ -238,10 +229,7 @@ fn a_stuck_deferred_free_does_not_hold_up_other_threads() {
     within("stuck free", Duration::from_secs(120 * common::time_scale() as u64), || {
         let limit = Duration::from_secs(3);
         let a = common::allocator_waiting("", 64 * MB, limit);
-        let q = Queue::new().unwrap();
-        let gate = QueueGate::close(&q);
-        let mut big = a.allocate(40 * MB, None).unwrap();
-        big.record_queue(&q);
+        let (q, gate, big) = common::gated_block(&a);
         q.fill(big.mem(), 7).unwrap();
         drop(big);
         let (tx, rx) = std::sync::mpsc::channel();
@@ -252,9 +240,6 @@ fn a_stuck_deferred_free_does_not_hold_up_other_threads() {
         let e = allocate_until(&a, &rx, limit).expect_err("the memory is held by a stuck free");
         assert!(e.contains(&format!("{} bytes of the memory reserved but free are blocks freed", 40 * MB)), "{e}");
         waiter.join().unwrap();
-        gate.open();
-        q.synchronize().unwrap();
-        drop(a.allocate(40 * MB, None).unwrap());
-        a.check_invariants().unwrap();
+        common::open_and_serve_40_mib(&a, gate, &q);
     });
 }

@@ -229,20 +229,14 @@ fn a_queue_stuck_past_the_wait_for_queues_is_not_waited_for_again() {
 fn a_zero_limit_fails_at_once_naming_the_deferred_bytes() {
     within("zero limit", Duration::from_secs(60 * common::time_scale() as u64), || {
         let a = common::allocator_waiting("", 64 * MB, Duration::ZERO);
-        let q = Queue::new().unwrap();
-        let gate = QueueGate::close(&q);
-        let mut big = a.allocate(40 * MB, None).unwrap();
-        big.record_queue(&q);
+        let (q, gate, big) = common::gated_block(&a);
         drop(big);
         let t = Instant::now();
         let e = a.allocate(40 * MB, None).map(drop).expect_err("held by a gated free");
         assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
         let Error::AllocatorOom { cause, .. } = &e else { panic!("not an OOM: {e}") };
         assert!(cause.contains(&format!("{} bytes", 40 * MB)), "{e}");
-        gate.open();
-        q.synchronize().unwrap();
-        drop(a.allocate(40 * MB, None).unwrap());
-        a.check_invariants().unwrap();
+        common::open_and_serve_40_mib(&a, gate, &q);
     });
 }
 

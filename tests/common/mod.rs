@@ -172,6 +172,27 @@ pub fn two_gated_frees(
     (q1, q2, gate1, gate2, big)
 }
 
+/// A 40 MiB block of `a` used on a new queue held by a gate (its free, once dropped, is a
+/// deferred free that completes when the gate opens): (queue, gate, block).
+pub fn gated_block(
+    a: &dmabuf_rt::caching::CachingAllocator,
+) -> (dmabuf_rt::queue::Queue, QueueGate, dmabuf_rt::caching::Allocation) {
+    let q = dmabuf_rt::queue::Queue::new().unwrap();
+    let gate = QueueGate::close(&q);
+    let mut big = a.allocate(40 << 20, None).unwrap();
+    big.record_queue(&q);
+    (q, gate, big)
+}
+
+/// The end of a last-wait review's test: `gate` opens, `q`'s work (and with it the deferred
+/// frees it held) completes, a 40 MiB request is served again and the pool is consistent.
+pub fn open_and_serve_40_mib(a: &dmabuf_rt::caching::CachingAllocator, gate: QueueGate, q: &dmabuf_rt::queue::Queue) {
+    gate.open();
+    q.synchronize().unwrap();
+    drop(a.allocate(40 << 20, None).unwrap());
+    a.check_invariants().unwrap();
+}
+
 pub fn allocator(conf: &str, capacity: u64) -> dmabuf_rt::caching::CachingAllocator {
     dmabuf_rt::caching::CachingAllocator::builder(dmabuf_rt::source::ShmemSource::new().reserve(false))
         .config(dmabuf_rt::caching::Config::parse(conf).unwrap())
