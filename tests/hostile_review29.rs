@@ -146,15 +146,7 @@ fn a_callback_that_allocates_is_not_held_up_by_the_last_wait() {
                 let _ = tx.send(a2.allocate(4096, None).map(drop).map_err(|e| e.to_string()));
             })
             .unwrap();
-            let retries = a.stats().num_alloc_retries;
-            let waiter = {
-                let a = a.clone();
-                std::thread::spawn(move || a.allocate(40 * MB, None).map(drop).map_err(|e| e.to_string()))
-            };
-            // The request's first wait has begun (its retry is counted just before).
-            while a.stats().num_alloc_retries == retries {
-                std::thread::yield_now();
-            }
+            let waiter = common::waiting_40_mib_request(&a);
             drop(big);
             gate1.open();
             for _ in 0..(round * 37) % 200 {

@@ -51,14 +51,7 @@ fn callback_round(
         let _ = tx.send((r, took));
     })
     .unwrap();
-    let retries = a.stats().num_alloc_retries;
-    let waiter = {
-        let a = a.clone();
-        std::thread::spawn(move || a.allocate(40 * MB, None).map(drop).map_err(|e| e.to_string()))
-    };
-    while a.stats().num_alloc_retries == retries {
-        std::thread::yield_now();
-    }
+    let waiter = common::waiting_40_mib_request(&a);
     drop(big);
     gate1.open();
     for _ in 0..spins {
@@ -247,14 +240,7 @@ fn a_huge_limit_does_not_overflow() {
     within("huge limit", Duration::from_secs(60 * common::time_scale() as u64), || {
         let a = common::allocator_waiting("", 64 * MB, Duration::MAX);
         let (_q1, _q2, gate1, gate2, big) = common::two_gated_frees(&a);
-        let retries = a.stats().num_alloc_retries;
-        let waiter = {
-            let a = a.clone();
-            std::thread::spawn(move || a.allocate(40 * MB, None).map(drop).map_err(|e| e.to_string()))
-        };
-        while a.stats().num_alloc_retries == retries {
-            std::thread::yield_now();
-        }
+        let waiter = common::waiting_40_mib_request(&a);
         drop(big);
         gate1.open();
         gate2.open();
@@ -280,14 +266,7 @@ fn a_thread_the_queue_waits_for_does_not_make_the_request_fail() {
         for round in 0..scaled(40) {
             let a = common::allocator_waiting("expandable_segments:False", 64 * MB, limit);
             let (_q1, q2, gate1, gate2, big) = common::two_gated_frees(&a);
-            let retries = a.stats().num_alloc_retries;
-            let waiter = {
-                let a = a.clone();
-                std::thread::spawn(move || a.allocate(40 * MB, None).map(drop).map_err(|e| e.to_string()))
-            };
-            while a.stats().num_alloc_retries == retries {
-                std::thread::yield_now();
-            }
+            let waiter = common::waiting_40_mib_request(&a);
             drop(big);
             gate1.open();
             for _ in 0..(round * 37) % 300 {

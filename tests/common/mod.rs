@@ -184,6 +184,20 @@ pub fn gated_block(
     (q, gate, big)
 }
 
+/// A thread asking `a` for 40 MiB, returned once the request's first wait for deferred frees
+/// has begun (its retry is counted just before): the request's result, as text.
+pub fn waiting_40_mib_request(a: &dmabuf_rt::caching::CachingAllocator) -> std::thread::JoinHandle<Result<(), String>> {
+    let retries = a.stats().num_alloc_retries;
+    let waiter = {
+        let a = a.clone();
+        std::thread::spawn(move || a.allocate(40 << 20, None).map(drop).map_err(|e| e.to_string()))
+    };
+    while a.stats().num_alloc_retries == retries {
+        std::thread::yield_now();
+    }
+    waiter
+}
+
 /// The end of a last-wait review's test: `gate` opens, `q`'s work (and with it the deferred
 /// frees it held) completes, a 40 MiB request is served again and the pool is consistent.
 pub fn open_and_serve_40_mib(a: &dmabuf_rt::caching::CachingAllocator, gate: QueueGate, q: &dmabuf_rt::queue::Queue) {
