@@ -139,6 +139,77 @@ impl Exact {
     }
 }
 
+/// Levels of [`Summary`]: 64^5 words at most.
+const LEVELS: usize = 5;
+
+/// Numbers (of [`Marks`]' words), where the last one at or below any number is found in a few
+/// word reads, however far back it lies: a bitmap, a summary of it (a bit per word that has any
+/// bit set), a summary of that, and so on.
+#[derive(Default)]
+struct Summary {
+    levels: [Vec<u64>; LEVELS],
+}
+
+impl Summary {
+    fn insert(&mut self, u: usize) {
+        let mut i = u;
+        for v in &mut self.levels {
+            let w = i / 64;
+            if w >= v.len() {
+                v.resize(w + 1, 0);
+            }
+            let had = v[w] != 0;
+            v[w] |= 1 << (i % 64);
+            if had {
+                // The levels above know this word already.
+                return;
+            }
+            i = w;
+        }
+    }
+
+    fn remove(&mut self, u: usize) {
+        let mut i = u;
+        for v in &mut self.levels {
+            let Some(word) = v.get_mut(i / 64) else { return };
+            *word &= !(1 << (i % 64));
+            if *word != 0 {
+                return;
+            }
+            i /= 64;
+        }
+    }
+
+    /// The last number filed at or below `u`.
+    fn last_at_or_below(&self, u: usize) -> Option<usize> {
+        let mut i = u;
+        for lvl in 0..LEVELS {
+            let v = &self.levels[lvl];
+            let (mut w, mut b) = (i / 64, i % 64);
+            if w >= v.len() {
+                // Past the end: everything filed at this level lies below.
+                w = v.len().checked_sub(1)?;
+                b = 63;
+            }
+            let below = if b == 63 { !0 } else { (1u64 << (b + 1)) - 1 };
+            let bits = v[w] & below;
+            if bits != 0 {
+                // Down again, taking the highest bit of each word.
+                let mut j = w * 64 + 63 - bits.leading_zeros() as usize;
+                for l in (0..lvl).rev() {
+                    let word = self.levels[l][j];
+                    debug_assert!(word != 0, "a summary bit names a word with bits");
+                    j = j * 64 + 63 - word.leading_zeros() as usize;
+                }
+                return Some(j);
+            }
+            // Nothing at or below `b` in word `w`: the words before it, one level up.
+            i = w.checked_sub(1)?;
+        }
+        None
+    }
+}
+
 /// The bits of [`Marks`] that say a block starts at a unit (the even bits).
 const START_BITS: u64 = 0x5555_5555_5555_5555;
 
@@ -146,13 +217,14 @@ const START_BITS: u64 = 0x5555_5555_5555_5555;
 /// at unit `i`, and *freed* (bit `2i + 1`), a block started there and was freed, and none has
 /// started there since (a free of it is a double free). Both change together, so a block made
 /// or freed writes one word (where the arena's own double-free mark and a separate bitmap of
-/// starts would write two lines). A summary bit per word, set while the word has a start,
-/// finds the last start at or below a unit in a few word reads however far back it lies.
+/// starts would write two lines). The words that have a start are filed in a [`Summary`] (when
+/// a word gains its first start or loses its last), which finds the last start at or below a
+/// unit in a few word reads however far back it lies.
 #[derive(Default)]
 struct Marks {
     words: Vec<u64>,
-    /// One bit per word of `words`, set while it has a start bit.
-    summary: Vec<u64>,
+    /// The words of `words` that have a start bit.
+    summary: Summary,
     /// Units with a start bit.
     starts: usize,
 }
@@ -161,7 +233,7 @@ impl Marks {
     /// Room for `units` units (zeroed: pages the kernel supplies on first write).
     fn with_capacity(units: usize) -> Self {
         let words = units.div_ceil(32);
-        Self { words: vec![0; words], summary: vec![0; words.div_ceil(64)], starts: 0 }
+        Self { words: vec![0; words], summary: Summary::default(), starts: 0 }
     }
 
     /// Makes room for unit `u` (past the capacity made up front).
@@ -169,7 +241,6 @@ impl Marks {
     fn reach(&mut self, u: usize) {
         let words = (u / 32 + 1).next_power_of_two();
         self.words.resize(words, 0);
-        self.summary.resize(words.div_ceil(64), 0);
     }
 
     /// A block starts at unit `u` (its freed mark goes).
@@ -183,7 +254,7 @@ impl Marks {
         self.words[w] = (old | 1 << sh) & !(2 << sh);
         self.starts += usize::from(old & 1 << sh == 0);
         if old & START_BITS == 0 {
-            self.summary[w / 64] |= 1 << (w % 64);
+            self.summary.insert(w);
         }
     }
 
@@ -200,7 +271,7 @@ impl Marks {
         self.words[w] = new;
         self.starts -= 1;
         if new & START_BITS == 0 {
-            self.summary[w / 64] &= !(1 << (w % 64));
+            self.summary.remove(w);
         }
     }
 
@@ -223,23 +294,15 @@ impl Marks {
     /// The last unit at or below `u` where a block starts.
     fn last_at_or_below(&self, u: usize) -> Option<usize> {
         let highest = |w: usize, bits: u64| w * 32 + (63 - bits.leading_zeros() as usize) / 2;
-        let mut w = (u / 32).min(self.words.len().checked_sub(1)?);
+        let w = (u / 32).min(self.words.len().checked_sub(1)?);
         let upto = if w < u / 32 { !0 } else { !0u64 >> (63 - 2 * (u % 32)) };
         let bits = self.words[w] & START_BITS & upto;
         if bits != 0 {
             return Some(highest(w, bits));
         }
-        // The words before `w` that have starts, by their summary bits.
-        let mut sw = w / 64;
-        let mut sbits = self.summary[sw] & ((1u64 << (w % 64)) - 1);
-        loop {
-            if sbits != 0 {
-                w = sw * 64 + 63 - sbits.leading_zeros() as usize;
-                return Some(highest(w, self.words[w] & START_BITS));
-            }
-            sw = sw.checked_sub(1)?;
-            sbits = self.summary[sw];
-        }
+        // The last word before `w` that has a start.
+        let w = self.summary.last_at_or_below(w.checked_sub(1)?)?;
+        Some(highest(w, self.words[w] & START_BITS))
     }
 }
 
@@ -495,6 +558,34 @@ mod tests {
         }
         assert_eq!(a.at_or_before(base - 1), Some((base - 4096, 7)));
         assert!(!a.freed_at(base - 4096), "outside regions nothing is marked");
+    }
+
+    /// A summary's `last_at_or_below` agrees with a sorted set, for numbers spread over several levels (far
+    /// apart, so that the search climbs and comes down again).
+    #[test]
+    fn a_summary_finds_the_last_number_at_or_below() {
+        let mut st = Summary::default();
+        let mut m = std::collections::BTreeSet::new();
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        for step in 0..if cfg!(miri) { 300u32 } else { 20_000 } {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let u = match x % 4 {
+                0 => (x >> 8) as usize % 100,
+                1 => (x >> 8) as usize % 10_000,
+                _ => (x >> 8) as usize % if cfg!(miri) { 300_000 } else { 30_000_000 },
+            };
+            if x % 5 < 2 {
+                st.remove(u);
+                m.remove(&u);
+            } else {
+                st.insert(u);
+                m.insert(u);
+            }
+            let probe = (x >> 20) as usize % 40_000_000;
+            assert_eq!(st.last_at_or_below(probe), m.range(..=probe).next_back().copied(), "step {step}: {probe}");
+        }
     }
 
     /// `last_at_or_below` agrees with a sorted set, for units close together and far apart
