@@ -23,72 +23,11 @@ mod common;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use common::scaled;
+use common::arena::{GB, KB, MB, alloc, arena_conf, invariants, raw_mark, raw_verify, rounds};
 use dmabuf_rt::Error;
+use dmabuf_rt::caching::CachingAllocator;
 use dmabuf_rt::caching::stats::AGGREGATE;
-use dmabuf_rt::caching::{CachingAllocator, Config};
 use dmabuf_rt::queue::Queue;
-use dmabuf_rt::source::ShmemSource;
-
-const KB: usize = 1 << 10;
-const MB: usize = 1 << 20;
-const GB: usize = 1 << 30;
-
-/// `n` rounds of a race (as `scaled`), a fifth of them in a debug build.
-fn rounds(n: usize) -> usize {
-    if cfg!(debug_assertions) { (scaled(n) / 5).max(n.min(20)) } else { scaled(n) }
-}
-
-fn alloc(conf: &str, capacity: u64) -> CachingAllocator {
-    CachingAllocator::builder(ShmemSource::new().reserve(false))
-        .config(Config::parse(conf).unwrap())
-        .capacity(capacity)
-        .pending_wait_limit(Duration::from_secs(10))
-        .build()
-        .unwrap()
-}
-
-fn arena_conf(unit_kb: usize) -> String {
-    format!("expandable_segments:True,page_stitching:True,stitch_unit_kb:{unit_kb}")
-}
-
-fn pat(tag: u32, i: usize) -> u8 {
-    (tag.wrapping_mul(0x9E37_79B1) >> 11) as u8 ^ (i as u8).wrapping_mul(7) ^ (i >> 12) as u8
-}
-
-/// Writes a pattern over the first and last 64 bytes of `p`'s every unit.
-fn mark(p: *mut u8, n: usize, tag: u32, unit: usize) {
-    let mut at = 0;
-    while at < n {
-        for off in [at, (at + unit).min(n).saturating_sub(64)] {
-            for i in off..(off + 64).min(n) {
-                // SAFETY: `p` is a live raw allocation of `n` bytes of this test (shmem, mapped).
-                unsafe { p.wrapping_add(i).write(pat(tag, i)) };
-            }
-        }
-        at += unit;
-    }
-}
-
-#[track_caller]
-fn verify(p: *mut u8, n: usize, tag: u32, unit: usize, what: &str) {
-    let mut at = 0;
-    while at < n {
-        for off in [at, (at + unit).min(n).saturating_sub(64)] {
-            for i in off..(off + 64).min(n) {
-                // SAFETY: as in `mark`.
-                let got = unsafe { p.wrapping_add(i).read() };
-                assert_eq!(got, pat(tag, i), "{what}: block {p:p} ({n} bytes, tag {tag}), byte {i}");
-            }
-        }
-        at += unit;
-    }
-}
-
-#[track_caller]
-fn invariants(a: &CachingAllocator, what: &str) {
-    a.check_invariants().unwrap_or_else(|e| panic!("{what}: {e}"));
-}
 
 /// The reason a raw free was refused ("" if it was not).
 fn why(r: Result<(), Error>) -> &'static str {
@@ -132,7 +71,7 @@ fn raw_frees_of_home_blocks_are_refused_with_the_right_reason() {
         let base = ps[0];
         for (i, (&p, &s)) in ps.iter().zip(&sizes).enumerate() {
             assert_eq!(p as usize, base as usize + [0, 4, 9, 13][i] * unit, "{}", w("home blocks in order"));
-            mark(p, s, i as u32, unit);
+            raw_mark(p, s, i as u32, unit);
         }
         // Interior pointers of live blocks: at a unit boundary and not.
         for (&p, &s) in ps.iter().zip(&sizes) {
@@ -152,7 +91,7 @@ fn raw_frees_of_home_blocks_are_refused_with_the_right_reason() {
         // did, so block 1's pointer is that block now.
         let b4 = a.allocate_raw(4 * unit, Some(&q)).unwrap();
         assert_eq!(b4, ps[1], "{}", w("the freed units are taken again at the same start"));
-        mark(b4, 4 * unit, 40, unit);
+        raw_mark(b4, 4 * unit, 40, unit);
         a.free_raw(b4).unwrap();
         refused_as(&a, b4, DOUBLE, &w("the block at block 1's start freed twice"));
         // Free block 2 ([9, 13)) too, then a block of 9 units takes [4, 13): block 2's start is
@@ -160,11 +99,11 @@ fn raw_frees_of_home_blocks_are_refused_with_the_right_reason() {
         a.free_raw(ps[2]).unwrap();
         let big = a.allocate_raw(9 * unit, Some(&q)).unwrap();
         assert_eq!(big, ps[1], "{}", w("the 9-unit block takes the merged run"));
-        mark(big, 9 * unit, 90, unit);
+        raw_mark(big, 9 * unit, 90, unit);
         refused_as(&a, ps[2], INTERIOR, &w("a freed block's start inside a bigger live block"));
-        verify(big, 9 * unit, 90, unit, &w("the bigger block after the stale free"));
-        verify(ps[0], sizes[0], 0, unit, &w("block 0"));
-        verify(ps[3], sizes[3], 3, unit, &w("block 3"));
+        raw_verify(big, 9 * unit, 90, unit, &w("the bigger block after the stale free"));
+        raw_verify(ps[0], sizes[0], 0, unit, &w("block 0"));
+        raw_verify(ps[3], sizes[3], 3, unit, &w("block 3"));
         invariants(&a, &w("after the stale frees"));
         // The bigger block freed: its start is a double free; block 2's old start is inside
         // free memory (a pointer that was freed, and whose memory was freed again since).
@@ -183,10 +122,10 @@ fn raw_frees_of_home_blocks_are_refused_with_the_right_reason() {
         // A block made again at block 1's start: a live block's start is freed once only.
         let again = a.allocate_raw(4 * unit + 1, Some(&q)).unwrap();
         assert_eq!(again, ps[1]);
-        mark(again, 4 * unit + 1, 41, unit);
-        verify(ps[0], sizes[0], 0, unit, &w("block 0 after empty_cache"));
-        verify(ps[3], sizes[3], 3, unit, &w("block 3 after empty_cache"));
-        verify(again, 4 * unit + 1, 41, unit, &w("the block made again"));
+        raw_mark(again, 4 * unit + 1, 41, unit);
+        raw_verify(ps[0], sizes[0], 0, unit, &w("block 0 after empty_cache"));
+        raw_verify(ps[3], sizes[3], 3, unit, &w("block 3 after empty_cache"));
+        raw_verify(again, 4 * unit + 1, 41, unit, &w("the block made again"));
         invariants(&a, &w("made again"));
         for p in [again, ps[0], ps[3]] {
             a.free_raw(p).unwrap();
@@ -219,7 +158,7 @@ fn threads_freeing_the_same_home_blocks_succeed_once_each() {
             .map(|i| {
                 let size = (4 + (i * 7 + round) % 13) * unit - (i % 3) * 512;
                 let p = a.allocate_raw(size, Some(&q)).unwrap();
-                mark(p, size, (round * 1000 + i) as u32, unit);
+                raw_mark(p, size, (round * 1000 + i) as u32, unit);
                 (p as usize, size)
             })
             .collect();
@@ -258,7 +197,7 @@ fn threads_freeing_the_same_home_blocks_succeed_once_each() {
         }
         for (i, &(p, size)) in blocks.iter().enumerate() {
             if i % 2 == 0 {
-                verify(p as *mut u8, size, (round * 1000 + i) as u32, unit, &format!("round {round}"));
+                raw_verify(p as *mut u8, size, (round * 1000 + i) as u32, unit, &format!("round {round}"));
                 a.free_raw(p as *mut u8).unwrap();
             }
         }
@@ -295,9 +234,9 @@ fn huge_home_blocks_and_starts_past_the_up_front_tables() {
     assert_eq!(s1 as usize, p as usize + big);
     assert_eq!(s2 as usize, s1 as usize + 4 * unit);
     assert_eq!(s3 as usize, s2 as usize + 6 * unit);
-    mark(s1, 4 * unit, 1, unit);
-    mark(s2, 6 * unit - 1, 2, unit);
-    mark(s3, 4 * unit, 3, unit);
+    raw_mark(s1, 4 * unit, 1, unit);
+    raw_mark(s2, 6 * unit - 1, 2, unit);
+    raw_mark(s3, 4 * unit, 3, unit);
     invariants(&a, "made");
     // The huge block: first and last byte, deep inside, one past its end (s1's start).
     a.mem_at(p, 1).unwrap();
@@ -334,8 +273,8 @@ fn huge_home_blocks_and_starts_past_the_up_front_tables() {
     refused_as(&a, p.wrapping_add(big - unit), INTERIOR, "inside the freed huge block");
     assert!(a.mem_at(p.wrapping_add(big - 1), 1).is_err(), "inside the freed huge block");
     assert!(a.mem_at(p.wrapping_add(big / 2), 1).is_err(), "inside the freed huge block");
-    verify(s1, 4 * unit, 1, unit, "s1");
-    verify(s3, 4 * unit, 3, unit, "s3");
+    raw_verify(s1, 4 * unit, 1, unit, "s1");
+    raw_verify(s3, 4 * unit, 3, unit, "s3");
     // Only the huge block's run holds a block of a quarter of it: it starts there again.
     let again = a.allocate_raw(big / 4, Some(&q)).unwrap();
     assert_eq!(again, p, "the only run that holds it");
@@ -343,7 +282,7 @@ fn huge_home_blocks_and_starts_past_the_up_front_tables() {
     a.mem_at(again.wrapping_add(big / 4 - 1), 1).unwrap();
     assert!(a.mem_at(again.wrapping_add(big / 4), 1).is_err(), "just past the new block: free memory");
     assert!(a.mem_at(p.wrapping_add(big - 1), 1).is_err(), "the old huge block's last byte: free memory");
-    verify(s1, 4 * unit, 1, unit, "s1");
+    raw_verify(s1, 4 * unit, 1, unit, "s1");
     invariants(&a, "after the frees");
     for s in [again, s1, s3] {
         a.free_raw(s).unwrap();

@@ -560,22 +560,25 @@ mod tests {
         assert!(!a.freed_at(base - 4096), "outside regions nothing is marked");
     }
 
-    /// A summary's `last_at_or_below` agrees with a sorted set, for numbers spread over several levels (far
-    /// apart, so that the search climbs and comes down again).
+    /// The next step of xorshift sequence `x`, and a number from it: below 100, below 10,000
+    /// or below `far`, so that numbers lie close together and far apart.
+    fn spread(x: &mut u64, far: usize) -> usize {
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        let limit = [100, 10_000, far, far][(*x % 4) as usize];
+        (*x >> 8) as usize % limit
+    }
+
+    /// A summary's `last_at_or_below` agrees with a sorted set, for numbers spread over several
+    /// levels (far apart, so that the search climbs and comes down again).
     #[test]
     fn a_summary_finds_the_last_number_at_or_below() {
         let mut st = Summary::default();
         let mut m = std::collections::BTreeSet::new();
         let mut x = 0x2545_f491_4f6c_dd1d_u64;
         for step in 0..if cfg!(miri) { 300u32 } else { 20_000 } {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let u = match x % 4 {
-                0 => (x >> 8) as usize % 100,
-                1 => (x >> 8) as usize % 10_000,
-                _ => (x >> 8) as usize % if cfg!(miri) { 300_000 } else { 30_000_000 },
-            };
+            let u = spread(&mut x, if cfg!(miri) { 300_000 } else { 30_000_000 });
             if x % 5 < 2 {
                 st.remove(u);
                 m.remove(&u);
@@ -599,15 +602,8 @@ mod tests {
         let mut freed = std::collections::BTreeSet::new();
         let mut x = 0x2545_f491_4f6c_dd1d_u64;
         for step in 0..if cfg!(miri) { 300u32 } else { 20_000 } {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let u = match x % 4 {
-                0 => (x >> 8) as usize % 100,
-                1 => (x >> 8) as usize % 10_000,
-                // Past the capacity made up front too: the marks grow.
-                _ => (x >> 8) as usize % cap,
-            };
+            // Past the capacity made up front too: the marks grow.
+            let u = spread(&mut x, cap);
             if x % 5 < 2 {
                 mk.free(u);
                 if m.remove(&u) {

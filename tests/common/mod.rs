@@ -67,6 +67,7 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+pub mod arena;
 pub mod control;
 pub mod isolate;
 pub mod seccomp;
@@ -93,26 +94,42 @@ pub fn time_scale() -> u32 {
     std::env::var("DMABUF_RT_STRESS_TIME_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1).max(1)
 }
 
-/// Holds a queue at the point where it was closed: a callback that waits on a channel until the
-/// gate is opened. Work queued behind it cannot have run while the gate is closed, however slow
-/// the machine (tests order work with gates and events, never with sleeps). Dropping the gate
+/// Holds a queue at the point where it was closed: a callback that waits until the gate is
+/// opened. Work queued behind it cannot have run while the gate is closed, however slow the
+/// machine (tests order work with gates and events, never with sleeps). Dropping the gate
 /// opens it too, so a failed assertion's unwinding never leaves a queue's drop waiting: declare
-/// a gate after the queue it holds.
+/// a gate after the queue it holds. The callback waits on a futex (a `Condvar`), which
+/// allocates nothing: a channel's blocking receive makes its thread's waiting context on first
+/// use, and a test that exhausts the heap while a gate holds a queue was aborted by the gate
+/// itself ("memory allocation of 48 bytes failed" on the queue's thread).
 pub struct QueueGate {
-    _open: std::sync::mpsc::Sender<()>,
+    open: std::sync::Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
 }
 
 impl QueueGate {
     pub fn close(q: &dmabuf_rt::queue::Queue) -> QueueGate {
-        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let open = std::sync::Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+        let shared = std::sync::Arc::clone(&open);
         q.callback(move |_| {
-            let _ = rx.recv();
+            let (opened, cv) = &*shared;
+            let mut g = opened.lock().unwrap_or_else(|e| e.into_inner());
+            while !*g {
+                g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
+            }
         })
         .unwrap();
-        QueueGate { _open: tx }
+        QueueGate { open }
     }
 
     pub fn open(self) {}
+}
+
+impl Drop for QueueGate {
+    fn drop(&mut self) {
+        let (opened, cv) = &*self.open;
+        *opened.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        cv.notify_all();
+    }
 }
 
 /// `n` iterations of a race, fewer where the machine is `time_scale()` times slower (the race
