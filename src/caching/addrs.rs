@@ -369,6 +369,12 @@ pub(crate) struct BlockAddrs {
 }
 
 impl BlockAddrs {
+    /// The dense region that holds `addr`, if one does.
+    #[inline]
+    fn region(&self, addr: usize) -> Option<&Region> {
+        self.regions.iter().find(|r| r.holds(addr))
+    }
+
     #[inline]
     fn region_of(&mut self, addr: usize) -> Option<&mut Region> {
         self.regions.iter_mut().find(|r| r.holds(addr))
@@ -420,7 +426,7 @@ impl BlockAddrs {
         let shift = unit.trailing_zeros();
         // Allocated zeroed at once (pages the kernel supplies on first write), so that an
         // arena growing unit by unit neither fills nor copies the table: only the entries
-        // where the bitmap says a block starts are ever read.
+        // where the marks say a block starts are ever read.
         let units = (len >> shift).min(REGION_UP_FRONT);
         let ids = vec![0; units];
         // Written where blocks start, all over it (as a free run's tags are).
@@ -431,7 +437,7 @@ impl BlockAddrs {
     /// Whether `addr` lies in a dense region where a block started and was freed, and none
     /// has started there since (a free of it, when no live block holds it, is a double free).
     pub(crate) fn freed_at(&self, addr: usize) -> bool {
-        let Some(r) = self.regions.iter().find(|r| r.holds(addr)) else { return false };
+        let Some(r) = self.region(addr) else { return false };
         r.unit_at(addr).is_some_and(|u| r.marks.freed_at(u))
     }
 
@@ -457,7 +463,7 @@ impl BlockAddrs {
         if id != NONE {
             return id;
         }
-        match self.regions.iter().find(|r| r.holds(addr)) {
+        match self.region(addr) {
             Some(r) => r.find(addr),
             None => NONE,
         }
@@ -466,7 +472,7 @@ impl BlockAddrs {
     /// The block that starts last at or before `addr` (the one holding it, if any does), and
     /// its start.
     pub(crate) fn at_or_before(&self, addr: usize) -> Option<(usize, BlockId)> {
-        if let Some(r) = self.regions.iter().find(|r| r.holds(addr)) {
+        if let Some(r) = self.region(addr) {
             // No block of the ordered map lies in a region.
             return r.at_or_before(addr);
         }

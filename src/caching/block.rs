@@ -160,7 +160,13 @@ impl Block {
     /// collected later).
     #[inline]
     pub(crate) fn age(&self, misses: u64) -> u64 {
-        u64::from((misses as u32).wrapping_sub(self.cached_at))
+        u64::from(Self::stamp(misses).wrapping_sub(self.cached_at))
+    }
+
+    /// What `cached_at` keeps of the pool's miss count `misses` (its low 32 bits).
+    #[inline(always)]
+    pub(crate) fn stamp(misses: u64) -> u32 {
+        misses as u32
     }
 
     /// Whether it shares its segment with other blocks.

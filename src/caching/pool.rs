@@ -400,7 +400,7 @@ impl Pool {
             prev,
             next,
             pool,
-            cached_at: self.misses as u32,
+            cached_at: Block::stamp(self.misses),
             in_quick: false,
             raw: false,
             raw_used: false,

@@ -72,7 +72,7 @@ unsafe impl Send for Body {}
 #[cfg(not(loom))]
 const _: () = assert!(size_of::<Node<Body>>() == 64);
 
-/// The most records kept for reuse (128 bytes each): a burst of more frees than this
+/// The most records kept for reuse (64 bytes each): a burst of more frees than this
 /// lets the rest go.
 pub(crate) const SPARES_MAX: usize = 16_384;
 

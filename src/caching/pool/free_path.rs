@@ -2,7 +2,7 @@
 //! list are drained oldest first, each block goes into the quick cache (unmerged, for exact
 //! reuse) or into its pool merged with its free neighbours, and the stats follow.
 
-use super::super::block::{BlockId, FreeMsg, MIN_BLOCK, QueueKey};
+use super::super::block::{Block, BlockId, FreeMsg, MIN_BLOCK, QueueKey};
 use super::super::free_list::{Drain, FreeList, Node};
 use super::super::quick::UNKNOWN;
 use super::super::snapshot::HistoryKind;
@@ -159,7 +159,7 @@ impl Pool {
     #[inline(always)]
     fn quick_free_now(&mut self, id: BlockId) -> bool {
         let quick_ok = self.quick_on && self.quick.len() < QUICK_MAX;
-        let (max_split, misses) = (self.config.max_split_size, self.misses as u32);
+        let (max_split, misses) = (self.config.max_split_size, Block::stamp(self.misses));
         let b = &mut self.blocks[id as usize];
         if !quick_ok || b.size >= max_split || b.arena {
             return false;
@@ -234,7 +234,7 @@ impl Pool {
     pub(crate) fn quick_free_raw(&mut self, addr: usize) -> bool {
         let id = self.raw.addrs.get_or_invalid(addr);
         let quick_ok = self.quick_on && self.quick.len() < QUICK_MAX && self.gone.is_empty() && self.held.is_empty();
-        let (max_split, misses) = (self.config.max_split_size, self.misses as u32);
+        let (max_split, misses) = (self.config.max_split_size, Block::stamp(self.misses));
         // An address that starts no block gives an id past the table.
         let Some(b) = self.blocks.get_mut(id as usize) else { return false };
         // A raw block is live: `raw` is set when it is handed out and cleared when it is freed
@@ -288,7 +288,7 @@ impl Pool {
             let addr = self.addr(id);
             self.log(HistoryKind::FreeCompleted, addr, size, queue);
         }
-        let misses = self.misses as u32;
+        let misses = Block::stamp(self.misses);
         let b = &mut self.blocks[id as usize];
         b.allocated = false;
         b.requested = 0;

@@ -30,9 +30,9 @@ impl Pool {
                 if self.raw.addrs.get(addr).is_some_and(|id| self.in_limbo(id)) {
                     return Err(super::limbo::LIMBO_FREE);
                 }
-                // A home block of an arena leaves no block behind when freed; the arena
-                // remembers where one started until another starts there.
-                if why == FOREIGN_FREE && self.arena_freed_at(addr) {
+                // A home block of an arena leaves no block behind when freed; the address
+                // table remembers where one started until another starts there.
+                if why == FOREIGN_FREE && self.raw.addrs.freed_at(addr) {
                     return Err(DOUBLE_FREE);
                 }
                 if why == FOREIGN_FREE && self.arena_holds(addr) {

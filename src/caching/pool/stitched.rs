@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use super::super::arena::{self, Arena, MAX_VIEW_RUNS, MIN_UNITS, Plan};
-use super::super::block::{BlockId, MIN_BLOCK, PoolKind, QueueKey};
+use super::super::block::{Block, BlockId, MIN_BLOCK, PoolKind, QueueKey};
 use super::super::expandable::{self, Reservation};
 use super::super::snapshot::{BlockSnapshot, BlockState, HistoryKind, SegmentSnapshot};
 use super::super::stats;
@@ -303,7 +303,7 @@ impl Pool {
         let n = a.units_for(size);
         a.release_home(off, n);
         self.account_free_request(id);
-        let misses = self.misses as u32;
+        let misses = Block::stamp(self.misses);
         let b = &mut self.blocks[id as usize];
         b.allocated = false;
         b.cached_at = misses;
@@ -343,12 +343,6 @@ impl Pool {
                 self.arena_evict(si, &seg, v);
             }
         }
-    }
-
-    /// Whether `addr` is where a home block of an arena started and was freed, with nothing
-    /// using its memory since (a free of it is a double free).
-    pub(super) fn arena_freed_at(&self, addr: usize) -> bool {
-        self.raw.addrs.freed_at(addr)
     }
 
     /// Whether `addr` lies in the memory of an arena: its home region's units used so far.
