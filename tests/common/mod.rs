@@ -178,14 +178,12 @@ pub fn allocator_waiting(
 pub fn two_gated_frees(
     a: &dmabuf_rt::caching::CachingAllocator,
 ) -> (dmabuf_rt::queue::Queue, dmabuf_rt::queue::Queue, QueueGate, QueueGate, dmabuf_rt::caching::Allocation) {
-    use dmabuf_rt::queue::Queue;
-    let (q1, q2) = (Queue::new().unwrap(), Queue::new().unwrap());
-    let (gate1, gate2) = (QueueGate::close(&q1), QueueGate::close(&q2));
+    let q1 = dmabuf_rt::queue::Queue::new().unwrap();
+    let gate1 = QueueGate::close(&q1);
     let mut small = a.allocate(4096, None).unwrap();
     small.record_queue(&q1);
     drop(small);
-    let mut big = a.allocate(40 << 20, None).unwrap();
-    big.record_queue(&q2);
+    let (q2, gate2, big) = gated_block(a);
     (q1, q2, gate1, gate2, big)
 }
 
