@@ -40,7 +40,10 @@ pub struct Config {
     /// step of a training loop whose layout touches more than that. 0 turns it off (reserved
     /// memory is then given back only under pressure, by `empty_cache` or by garbage
     /// collection). The free units of a page-stitched arena out of map credit are not
-    /// counted against it: they are its wider slack's (see `stitch_grow_slack`).
+    /// counted against it: they are its wider slack's (see `stitch_grow_slack`). Nothing is
+    /// punched within 2 MiB (a small segment) of the peak allocated bytes, whatever the ratio:
+    /// a workload of a few MiB would punch and fault in pages every step to hold a share
+    /// smaller than the pools' own granularity.
     pub trim_ratio: f64,
     /// Our key (`page_stitching`, on by default where the source makes expandable segments):
     /// requests of at least four stitching units go to the queue's page-stitched arena
@@ -76,9 +79,9 @@ pub struct Config {
     /// (random sizes and lifetimes: about a third as many), and one that repeats settles a
     /// step or two later. An arena that has spent its map credit (a workload whose views are
     /// not used again, and a credit's worth of them cached unused; `caching/arena.rs`) grows
-    /// within 10% instead, if wider, until its credit is full again: such a workload may peak
-    /// past 3%. 0: the arena grows only when its free units cannot hold the
-    /// block, credit or not.
+    /// within 10% instead, if wider, until its credit is full again, but never past this
+    /// share above the peak allocated bytes: the bound holds for every workload. 0: the arena
+    /// grows only when its free units cannot hold the block, credit or not.
     pub stitch_grow_slack: f64,
     /// Bypass caching.
     pub no_caching: bool,

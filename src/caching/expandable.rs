@@ -10,7 +10,7 @@
 //! ([`Budget`]); the pool decides when to grow, punch and trim, and calls in here.
 
 use super::bitmap;
-use super::block::BlockId;
+use super::block::{BlockId, SMALL_BUFFER};
 use crate::error::{Error, Result};
 use crate::segment::Segment;
 use crate::source::MemorySource;
@@ -292,6 +292,15 @@ fn address_space_room() -> Option<u64> {
 /// again at the next growth.
 const TRIM_LOW_SHARE: f64 = 25.0 / 45.0;
 
+/// The trim policy leaves reserved bytes be within this many bytes above the allocated peak,
+/// whatever its ratio: one segment of the small pool ([`SMALL_BUFFER`], 2 MiB, the least a
+/// caching allocator reserves for small blocks). A workload of a few MiB whose layout leaves
+/// a few free pages here and there would otherwise punch them and fault them in again every
+/// step to hold a share of less than that (a KV cache of 1-2 MiB: 125 punches a step).
+/// Workloads with an allocated peak above 2 MiB / (ratio - 1) (44 MiB at the default 1.045)
+/// are held to the ratio as before.
+const TRIM_FLOOR: usize = SMALL_BUFFER;
+
 /// The numbers the trim policy weighs: reserved and allocated bytes, the limit, the ratio.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Budget {
@@ -329,8 +338,12 @@ impl Budget {
         }
         let allocated = self.allocated + rounded;
         let peak = self.allocated_peak.max(allocated) as f64;
-        // Punch down to a low mark, so the next growth does not trim again at once.
-        let (high, low) = (peak * ratio, peak * (1.0 + (ratio - 1.0) * TRIM_LOW_SHARE));
+        // Punch down to a low mark, so the next growth does not trim again at once. Never
+        // within one small segment of the peak: below the pools' own granularity a share is
+        // not worth a call per step (see `TRIM_FLOOR`).
+        let floor = TRIM_FLOOR as f64;
+        let high = (peak * ratio).max(peak + floor);
+        let low = (peak * (1.0 + (ratio - 1.0) * TRIM_LOW_SHARE)).max(peak + floor * TRIM_LOW_SHARE);
         if after as f64 > high { after - low as u64 } else { 0 }
     }
 
@@ -460,27 +473,54 @@ mod tests {
 
     #[test]
     fn the_trim_policy_punches_down_to_its_low_mark() {
+        // In 64 KiB units: a peak of 62.5 MiB, above what the floor covers.
+        const K: u64 = 64 << 10;
         let b = Budget {
-            reserved: 1000,
+            reserved: 1000 * K,
             arena_free: 0,
-            allocated: 900,
-            allocated_peak: 1000,
-            allowed: 1 << 20,
+            allocated: 900 * K,
+            allocated_peak: 1000 * K,
+            allowed: 1 << 40,
             trim_ratio: 1.045,
         };
         // Within the bound (1045): nothing.
-        assert_eq!(b.trim_excess(40, 0), 0);
+        assert_eq!(b.trim_excess(40 * K, 0), 0);
         // 1100 > 1045: down to the low mark, 1025.
-        assert_eq!(b.trim_excess(100, 0), 1100 - 1025);
+        assert_eq!(b.trim_excess(100 * K, 0), 1100 * K - 1025 * K);
         // The request raises the peak it is measured against.
-        assert_eq!(b.trim_excess(100, 200), 0);
+        assert_eq!(b.trim_excess(100 * K, 200 * K), 0);
         // No policy: only the allowed memory counts.
-        let off = Budget { trim_ratio: 0.0, allowed: 1050, ..b };
-        assert_eq!(off.trim_excess(100, 0), 50);
-        assert_eq!(off.over_allowed(10), 0);
+        let off = Budget { trim_ratio: 0.0, allowed: 1050 * K, ..b };
+        assert_eq!(off.trim_excess(100 * K, 0), 50 * K);
+        assert_eq!(off.over_allowed(10 * K), 0);
         // The arenas' free units are not the trim's to punch: 1100 of which 100 are theirs is
         // within the bound, but they count against the allowed memory all the same.
-        assert_eq!(Budget { arena_free: 100, ..b }.trim_excess(100, 0), 0);
-        assert_eq!(Budget { arena_free: 100, allowed: 1050, ..b }.trim_excess(100, 0), 50);
+        assert_eq!(Budget { arena_free: 100 * K, ..b }.trim_excess(100 * K, 0), 0);
+        assert_eq!(Budget { arena_free: 100 * K, allowed: 1050 * K, ..b }.trim_excess(100 * K, 0), 50 * K);
+    }
+
+    /// Within one small segment (2 MiB) of the peak nothing is punched, whatever the ratio: a
+    /// workload of a few MiB does not punch and fault in its pages every step.
+    #[test]
+    fn the_trim_policy_leaves_a_small_segment_be() {
+        const M: u64 = 1 << 20;
+        let b = Budget {
+            reserved: 10 * M,
+            arena_free: 0,
+            allocated: 9 * M,
+            allocated_peak: 10 * M,
+            allowed: 1 << 40,
+            trim_ratio: 1.045,
+        };
+        // 11.9 MiB: past 1.045 times the peak (10.45 MiB), within the floor (12 MiB).
+        assert_eq!(b.trim_excess(M * 19 / 10, 0), 0);
+        // 12.5 MiB: down to the floor's low mark, 10 MiB + 2 MiB x 25/45.
+        let low = 10 * M + (2 * M) as f64 as u64 * 25 / 45;
+        let got = b.trim_excess(M * 5 / 2, 0);
+        assert!(got.abs_diff(12 * M + M / 2 - low) <= 1, "{got}");
+        // Past 44 MiB of peak the ratio's margin is the larger: the floor changes nothing.
+        let big = Budget { reserved: 50 * M, allocated_peak: 50 * M, allocated: 50 * M, ..b };
+        assert!(big.trim_excess(3 * M, 0) > 0);
+        assert_eq!(big.trim_excess(2 * M, 0), 0);
     }
 }

@@ -158,13 +158,20 @@ impl Pool {
             // New units in one run instead of a view of scattered free ones, while the reserved
             // bytes stay within the slack above the allocated bytes, this block counted (not
             // above an older peak: memory given back by `empty_cache` or trimming is not taken
-            // again while free units hold the block).
-            let allocated = self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE];
-            let allocated = (allocated + p.rounded as i64).max(0) as f64;
+            // again while free units hold the block). A hungry arena's wider slack stays within
+            // `stitch_grow_slack` above the peak allocated bytes besides, so that the peak
+            // reserved bytes keep the allocator's bound whatever the workload: a first step
+            // that maps more views than the credit holds (a KV cache grown token by token,
+            // each block a size no earlier one had, its views let go unused until the next
+            // step) pays for them in `mmap`s, not in memory past the bound.
+            let bytes = self.stats.hot.array(stats::ALLOCATED_BYTES)[stats::AGGREGATE];
+            let allocated = (bytes.current + p.rounded as i64).max(0) as f64;
+            let peak = (bytes.peak as f64).max(allocated);
+            let limit = (allocated * (1.0 + slack)).min(peak * (1.0 + self.config.stitch_grow_slack));
             let arena = self.arena_mut(si).1;
             let (grow, grow_cost) = arena.grow_plan(n);
             let after = reserved + grow_cost as u64;
-            if arena.has_room(&grow) && after as f64 <= allocated * (1.0 + slack) && after <= self.allowed {
+            if arena.has_room(&grow) && after as f64 <= limit && after <= self.allowed {
                 (plan, cost) = (grow, grow_cost as u64);
             }
         }
@@ -207,7 +214,8 @@ impl Pool {
 
     /// The share above the allocated bytes arena `si` may grow within rather than map a view of
     /// `runs` runs: `stitch_grow_slack`, or [`Arena::WIDE_SLACK`] if wider while the arena is
-    /// hungry (out of map credit: a workload whose views are not used again). The trim policy
+    /// hungry (out of map credit: a workload whose views are not used again; `arena_new`
+    /// keeps it within `stitch_grow_slack` above the peak allocated bytes). The trim policy
     /// does not count a hungry arena's free units (`Pool::budget`), so it does not punch the
     /// pools' pages for them. With `stitch_grow_slack:0` the arena never grows for speed.
     fn grow_slack(&mut self, si: u32, runs: usize) -> f64 {
