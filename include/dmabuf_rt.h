@@ -273,7 +273,9 @@ enum dmabuf_rt_status dmabuf_rt_device_alloc(int device, size_t size, void **ptr
 // an event recorded after the work). NULL, a pointer this device never handed out, a pointer
 // into the middle of a block and a second free of the same pointer are refused with
 // `DMABUF_RT_INVALID_POINTER` and change nothing: every free is checked against the live
-// allocations when it is made.
+// allocations when it is made. So is a free of a block lent to a live SyncedMemory
+// (`dmabuf_rt_synced_set_device_data`, or `_set_host_data` of device memory): destroy the
+// SyncedMemory or lend it other memory first.
 enum dmabuf_rt_status dmabuf_rt_device_free(int device, void *ptr);
 
 // Allocates `size` bytes of pinned (page-locked) host memory and stores the pointer in
@@ -283,8 +285,9 @@ enum dmabuf_rt_status dmabuf_rt_device_free(int device, void *ptr);
 // `ptr` must be NULL (refused) or valid for writing a pointer.
 enum dmabuf_rt_status dmabuf_rt_host_alloc(size_t size, void **ptr);
 
-// Frees pinned host memory from `dmabuf_rt_host_alloc`. Any other pointer, NULL, or a second
-// free is refused with `DMABUF_RT_INVALID_POINTER`. Not while a stream may still copy to or
+// Frees pinned host memory from `dmabuf_rt_host_alloc`. Any other pointer, NULL, a second
+// free, or a block lent to a live SyncedMemory (`dmabuf_rt_synced_set_host_data`) is refused
+// with `DMABUF_RT_INVALID_POINTER`. Not while a stream may still copy to or
 // from it.
 enum dmabuf_rt_status dmabuf_rt_host_free(void *ptr);
 
@@ -587,7 +590,10 @@ enum dmabuf_rt_status dmabuf_rt_synced_create(int device, size_t size, bool alia
 // `DMABUF_RT_INVALID_HANDLE`.
 enum dmabuf_rt_status dmabuf_rt_synced_destroy(dmabuf_rt_synced synced);
 
-// Stores where the newest data is (a `DMABUF_RT_HEAD_*` value) in `*head`. Moves nothing.
+// Stores where the newest data is (a `DMABUF_RT_HEAD_*` value) in `*head`. Moves nothing and
+// never waits: like the other queries (`_size`, `_copies`, `_aliased`, `_owns`) it reports the
+// SyncedMemory as of its last call that finished, not waiting for one in progress on another
+// thread (which may itself wait for the stream a callback asking this runs on).
 //
 // # Safety
 // `head` must be NULL (refused) or valid for writing a `dmabuf_rt_head`.
@@ -692,7 +698,9 @@ enum dmabuf_rt_status dmabuf_rt_synced_mutable_device_data(dmabuf_rt_synced sync
 // `data` must be valid for reading and writing `size` bytes (`dmabuf_rt_synced_size`) from
 // this call until the SyncedMemory is destroyed or the memory is replaced (another
 // `_set_host_data`, or `_set_device_data` when aliased), and until an asynchronous push from
-// it has run: it must not be freed or unmapped before. Nothing may write it while a call on
+// it has run: it must not be freed or unmapped before (`dmabuf_rt_host_free` and
+// `dmabuf_rt_device_free` refuse to free memory of this runtime lent here meanwhile; other
+// memory is the caller's to keep). Nothing may write it while a call on
 // this SyncedMemory runs or a push from it is in flight; between calls the caller may use it
 // as the pointer `_mutable_host_data` returns (call that first, so the head records a write).
 enum dmabuf_rt_status dmabuf_rt_synced_set_host_data(dmabuf_rt_synced synced, void *data);
@@ -703,15 +711,16 @@ enum dmabuf_rt_status dmabuf_rt_synced_set_host_data(dmabuf_rt_synced synced, vo
 // SyncedMemory's device pointer; the whole range within one live allocation), else
 // `DMABUF_RT_INVALID_POINTER`. Device memory the SyncedMemory owned is freed now (when
 // aliased, that is its one buffer, and `data` becomes both views); `data` is never freed by
-// it: it stays allocated until the caller frees it, which it must not do before destroying
-// the SyncedMemory or replacing the memory. Pointers from it before this call are invalid
+// it: it stays allocated until the caller frees it, which `dmabuf_rt_device_free` refuses
+// (`DMABUF_RT_INVALID_POINTER`) before the SyncedMemory is destroyed or the memory replaced. Pointers from it before this call are invalid
 // after it.
 enum dmabuf_rt_status dmabuf_rt_synced_set_device_data(dmabuf_rt_synced synced, void *data);
 
 // Queues the host-to-device copy on `stream` (Caffe's `async_gpu_push`) and moves the head to
 // `SYNCED` without waiting: work submitted to `stream` afterwards (a copy or a kernel reading
 // the device pointer) sees the pushed bytes. The head must be `AT_HOST`; when it is `SYNCED`
-// this does nothing. From `UNINITIALIZED` (there is nothing to push) or `AT_DEVICE` (the push
+// nothing is copied, but `stream` waits for a push still in flight on another stream (so
+// work submitted to it afterwards sees those bytes too). From `UNINITIALIZED` (there is nothing to push) or `AT_DEVICE` (the push
 // would overwrite newer device data) it is refused with `DMABUF_RT_INVALID_ARGUMENT`. An
 // aliased SyncedMemory copies nothing: the head just moves. Any stream may be used; 0 (no
 // stream) is `DMABUF_RT_INVALID_HANDLE`.

@@ -199,6 +199,18 @@ fn rt() -> Result<&'static Runtime> {
     Runtime::get()
 }
 
+/// Checks that Paddle's `dev` names a device of the runtime, for the callbacks that do not
+/// otherwise use it (streams and events are handles of their own, host and unified memory
+/// belong to no device): a device that does not exist is refused, as everywhere else.
+///
+/// # Safety
+/// As [`dev_id`].
+unsafe fn check_dev(dev: CDevice) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let id = unsafe { dev_id(dev)? };
+    rt()?.device(id).map(drop)
+}
+
 fn handle(p: *mut c_void, what: &'static str) -> Result<usize> {
     if p.is_null() { Err(null(what)) } else { Ok(p as usize) }
 }
@@ -444,16 +456,24 @@ unsafe extern "C" fn device_memory_deallocate(dev: CDevice, ptr: *mut c_void, si
     }))
 }
 
-unsafe extern "C" fn host_memory_allocate(_dev: CDevice, ptr: *mut *mut c_void, size: usize) -> CStatus {
-    alloc_cb("host_memory_allocate", ptr, |r| r.host_alloc(size))
+unsafe extern "C" fn host_memory_allocate(dev: CDevice, ptr: *mut *mut c_void, size: usize) -> CStatus {
+    alloc_cb("host_memory_allocate", ptr, |r| {
+        // SAFETY: Paddle passes its C_Device.
+        unsafe { check_dev(dev)? };
+        r.host_alloc(size)
+    })
 }
 
 unsafe extern "C" fn host_memory_deallocate(_dev: CDevice, ptr: *mut c_void, _size: usize) -> CStatus {
     status(run("host_memory_deallocate", || rt()?.host_free(ptr.cast())))
 }
 
-unsafe extern "C" fn unified_memory_allocate(_dev: CDevice, ptr: *mut *mut c_void, size: usize) -> CStatus {
-    alloc_cb("unified_memory_allocate", ptr, |r| r.unified_alloc(size))
+unsafe extern "C" fn unified_memory_allocate(dev: CDevice, ptr: *mut *mut c_void, size: usize) -> CStatus {
+    alloc_cb("unified_memory_allocate", ptr, |r| {
+        // SAFETY: Paddle passes its C_Device.
+        unsafe { check_dev(dev)? };
+        r.unified_alloc(size)
+    })
 }
 
 unsafe extern "C" fn unified_memory_deallocate(_dev: CDevice, ptr: *mut c_void, _size: usize) -> CStatus {
@@ -576,12 +596,21 @@ unsafe extern "C" fn create_stream(dev: CDevice, stream: *mut CStream) -> CStatu
     }))
 }
 
-unsafe extern "C" fn destroy_stream(_dev: CDevice, stream: CStream) -> CStatus {
-    status(run("destroy_stream", || rt()?.destroy_stream(handle(stream, "stream")?)))
+unsafe extern "C" fn destroy_stream(dev: CDevice, stream: CStream) -> CStatus {
+    status(run("destroy_stream", || {
+        // SAFETY: Paddle passes its C_Device.
+        unsafe { check_dev(dev)? };
+        rt()?.destroy_stream(handle(stream, "stream")?)
+    }))
 }
 
-unsafe extern "C" fn query_stream(_dev: CDevice, stream: CStream) -> CStatus {
-    match run("query_stream", || rt()?.query_stream(handle(stream, "stream")?)) {
+unsafe extern "C" fn query_stream(dev: CDevice, stream: CStream) -> CStatus {
+    let r = run("query_stream", || {
+        // SAFETY: Paddle passes its C_Device.
+        unsafe { check_dev(dev)? };
+        rt()?.query_stream(handle(stream, "stream")?)
+    });
+    match r {
         Ok(true) => C_SUCCESS,
         Ok(false) => C_FAILED, // not ready
         Err(e) => status(Err(e)),
@@ -594,6 +623,8 @@ unsafe extern "C" fn synchronize_stream(dev: CDevice, stream: CStream) -> CStatu
             // SAFETY: Paddle passes its C_Device.
             return rt()?.device(unsafe { dev_id(dev)? })?.synchronize();
         }
+        // SAFETY: Paddle passes its C_Device.
+        unsafe { check_dev(dev)? };
         rt()?.synchronize_stream(stream as usize)
     }))
 }
@@ -612,14 +643,16 @@ struct CallbackArgs {
 unsafe impl Send for CallbackArgs {}
 
 unsafe extern "C" fn stream_add_callback(
-    _dev: CDevice,
+    dev: CDevice,
     stream: CStream,
     callback: CCallback,
     user_data: *mut c_void,
 ) -> CStatus {
     status(run("stream_add_callback", || {
+        // SAFETY: Paddle passes its C_Device.
+        unsafe { check_dev(dev)? };
         let callback = callback.ok_or_else(|| null("callback"))?;
-        let args = CallbackArgs { callback, dev: _dev, stream, user_data };
+        let args = CallbackArgs { callback, dev, stream, user_data };
         rt()?.stream_add_callback(handle(stream, "stream")?, move |r| {
             let args = args;
             let mut st = if r.is_ok() { C_SUCCESS } else { C_ERROR };
@@ -629,8 +662,10 @@ unsafe extern "C" fn stream_add_callback(
     }))
 }
 
-unsafe extern "C" fn create_event(_dev: CDevice, event: *mut CEvent) -> CStatus {
+unsafe extern "C" fn create_event(dev: CDevice, event: *mut CEvent) -> CStatus {
     status(run("create_event", || {
+        // SAFETY: Paddle passes its C_Device.
+        unsafe { check_dev(dev)? };
         let h = rt()?.create_event();
         // SAFETY: Paddle passes a writable C_Event.
         unsafe { store(out(event, "event")?, h as CEvent) };
@@ -641,30 +676,49 @@ unsafe extern "C" fn create_event(_dev: CDevice, event: *mut CEvent) -> CStatus 
 unsafe extern "C" fn record_event(dev: CDevice, stream: CStream, event: CEvent) -> CStatus {
     status(run("record_event", || {
         // SAFETY: Paddle passes its C_Device.
+        unsafe { check_dev(dev)? };
+        // SAFETY: as above.
         let id = unsafe { dev_id(dev)? };
         let stream = (!stream.is_null()).then_some(stream as usize);
         rt()?.record_event(id, stream, handle(event, "event")?)
     }))
 }
 
-unsafe extern "C" fn destroy_event(_dev: CDevice, event: CEvent) -> CStatus {
-    status(run("destroy_event", || rt()?.destroy_event(handle(event, "event")?)))
+unsafe extern "C" fn destroy_event(dev: CDevice, event: CEvent) -> CStatus {
+    status(run("destroy_event", || {
+        // SAFETY: Paddle passes its C_Device.
+        unsafe { check_dev(dev)? };
+        rt()?.destroy_event(handle(event, "event")?)
+    }))
 }
 
-unsafe extern "C" fn query_event(_dev: CDevice, event: CEvent) -> CStatus {
-    match run("query_event", || rt()?.query_event(handle(event, "event")?)) {
+unsafe extern "C" fn query_event(dev: CDevice, event: CEvent) -> CStatus {
+    let r = run("query_event", || {
+        // SAFETY: Paddle passes its C_Device.
+        unsafe { check_dev(dev)? };
+        rt()?.query_event(handle(event, "event")?)
+    });
+    match r {
         Ok(true) => C_SUCCESS,
         Ok(false) => C_FAILED, // not ready
         Err(e) => status(Err(e)),
     }
 }
 
-unsafe extern "C" fn synchronize_event(_dev: CDevice, event: CEvent) -> CStatus {
-    status(run("synchronize_event", || rt()?.synchronize_event(handle(event, "event")?)))
+unsafe extern "C" fn synchronize_event(dev: CDevice, event: CEvent) -> CStatus {
+    status(run("synchronize_event", || {
+        // SAFETY: Paddle passes its C_Device.
+        unsafe { check_dev(dev)? };
+        rt()?.synchronize_event(handle(event, "event")?)
+    }))
 }
 
-unsafe extern "C" fn stream_wait_event(_dev: CDevice, stream: CStream, event: CEvent) -> CStatus {
-    status(run("stream_wait_event", || rt()?.stream_wait_event(handle(stream, "stream")?, handle(event, "event")?)))
+unsafe extern "C" fn stream_wait_event(dev: CDevice, stream: CStream, event: CEvent) -> CStatus {
+    status(run("stream_wait_event", || {
+        // SAFETY: Paddle passes its C_Device.
+        unsafe { check_dev(dev)? };
+        rt()?.stream_wait_event(handle(stream, "stream")?, handle(event, "event")?)
+    }))
 }
 
 #[cfg(test)]

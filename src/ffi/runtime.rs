@@ -29,7 +29,7 @@ use crate::ipc::{ImportedBlock, IpcHandle};
 use crate::queue::{Event, HostBuffer, Mem, Queue, copy_now, fill_now};
 use crate::segment::Segment;
 use crate::source::{MemorySource, ShmemSource};
-use crate::synced::SyncedMemory;
+use crate::synced::{Head, SyncedMemory};
 
 /// Replaces the discovered device list.
 pub const DEVICES_ENV: &str = "DMABUF_RT_DEVICES";
@@ -41,11 +41,41 @@ struct StreamEntry {
     queue: Arc<Queue>,
 }
 
-/// A SyncedMemory handed to C: its device, and the object, locked by each call on it (so the
-/// registry's lock is not held while a transition copies).
+/// A SyncedMemory handed to C: its device, the object, locked by each call on it (so the
+/// registry's lock is not held while a transition copies), and what the queries report, as of
+/// the last call that finished (so a query never waits for a call in progress, which may be
+/// waiting for a stream whose callback is the one asking).
 struct SyncedEntry {
     device: usize,
     mem: Arc<Mutex<SyncedMemory>>,
+    facts: Arc<Mutex<SyncedFacts>>,
+}
+
+/// What the queries on a SyncedMemory report (`dmabuf_rt_synced_head` and the like).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyncedFacts {
+    /// Where the newest data is.
+    pub head: Head,
+    /// Bytes.
+    pub size: usize,
+    /// Host/device copies made.
+    pub copies: u64,
+    /// Whether the views are one buffer.
+    pub aliased: bool,
+    /// Whether the host and the device view are its own memory.
+    pub owns: (bool, bool),
+}
+
+impl SyncedFacts {
+    fn of(m: &SyncedMemory) -> Self {
+        Self {
+            head: m.head(),
+            size: m.size(),
+            copies: m.copies(),
+            aliased: m.is_aliased(),
+            owns: (m.owns_host_data(), m.owns_device_data()),
+        }
+    }
 }
 
 /// What a copy goes between.
@@ -74,7 +104,29 @@ pub struct Runtime {
     streams: Mutex<HashMap<usize, StreamEntry>>,
     events: Mutex<HashMap<usize, Event>>,
     synced: Mutex<HashMap<usize, SyncedEntry>>,
+    /// Memory lent to SyncedMemories (`_set_host_data`, `_set_device_data`), as `(address,
+    /// length)` by SyncedMemory handle: frees of the blocks holding it are refused meanwhile.
+    lent: Mutex<Lent>,
+    /// Ranges in `lent` (frees skip its lock while there are none).
+    lent_count: AtomicUsize,
     next_handle: AtomicUsize,
+}
+
+/// Memory lent to SyncedMemories: `(address, length)` ranges by SyncedMemory handle.
+type Lent = HashMap<usize, Vec<(usize, usize)>>;
+
+/// Whether some SyncedMemory borrows a range `(address, length)` for which `inside` holds.
+fn lent_in(lent: &Lent, inside: impl Fn(usize, usize) -> bool) -> bool {
+    lent.values().any(|ranges| ranges.iter().any(|&(s, len)| inside(s, len)))
+}
+
+/// The refusal of a free of memory lent to a SyncedMemory.
+fn lent_refusal(ptr: *mut u8) -> Error {
+    Error::InvalidFree {
+        ptr: ptr as usize,
+        why: "it is lent to a live SyncedMemory (dmabuf_rt_synced_set_host_data / _set_device_data), which would \
+              write into it after the free: destroy that SyncedMemory or lend it other memory first",
+    }
 }
 
 impl std::fmt::Debug for Runtime {
@@ -217,6 +269,8 @@ impl Runtime {
             streams: Mutex::new(HashMap::new()),
             events: Mutex::new(HashMap::new()),
             synced: Mutex::new(HashMap::new()),
+            lent: Mutex::new(HashMap::new()),
+            lent_count: AtomicUsize::new(0),
             next_handle: AtomicUsize::new(1),
         })
     }
@@ -258,6 +312,13 @@ impl Runtime {
     /// Frees device memory; `size`, when given, must be what was asked for.
     pub fn device_free(&self, device: usize, ptr: *mut u8, size: Option<usize>) -> Result<()> {
         let dev = self.device(device)?;
+        // Held through the free, so that no lend of this block comes between the check and it.
+        let lent = self.lent_guard();
+        if lent.as_ref().is_some_and(|l| {
+            lent_in(l, |s, len| s >= ptr as usize && dev.allocator().mem_at(ptr, s + len - ptr as usize).is_ok())
+        }) {
+            return Err(lent_refusal(ptr));
+        }
         let r = match size {
             // Checked and freed under one hold of the allocator's lock.
             Some(size) => dev.allocator().free_raw_sized(ptr, size),
@@ -290,7 +351,15 @@ impl Runtime {
 
     /// Frees pinned host memory.
     pub fn host_free(&self, ptr: *mut u8) -> Result<()> {
-        match lock(&self.host_live).remove(&(ptr as usize)) {
+        let lent = self.lent_guard();
+        let mut host = lock(&self.host_live);
+        if let (Some(l), Some(a)) = (lent.as_ref(), host.get(&(ptr as usize))) {
+            let (base, len) = (ptr as usize, a.mem().len());
+            if lent_in(l, |s, _| s >= base && s - base < len) {
+                return Err(lent_refusal(ptr));
+            }
+        }
+        match host.remove(&(ptr as usize)) {
             Some(a) => {
                 drop(a);
                 Ok(())
@@ -469,7 +538,26 @@ impl Runtime {
         Ok(ptr)
     }
 
-    /// Frees unified memory.
+    /// `len` bytes at `ptr` as a counted range of the unified memory holding it (the segment
+    /// stays mapped while the range lives, even if it is freed meanwhile), if `ptr` lies in
+    /// some; an error if the range starts there but runs past its end.
+    fn unified_mem(&self, ptr: *const u8, len: usize) -> Result<Option<Mem>> {
+        let addr = ptr as usize;
+        let unified = lock(&self.unified);
+        let Some((&base, seg)) = unified.iter().find(|&(&base, seg)| addr >= base && addr - base < seg.len()) else {
+            return Ok(None);
+        };
+        let m = Mem::from(seg).range(addr - base, len).map_err(|_| Error::UnknownPointer {
+            what: "data",
+            ptr: addr,
+            expected: "a range inside one block (it starts in unified memory but runs past its end)",
+            why: String::new(),
+        })?;
+        Ok(Some(m))
+    }
+
+    /// Frees unified memory. A stream's copy still queued into it keeps its pages mapped
+    /// until the copy has run.
     pub fn unified_free(&self, ptr: *mut u8) -> Result<()> {
         match lock(&self.unified).remove(&(ptr as usize)) {
             Some(_) => Ok(()),
@@ -532,8 +620,13 @@ impl Runtime {
                 (self.device_mem(dst_dev, dst, len)?, host)
             }
             CopyKind::DeviceToHost => {
-                // SAFETY: the caller's contract covers the host side.
-                let host = unsafe { Mem::from_raw(dst, len, true)? };
+                // Unified memory is held by the copy (a counted range of its segment), so that
+                // freeing it before the stream ran the copy does not unmap it under the stream.
+                let host = match self.unified_mem(dst, len)? {
+                    Some(m) => m,
+                    // SAFETY: the caller's contract covers the host side.
+                    None => unsafe { Mem::from_raw(dst, len, true)? },
+                };
                 (host, self.device_mem(src_dev, src, len)?)
             }
             CopyKind::DeviceToDevice | CopyKind::PeerToPeer => {
@@ -734,27 +827,97 @@ impl Runtime {
             .queue(dev.default_queue()?)
             .build()?;
         let h = self.new_handle();
-        lock(&self.synced).insert(h, SyncedEntry { device, mem: Arc::new(Mutex::new(mem)) });
+        let facts = Arc::new(Mutex::new(SyncedFacts::of(&mem)));
+        lock(&self.synced).insert(h, SyncedEntry { device, mem: Arc::new(Mutex::new(mem)), facts });
         Ok(h)
     }
 
-    /// Runs `f` on the live SyncedMemory `h` (locked for the call), with its device.
+    /// Runs `f` on the live SyncedMemory `h` (locked for the call), with its device. A push in
+    /// flight is waited for first with the object unlocked, so that a stream callback ahead of
+    /// the push may call on it meanwhile (and be refused, `WouldDeadlock`, if it asks for
+    /// what waits for the push) rather than wait for the lock for ever.
     pub fn with_synced<T>(&self, h: usize, f: impl FnOnce(usize, &mut SyncedMemory) -> Result<T>) -> Result<T> {
-        let (device, mem) = lock(&self.synced)
+        let (device, mem, facts) = lock(&self.synced)
             .get(&h)
-            .map(|e| (e.device, Arc::clone(&e.mem)))
+            .map(|e| (e.device, Arc::clone(&e.mem), Arc::clone(&e.facts)))
             .ok_or(Error::UnknownHandle { what: "SyncedMemory", handle: h })?;
         let mut m = lock(&mem);
-        f(device, &mut m)
+        while let Some(push) = m.push_event() {
+            drop(m);
+            let waited = push.synchronize(None);
+            m = lock(&mem);
+            if waited.is_err() {
+                // Refused (`WouldDeadlock`: `f` is refused the same way, and changes nothing) or
+                // failed (`f` reports it): no second wait.
+                break;
+            }
+        }
+        let r = f(device, &mut m);
+        *lock(&facts) = SyncedFacts::of(&m);
+        r
+    }
+
+    /// What the queries on SyncedMemory `h` report, as of its last call that finished: never
+    /// waits for a call in progress.
+    pub fn synced_facts(&self, h: usize) -> Result<SyncedFacts> {
+        let facts = lock(&self.synced)
+            .get(&h)
+            .map(|e| Arc::clone(&e.facts))
+            .ok_or(Error::UnknownHandle { what: "SyncedMemory", handle: h })?;
+        Ok(*lock(&facts))
     }
 
     /// Destroys a SyncedMemory: its own blocks return to their allocators (once the streams
-    /// recorded on them have passed their work), lent memory is left alone. A call on it
-    /// running in another thread finishes first.
+    /// recorded on them have passed their work), lent memory is left alone (and may be freed
+    /// from then on). A call on it running in another thread finishes first.
     pub fn destroy_synced(&self, h: usize) -> Result<()> {
         let e = lock(&self.synced).remove(&h).ok_or(Error::UnknownHandle { what: "SyncedMemory", handle: h })?;
+        // Waits for a call in progress (which waits for no stream with the object locked but
+        // its own default queue's copies, where no callback of the C API runs).
+        drop(lock(&e.mem));
+        self.set_lent(h, Vec::new());
         drop(e);
         Ok(())
+    }
+
+    /// Runs `f` (which lends memory to SyncedMemory `h`: `_set_host_data`, `_set_device_data`)
+    /// as [`Runtime::with_synced`], holding the registry of lent memory from before it looks
+    /// the memory up until the registry says what `h` borrows after it, so that no free of
+    /// that memory comes between.
+    pub fn lend_to_synced<T>(&self, h: usize, f: impl FnOnce(usize, &mut SyncedMemory) -> Result<T>) -> Result<T> {
+        self.with_synced(h, |device, m| {
+            let mut lent = lock(&self.lent);
+            let r = f(device, m);
+            // Destroyed meanwhile (the object goes with this call): it borrows nothing any more.
+            let live = lock(&self.synced).contains_key(&h);
+            let now = if live { m.borrowed_ranges() } else { Vec::new() };
+            let before = lent.get(&h).map_or(0, Vec::len);
+            self.lent_count.fetch_add(now.len(), Ordering::SeqCst);
+            self.lent_count.fetch_sub(before, Ordering::SeqCst);
+            if now.is_empty() {
+                lent.remove(&h);
+            } else {
+                lent.insert(h, now);
+            }
+            r
+        })
+    }
+
+    /// Forgets what SyncedMemory `h` borrowed and records `now`.
+    fn set_lent(&self, h: usize, now: Vec<(usize, usize)>) {
+        let mut lent = lock(&self.lent);
+        let before = lent.remove(&h).map_or(0, |v| v.len());
+        self.lent_count.fetch_add(now.len(), Ordering::SeqCst);
+        self.lent_count.fetch_sub(before, Ordering::SeqCst);
+        if !now.is_empty() {
+            lent.insert(h, now);
+        }
+    }
+
+    /// The registry of lent memory, locked, if anything is lent (a free checks it; frees pay
+    /// nothing while nothing is lent).
+    fn lent_guard(&self) -> Option<MutexGuard<'_, Lent>> {
+        (self.lent_count.load(Ordering::SeqCst) > 0).then(|| lock(&self.lent))
     }
 
     /// `len` bytes at `ptr` as a range of the memory this runtime handed out, if `ptr` lies in
@@ -765,7 +928,6 @@ impl Runtime {
         let addr = ptr as usize;
         let past =
             |expected: &'static str| Error::UnknownPointer { what: "data", ptr: addr, expected, why: String::new() };
-        let inside = |base: usize, size: usize| addr >= base && addr - base < size;
         {
             let host = lock(&self.host_live);
             if let Some((base, a)) = host_base(&host, addr).map(|base| (base, &host[&base])) {
@@ -775,14 +937,8 @@ impl Runtime {
                 return Ok(Some(m));
             }
         }
-        {
-            let unified = lock(&self.unified);
-            if let Some((&base, seg)) = unified.iter().find(|&(&base, seg)| inside(base, seg.len())) {
-                let m = Mem::from(seg).range(addr - base, len).map_err(|_| {
-                    past("a range inside one block (it starts in unified memory but runs past its end)")
-                })?;
-                return Ok(Some(m));
-            }
+        if let Some(m) = self.unified_mem(ptr, len)? {
+            return Ok(Some(m));
         }
         if let Some(found) = self.imported_mem(ptr, len) {
             return found.map(|(_, m)| Some(m));

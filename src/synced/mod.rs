@@ -109,7 +109,7 @@
 //! Where this differs from Caffe, on purpose: size 0 is refused ([`Error::ZeroLength`]); a
 //! borrowed range must be exactly `size` bytes ([`Error::SizeMismatch`]); a push from
 //! `Uninitialized` or `AtDevice`, which Caffe `CHECK`s (aborts), is an [`Error::Unsupported`],
-//! and a push when already `Synced` does nothing; accessors wait for a push in flight instead
+//! and a push when already `Synced` copies nothing (its queue waits for a push in flight); accessors wait for a push in flight instead
 //! of assuming the caller synchronized the stream.
 
 mod host_view;
@@ -271,9 +271,33 @@ impl SyncedMemory {
         self.store.device().is_some_and(Buf::is_owned)
     }
 
+    /// The memory lent to it (`set_host_data`, `set_device_data`) that it still uses, as
+    /// `(address, length)` (ranges the CPU cannot address are left out).
+    pub fn borrowed_ranges(&self) -> Vec<(usize, usize)> {
+        let (a, b) = match &self.store {
+            Store::Aliased(b) => (b.as_ref(), None),
+            Store::Split { host, device } => (host.as_ref(), device.as_ref()),
+        };
+        a.into_iter()
+            .chain(b)
+            .filter(|b| !b.is_owned())
+            .filter_map(|b| {
+                let m = b.mem();
+                Some((m.ptr().ok()? as usize, m.len()))
+            })
+            .collect()
+    }
+
     /// Whether an asynchronous push is still in flight (its completion not yet observed).
     pub fn push_in_flight(&self) -> bool {
         self.pending.as_ref().is_some_and(|e| !e.is_complete())
+    }
+
+    /// The completion of the asynchronous push in flight, if one is: every call but the
+    /// queries waits for it, which a caller that shares the `SyncedMemory` behind a lock may do
+    /// first, unlocked.
+    pub fn push_event(&self) -> Option<Event> {
+        self.pending.as_ref().filter(|e| !e.is_complete()).cloned()
     }
 
     /// The host view for reading (Caffe's `cpu_data()`): allocates and zero-fills on first use,
@@ -357,11 +381,18 @@ impl SyncedMemory {
     /// Queues the host → device copy on `queue` (Caffe's `async_gpu_push`) and moves the head
     /// to `Synced` without waiting: work submitted to `queue` afterwards sees the data. The
     /// head must be `AtHost` (nothing else is newer on the host); when it is already `Synced`
-    /// this does nothing. Aliased views need no copy: the head just moves.
+    /// nothing is copied, but a push still in flight (on another queue) is waited for by
+    /// `queue` ([`Queue::wait`]), so that work submitted there afterwards sees its bytes too.
+    /// Aliased views need no copy: the head just moves.
     pub fn async_device_push(&mut self, queue: &Queue) -> Result<()> {
         self.end_window()?;
         match self.head {
-            Head::Synced => return Ok(()),
+            Head::Synced => {
+                if let Some(done) = &self.pending {
+                    queue.wait(done)?;
+                }
+                return Ok(());
+            }
             Head::AtHost => {}
             Head::Uninitialized => {
                 return Err(Error::Unsupported {
@@ -457,18 +488,31 @@ impl SyncedMemory {
 
     /// As `begin`, for calls that replace memory: the push's outcome does not matter any more
     /// (its data is being replaced, or the host copy stays the truth), but the push must be
-    /// done before a later copy writes the same device buffer.
+    /// done before a later copy writes the same device buffer: a wait that is refused
+    /// ([`Error::WouldDeadlock`]) refuses the call.
     fn begin_replacing(&mut self) -> Result<()> {
         self.end_window()?;
-        let _ = self.settle();
-        Ok(())
+        match self.settle() {
+            Err(e @ Error::WouldDeadlock { .. }) => Err(e),
+            _ => Ok(()),
+        }
     }
 
     /// Waits for a push in flight. If it failed, the device copy is not to be trusted: the head
-    /// falls back to `AtHost` (the host still holds the data) and the failure is returned.
+    /// falls back to `AtHost` (the host still holds the data) and the failure is returned. A
+    /// wait that is refused ([`Error::WouldDeadlock`]: asked on a queue's own thread, ahead of
+    /// the push on that queue) changes nothing: the push is still queued and will run, so it
+    /// stays pending and the head stays where it is.
     fn settle(&mut self) -> Result<()> {
-        let Some(done) = self.pending.take() else { return Ok(()) };
-        done.synchronize(None).inspect_err(|_| self.head = Head::AtHost)
+        let Some(done) = &self.pending else { return Ok(()) };
+        let r = done.synchronize(None);
+        if !matches!(r, Err(Error::WouldDeadlock { .. })) {
+            self.pending = None;
+            if r.is_err() {
+                self.head = Head::AtHost;
+            }
+        }
+        r
     }
 
     fn device_access(&mut self, queue: Option<&Queue>, mutable: bool) -> Result<Mem> {

@@ -134,7 +134,9 @@ pub unsafe extern "C" fn dmabuf_rt_device_alloc(device: c_int, size: usize, ptr:
 /// an event recorded after the work). NULL, a pointer this device never handed out, a pointer
 /// into the middle of a block and a second free of the same pointer are refused with
 /// `DMABUF_RT_INVALID_POINTER` and change nothing: every free is checked against the live
-/// allocations when it is made.
+/// allocations when it is made. So is a free of a block lent to a live SyncedMemory
+/// (`dmabuf_rt_synced_set_device_data`, or `_set_host_data` of device memory): destroy the
+/// SyncedMemory or lend it other memory first.
 #[unsafe(no_mangle)]
 pub extern "C" fn dmabuf_rt_device_free(device: c_int, ptr: *mut c_void) -> dmabuf_rt_status {
     call("dmabuf_rt_device_free", || {
@@ -159,8 +161,9 @@ pub unsafe extern "C" fn dmabuf_rt_host_alloc(size: usize, ptr: *mut *mut c_void
     })
 }
 
-/// Frees pinned host memory from `dmabuf_rt_host_alloc`. Any other pointer, NULL, or a second
-/// free is refused with `DMABUF_RT_INVALID_POINTER`. Not while a stream may still copy to or
+/// Frees pinned host memory from `dmabuf_rt_host_alloc`. Any other pointer, NULL, a second
+/// free, or a block lent to a live SyncedMemory (`dmabuf_rt_synced_set_host_data`) is refused
+/// with `DMABUF_RT_INVALID_POINTER`. Not while a stream may still copy to or
 /// from it.
 #[unsafe(no_mangle)]
 pub extern "C" fn dmabuf_rt_host_free(ptr: *mut c_void) -> dmabuf_rt_status {

@@ -94,7 +94,10 @@ pub extern "C" fn dmabuf_rt_synced_destroy(synced: dmabuf_rt_synced) -> dmabuf_r
     call("dmabuf_rt_synced_destroy", || rt()?.destroy_synced(handle(synced)))
 }
 
-/// Stores where the newest data is (a `DMABUF_RT_HEAD_*` value) in `*head`. Moves nothing.
+/// Stores where the newest data is (a `DMABUF_RT_HEAD_*` value) in `*head`. Moves nothing and
+/// never waits: like the other queries (`_size`, `_copies`, `_aliased`, `_owns`) it reports the
+/// SyncedMemory as of its last call that finished, not waiting for one in progress on another
+/// thread (which may itself wait for the stream a callback asking this runs on).
 ///
 /// # Safety
 /// `head` must be NULL (refused) or valid for writing a `dmabuf_rt_head`.
@@ -105,7 +108,7 @@ pub unsafe extern "C" fn dmabuf_rt_synced_head(
 ) -> dmabuf_rt_status {
     call("dmabuf_rt_synced_head", || {
         let head = out(head, "head")?;
-        let h = rt()?.with_synced(handle(synced), |_, m| Ok(head_value(m.head())))?;
+        let h = head_value(rt()?.synced_facts(handle(synced))?.head);
         // SAFETY: the caller's contract for `head`.
         unsafe { store(head, h) };
         Ok(())
@@ -120,7 +123,7 @@ pub unsafe extern "C" fn dmabuf_rt_synced_head(
 pub unsafe extern "C" fn dmabuf_rt_synced_size(synced: dmabuf_rt_synced, size: *mut usize) -> dmabuf_rt_status {
     call("dmabuf_rt_synced_size", || {
         let size = out(size, "size")?;
-        let n = rt()?.with_synced(handle(synced), |_, m| Ok(m.size()))?;
+        let n = rt()?.synced_facts(handle(synced))?.size;
         // SAFETY: the caller's contract for `size`.
         unsafe { store(size, n) };
         Ok(())
@@ -136,7 +139,7 @@ pub unsafe extern "C" fn dmabuf_rt_synced_size(synced: dmabuf_rt_synced, size: *
 pub unsafe extern "C" fn dmabuf_rt_synced_copies(synced: dmabuf_rt_synced, copies: *mut u64) -> dmabuf_rt_status {
     call("dmabuf_rt_synced_copies", || {
         let copies = out(copies, "copies")?;
-        let n = rt()?.with_synced(handle(synced), |_, m| Ok(m.copies()))?;
+        let n = rt()?.synced_facts(handle(synced))?.copies;
         // SAFETY: the caller's contract for `copies`.
         unsafe { store(copies, n) };
         Ok(())
@@ -152,7 +155,7 @@ pub unsafe extern "C" fn dmabuf_rt_synced_copies(synced: dmabuf_rt_synced, copie
 pub unsafe extern "C" fn dmabuf_rt_synced_aliased(synced: dmabuf_rt_synced, aliased: *mut bool) -> dmabuf_rt_status {
     call("dmabuf_rt_synced_aliased", || {
         let aliased = out(aliased, "aliased")?;
-        let a = rt()?.with_synced(handle(synced), |_, m| Ok(m.is_aliased()))?;
+        let a = rt()?.synced_facts(handle(synced))?.aliased;
         // SAFETY: the caller's contract for `aliased`.
         unsafe { store(aliased, a) };
         Ok(())
@@ -174,7 +177,7 @@ pub unsafe extern "C" fn dmabuf_rt_synced_owns(
 ) -> dmabuf_rt_status {
     call("dmabuf_rt_synced_owns", || {
         let (host, device) = (out(host, "host")?, out(device, "device")?);
-        let (h, d) = rt()?.with_synced(handle(synced), |_, m| Ok((m.owns_host_data(), m.owns_device_data())))?;
+        let (h, d) = rt()?.synced_facts(handle(synced))?.owns;
         // SAFETY: the caller's contract for `host` and `device`.
         unsafe { store(host, h) };
         // SAFETY: as above.
@@ -301,7 +304,9 @@ pub unsafe extern "C" fn dmabuf_rt_synced_mutable_device_data(
 /// `data` must be valid for reading and writing `size` bytes (`dmabuf_rt_synced_size`) from
 /// this call until the SyncedMemory is destroyed or the memory is replaced (another
 /// `_set_host_data`, or `_set_device_data` when aliased), and until an asynchronous push from
-/// it has run: it must not be freed or unmapped before. Nothing may write it while a call on
+/// it has run: it must not be freed or unmapped before (`dmabuf_rt_host_free` and
+/// `dmabuf_rt_device_free` refuse to free memory of this runtime lent here meanwhile; other
+/// memory is the caller's to keep). Nothing may write it while a call on
 /// this SyncedMemory runs or a push from it is in flight; between calls the caller may use it
 /// as the pointer `_mutable_host_data` returns (call that first, so the head records a write).
 #[unsafe(no_mangle)]
@@ -311,7 +316,7 @@ pub unsafe extern "C" fn dmabuf_rt_synced_set_host_data(
 ) -> dmabuf_rt_status {
     call("dmabuf_rt_synced_set_host_data", || {
         let rt = rt()?;
-        rt.with_synced(handle(synced), |_, m| {
+        rt.lend_to_synced(handle(synced), |_, m| {
             if data.is_null() {
                 return Err(null("data"));
             }
@@ -334,14 +339,14 @@ pub unsafe extern "C" fn dmabuf_rt_synced_set_host_data(
 /// SyncedMemory's device pointer; the whole range within one live allocation), else
 /// `DMABUF_RT_INVALID_POINTER`. Device memory the SyncedMemory owned is freed now (when
 /// aliased, that is its one buffer, and `data` becomes both views); `data` is never freed by
-/// it: it stays allocated until the caller frees it, which it must not do before destroying
-/// the SyncedMemory or replacing the memory. Pointers from it before this call are invalid
+/// it: it stays allocated until the caller frees it, which `dmabuf_rt_device_free` refuses
+/// (`DMABUF_RT_INVALID_POINTER`) before the SyncedMemory is destroyed or the memory replaced. Pointers from it before this call are invalid
 /// after it.
 #[unsafe(no_mangle)]
 pub extern "C" fn dmabuf_rt_synced_set_device_data(synced: dmabuf_rt_synced, data: *mut c_void) -> dmabuf_rt_status {
     call("dmabuf_rt_synced_set_device_data", || {
         let rt = rt()?;
-        rt.with_synced(handle(synced), |device, m| {
+        rt.lend_to_synced(handle(synced), |device, m| {
             if data.is_null() {
                 return Err(null("data"));
             }
@@ -354,7 +359,8 @@ pub extern "C" fn dmabuf_rt_synced_set_device_data(synced: dmabuf_rt_synced, dat
 /// Queues the host-to-device copy on `stream` (Caffe's `async_gpu_push`) and moves the head to
 /// `SYNCED` without waiting: work submitted to `stream` afterwards (a copy or a kernel reading
 /// the device pointer) sees the pushed bytes. The head must be `AT_HOST`; when it is `SYNCED`
-/// this does nothing. From `UNINITIALIZED` (there is nothing to push) or `AT_DEVICE` (the push
+/// nothing is copied, but `stream` waits for a push still in flight on another stream (so
+/// work submitted to it afterwards sees those bytes too). From `UNINITIALIZED` (there is nothing to push) or `AT_DEVICE` (the push
 /// would overwrite newer device data) it is refused with `DMABUF_RT_INVALID_ARGUMENT`. An
 /// aliased SyncedMemory copies nothing: the head just moves. Any stream may be used; 0 (no
 /// stream) is `DMABUF_RT_INVALID_HANDLE`.
@@ -370,7 +376,8 @@ pub extern "C" fn dmabuf_rt_synced_async_device_push(
     call("dmabuf_rt_synced_async_device_push", || {
         let rt = rt()?;
         let queue = rt.stream_queue(handle(stream))?;
-        rt.with_synced(handle(synced), |_, m| {
+        let stream_device = rt.stream_device(handle(stream))?;
+        rt.with_synced(handle(synced), |device, m| {
             match m.head() {
                 Head::AtHost | Head::Synced => {}
                 h @ (Head::Uninitialized | Head::AtDevice) => {
@@ -386,7 +393,14 @@ pub extern "C" fn dmabuf_rt_synced_async_device_push(
                     )));
                 }
             }
-            m.async_device_push(&queue)
+            m.async_device_push(&queue)?;
+            if stream_device != device && m.push_in_flight() {
+                // A stream of another device writes this device's memory: the memory's device
+                // waits for it when synchronized (a synchronous copy or memset of the device
+                // pointer, `dmabuf_rt_device_synchronize`), as for work on its own streams.
+                rt.device(device)?.track_foreign(queue.record()?);
+            }
+            Ok(())
         })
     })
 }
