@@ -251,12 +251,20 @@ fn check(seed: u64, conf: &str) -> (&'static str, ReplayReport) {
     (name, r)
 }
 
-/// 200 workloads with the default settings (and the arena's larger units and no growth slack,
-/// which change where blocks go): the bound holds, and warm steps call nothing.
+/// The seeds to run: `DMABUF_RT_GENERATED_SEEDS=FROM..TO` (e.g. `1000..6000`, in a release
+/// build), 0..200 by default.
+fn seeds() -> std::ops::Range<u64> {
+    let Ok(v) = std::env::var("DMABUF_RT_GENERATED_SEEDS") else { return 0..200 };
+    let (a, b) = v.split_once("..").expect("DMABUF_RT_GENERATED_SEEDS=FROM..TO");
+    a.parse().expect("FROM")..b.parse().expect("TO")
+}
+
+/// 200 workloads with the default settings and with no growth slack (which changes where
+/// blocks go): the bound holds, and warm steps call nothing.
 #[test]
 fn generated_periodic_workloads_hold_the_bound_and_call_nothing_once_warm() {
     let mut shapes = std::collections::BTreeMap::<&str, (usize, f64)>::new();
-    for seed in 0..200 {
+    for seed in seeds() {
         for conf in ["", "stitch_grow_slack:0"] {
             let (name, r) = check(seed, conf);
             let e = shapes.entry(name).or_default();
