@@ -585,9 +585,12 @@ enum dmabuf_rt_status dmabuf_rt_synced_create(int device, size_t size, bool alia
 
 // Destroys a SyncedMemory. The memory it allocated returns to its allocator (after an
 // asynchronous push still in flight has run); memory lent with `_set_host_data` or
-// `_set_device_data` is never freed: it stays the caller's. Pointers from it are invalid
-// afterwards. The handle is never valid again: a second destroy, or any use, is
-// `DMABUF_RT_INVALID_HANDLE`.
+// `_set_device_data` is never freed: it stays the caller's (and its frees are refused until
+// a push from it still in flight has run). Pointers from it are invalid afterwards. The
+// handle is never valid again: a second destroy, or any use, is `DMABUF_RT_INVALID_HANDLE`.
+// Refused with `DMABUF_RT_INVALID_ARGUMENT`, changing nothing, while memory it owns is lent
+// to another live SyncedMemory (its pointer passed to that one's `_set_host_data` or
+// `_set_device_data`), as are the `_set_*_data` calls that would free such memory.
 enum dmabuf_rt_status dmabuf_rt_synced_destroy(dmabuf_rt_synced synced);
 
 // Stores where the newest data is (a `DMABUF_RT_HEAD_*` value) in `*head`. Moves nothing and

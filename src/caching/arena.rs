@@ -77,6 +77,17 @@ pub(crate) const MAX_MAPPED_RUNS: usize = 32_768;
 /// Runs mapped by the stitched views (live and cached) of every arena of the process.
 static MAPPED_RUNS: AtomicUsize = AtomicUsize::new(0);
 
+/// An arena's reservation is made as for at least this much allowed memory (4 GiB: 16 GiB of
+/// address space, half of it the home region, half the views'; a thousand queues' arenas
+/// take 16 TiB of the 128 TiB a process has), whatever the allowed memory:
+/// the memory stays bounded by the allowed memory, but the views of a periodic workload,
+/// cached between its steps, need address space beyond it (a KV cache grown token by token
+/// caches a view of every size its blocks passed through), and a reservation of four times
+/// a small allowed memory let them go and mapped them again every step (152 `mmap`s in 9
+/// warm steps at a capacity of its own peak: `tests/hostile_review34.rs`). Address space
+/// costs page tables only where a view is mapped.
+pub(crate) const MIN_RESERVED: u64 = 4 << 30;
+
 /// Runs the stitched views of every arena of the process map now.
 pub(crate) fn mapped_runs() -> usize {
     MAPPED_RUNS.load(Ordering::Relaxed)
@@ -858,6 +869,28 @@ impl Arena {
             },
         );
         runs
+    }
+
+    /// Gives free backed units back to the kernel, the largest runs first (one
+    /// `fallocate(PUNCH_HOLE)` per run), until at least `want` bytes went; returns the bytes
+    /// released and the calls made.
+    pub(crate) fn punch_largest(&mut self, seg: &Segment, want: usize) -> (usize, usize) {
+        let mut runs = self.free_backed_runs();
+        runs.sort_unstable_by_key(|&(u, k)| (std::cmp::Reverse(k), u));
+        let (mut bytes, mut calls) = (0, 0);
+        for (u, k) in runs {
+            if bytes >= want {
+                break;
+            }
+            if seg.punch(u * self.unit, k * self.unit).is_err() {
+                continue;
+            }
+            calls += 1;
+            set(&mut self.holes, u, u + k, true);
+            self.n_holes += k;
+            bytes += k * self.unit;
+        }
+        (bytes, calls)
     }
 
     /// Gives every free backed unit back to the kernel (one `fallocate(PUNCH_HOLE)` per run);

@@ -43,7 +43,9 @@ pub struct Config {
     /// counted against it: they are its wider slack's (see `stitch_grow_slack`). Nothing is
     /// punched within 2 MiB (a small segment) of the peak allocated bytes, whatever the ratio:
     /// a workload of a few MiB would punch and fault in pages every step to hold a share
-    /// smaller than the pools' own granularity.
+    /// smaller than the pools' own granularity. Before a page-stitched arena grows, the free
+    /// units of the other queues' arenas are punched too, after the pools' pages: each queue
+    /// has its own arena, and memory moves between queues only that way.
     pub trim_ratio: f64,
     /// Our key (`page_stitching`, on by default where the source makes expandable segments):
     /// requests of at least four stitching units go to the queue's page-stitched arena

@@ -10,6 +10,7 @@
 #![allow(unsafe_code)]
 
 pub mod capi;
+mod lent;
 mod logger;
 pub mod paddle;
 pub mod runtime;

@@ -22,6 +22,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
+use super::lent::LentRegistry;
 use crate::caching::{Config, HostAllocation, HostCachingAllocator};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -104,28 +105,31 @@ pub struct Runtime {
     streams: Mutex<HashMap<usize, StreamEntry>>,
     events: Mutex<HashMap<usize, Event>>,
     synced: Mutex<HashMap<usize, SyncedEntry>>,
-    /// Memory lent to SyncedMemories (`_set_host_data`, `_set_device_data`), as `(address,
-    /// length)` by SyncedMemory handle: frees of the blocks holding it are refused meanwhile.
-    lent: Mutex<Lent>,
-    /// Ranges in `lent` (frees skip its lock while there are none).
-    lent_count: AtomicUsize,
+    /// Memory lent to SyncedMemories (`_set_host_data`, `_set_device_data`): frees of the
+    /// blocks holding it are refused meanwhile.
+    lent: LentRegistry,
     next_handle: AtomicUsize,
-}
-
-/// Memory lent to SyncedMemories: `(address, length)` ranges by SyncedMemory handle.
-type Lent = HashMap<usize, Vec<(usize, usize)>>;
-
-/// Whether some SyncedMemory borrows a range `(address, length)` for which `inside` holds.
-fn lent_in(lent: &Lent, inside: impl Fn(usize, usize) -> bool) -> bool {
-    lent.values().any(|ranges| ranges.iter().any(|&(s, len)| inside(s, len)))
 }
 
 /// The refusal of a free of memory lent to a SyncedMemory.
 fn lent_refusal(ptr: *mut u8) -> Error {
     Error::InvalidFree {
         ptr: ptr as usize,
-        why: "it is lent to a live SyncedMemory (dmabuf_rt_synced_set_host_data / _set_device_data), which would \
-              write into it after the free: destroy that SyncedMemory or lend it other memory first",
+        why: "it is lent to a SyncedMemory (dmabuf_rt_synced_set_host_data / _set_device_data) that may still use \
+              it (a live one, or a destroyed one's push in flight): destroy that SyncedMemory or lend it other \
+              memory first",
+    }
+}
+
+/// The refusal of a SyncedMemory letting go of memory it owns (`how`: destroyed, replaced)
+/// while that memory is lent to another.
+fn lent_elsewhere(how: &str) -> Error {
+    Error::InvalidArgument {
+        what: format!(
+            "the SyncedMemory's own memory is lent to another SyncedMemory (its pointer was passed to \
+             dmabuf_rt_synced_set_host_data / _set_device_data), which would use it after it is freed: it cannot \
+             be {how} until that one is destroyed or lent other memory"
+        ),
     }
 }
 
@@ -269,8 +273,7 @@ impl Runtime {
             streams: Mutex::new(HashMap::new()),
             events: Mutex::new(HashMap::new()),
             synced: Mutex::new(HashMap::new()),
-            lent: Mutex::new(HashMap::new()),
-            lent_count: AtomicUsize::new(0),
+            lent: LentRegistry::default(),
             next_handle: AtomicUsize::new(1),
         })
     }
@@ -313,10 +316,9 @@ impl Runtime {
     pub fn device_free(&self, device: usize, ptr: *mut u8, size: Option<usize>) -> Result<()> {
         let dev = self.device(device)?;
         // Held through the free, so that no lend of this block comes between the check and it.
-        let lent = self.lent_guard();
-        if lent.as_ref().is_some_and(|l| {
-            lent_in(l, |s, len| s >= ptr as usize && dev.allocator().mem_at(ptr, s + len - ptr as usize).is_ok())
-        }) {
+        let lent = self.lent.read();
+        let p = ptr as usize;
+        if lent.any(|s, len| s >= p && dev.allocator().mem_at(ptr, s - p + len).is_ok()) {
             return Err(lent_refusal(ptr));
         }
         let r = match size {
@@ -351,11 +353,11 @@ impl Runtime {
 
     /// Frees pinned host memory.
     pub fn host_free(&self, ptr: *mut u8) -> Result<()> {
-        let lent = self.lent_guard();
+        let lent = self.lent.read();
         let mut host = lock(&self.host_live);
-        if let (Some(l), Some(a)) = (lent.as_ref(), host.get(&(ptr as usize))) {
+        if let Some(a) = host.get(&(ptr as usize)) {
             let (base, len) = (ptr as usize, a.mem().len());
-            if lent_in(l, |s, _| s >= base && s - base < len) {
+            if lent.any(|s, _| s >= base && s - base < len) {
                 return Err(lent_refusal(ptr));
             }
         }
@@ -869,55 +871,50 @@ impl Runtime {
 
     /// Destroys a SyncedMemory: its own blocks return to their allocators (once the streams
     /// recorded on them have passed their work), lent memory is left alone (and may be freed
-    /// from then on). A call on it running in another thread finishes first.
+    /// once a push from it in flight has run). A call on it running in another thread finishes
+    /// first. Refused while memory it owns is lent to another live SyncedMemory.
     pub fn destroy_synced(&self, h: usize) -> Result<()> {
-        let e = lock(&self.synced).remove(&h).ok_or(Error::UnknownHandle { what: "SyncedMemory", handle: h })?;
+        let mem = lock(&self.synced)
+            .get(&h)
+            .map(|e| Arc::clone(&e.mem))
+            .ok_or(Error::UnknownHandle { what: "SyncedMemory", handle: h })?;
         // Waits for a call in progress (which waits for no stream with the object locked but
         // its own default queue's copies, where no callback of the C API runs).
-        drop(lock(&e.mem));
-        self.set_lent(h, Vec::new());
-        drop(e);
+        let m = lock(&mem);
+        let mut lent = self.lent.write();
+        if lent.lent_from(h, &m.owned_ranges()) {
+            return Err(lent_elsewhere("destroyed"));
+        }
+        let entry = lock(&self.synced).remove(&h).ok_or(Error::UnknownHandle { what: "SyncedMemory", handle: h })?;
+        lent.release(h, m.push_event());
+        drop(lent);
+        drop(m);
+        drop(entry);
         Ok(())
     }
 
-    /// Runs `f` (which lends memory to SyncedMemory `h`: `_set_host_data`, `_set_device_data`)
-    /// as [`Runtime::with_synced`], holding the registry of lent memory from before it looks
-    /// the memory up until the registry says what `h` borrows after it, so that no free of
-    /// that memory comes between.
-    pub fn lend_to_synced<T>(&self, h: usize, f: impl FnOnce(usize, &mut SyncedMemory) -> Result<T>) -> Result<T> {
+    /// Runs `f`, which lends memory to SyncedMemory `h` as its host (`host`) or device view
+    /// (`_set_host_data`, `_set_device_data`), as [`Runtime::with_synced`], holding the
+    /// registry of lent memory from before `f` looks the memory up until the registry says
+    /// what `h` borrows after it, so that no free of that memory comes between. Refused if the
+    /// memory of its own that the lend lets go of is lent to another live SyncedMemory.
+    pub fn lend_to_synced<T>(
+        &self,
+        h: usize,
+        host: bool,
+        f: impl FnOnce(usize, &mut SyncedMemory) -> Result<T>,
+    ) -> Result<T> {
         self.with_synced(h, |device, m| {
-            let mut lent = lock(&self.lent);
+            let mut lent = self.lent.write();
+            if lent.lent_from(h, &m.owned_ranges_replaced(host)) {
+                return Err(lent_elsewhere("replaced"));
+            }
             let r = f(device, m);
             // Destroyed meanwhile (the object goes with this call): it borrows nothing any more.
             let live = lock(&self.synced).contains_key(&h);
-            let now = if live { m.borrowed_ranges() } else { Vec::new() };
-            let before = lent.get(&h).map_or(0, Vec::len);
-            self.lent_count.fetch_add(now.len(), Ordering::SeqCst);
-            self.lent_count.fetch_sub(before, Ordering::SeqCst);
-            if now.is_empty() {
-                lent.remove(&h);
-            } else {
-                lent.insert(h, now);
-            }
+            lent.set(h, if live { m.borrowed_ranges() } else { Vec::new() });
             r
         })
-    }
-
-    /// Forgets what SyncedMemory `h` borrowed and records `now`.
-    fn set_lent(&self, h: usize, now: Vec<(usize, usize)>) {
-        let mut lent = lock(&self.lent);
-        let before = lent.remove(&h).map_or(0, |v| v.len());
-        self.lent_count.fetch_add(now.len(), Ordering::SeqCst);
-        self.lent_count.fetch_sub(before, Ordering::SeqCst);
-        if !now.is_empty() {
-            lent.insert(h, now);
-        }
-    }
-
-    /// The registry of lent memory, locked, if anything is lent (a free checks it; frees pay
-    /// nothing while nothing is lent).
-    fn lent_guard(&self) -> Option<MutexGuard<'_, Lent>> {
-        (self.lent_count.load(Ordering::SeqCst) > 0).then(|| lock(&self.lent))
     }
 
     /// `len` bytes at `ptr` as a range of the memory this runtime handed out, if `ptr` lies in

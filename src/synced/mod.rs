@@ -274,18 +274,26 @@ impl SyncedMemory {
     /// The memory lent to it (`set_host_data`, `set_device_data`) that it still uses, as
     /// `(address, length)` (ranges the CPU cannot address are left out).
     pub fn borrowed_ranges(&self) -> Vec<(usize, usize)> {
-        let (a, b) = match &self.store {
-            Store::Aliased(b) => (b.as_ref(), None),
-            Store::Split { host, device } => (host.as_ref(), device.as_ref()),
+        self.store.bufs().filter(|b| !b.is_owned()).filter_map(Buf::range).collect()
+    }
+
+    /// The memory of its own (its blocks), as `(address, length)` (blocks the CPU cannot
+    /// address are left out).
+    pub fn owned_ranges(&self) -> Vec<(usize, usize)> {
+        self.store.bufs().filter(|b| b.is_owned()).filter_map(Buf::range).collect()
+    }
+
+    /// The memory of its own that [`SyncedMemory::set_host_data`] (`host`) or
+    /// [`SyncedMemory::set_device_data`] frees, as [`SyncedMemory::owned_ranges`]: the one
+    /// buffer when aliased, else the view's (`set_device_data` of memory the CPU cannot reach
+    /// frees the one buffer of aliased views too).
+    pub fn owned_ranges_replaced(&self, host: bool) -> Vec<(usize, usize)> {
+        let buf = match &self.store {
+            Store::Aliased(b) => b.as_ref(),
+            Store::Split { host: b, .. } if host => b.as_ref(),
+            Store::Split { device: b, .. } => b.as_ref(),
         };
-        a.into_iter()
-            .chain(b)
-            .filter(|b| !b.is_owned())
-            .filter_map(|b| {
-                let m = b.mem();
-                Some((m.ptr().ok()? as usize, m.len()))
-            })
-            .collect()
+        buf.filter(|b| b.is_owned()).and_then(Buf::range).into_iter().collect()
     }
 
     /// Whether an asynchronous push is still in flight (its completion not yet observed).

@@ -32,6 +32,12 @@ impl Buf {
         !matches!(self, Buf::Borrowed(_))
     }
 
+    /// Where it is, `(address, length)`, if the CPU can address it.
+    pub(super) fn range(&self) -> Option<(usize, usize)> {
+        let m = self.mem();
+        Some((m.ptr().ok()? as usize, m.len()))
+    }
+
     pub(super) fn record_queue(&mut self, queue: &Queue) {
         match self {
             Buf::Device(a) => a.record_queue(queue),
@@ -86,6 +92,14 @@ impl Store {
 
     pub(super) fn device_buf(&self) -> Result<&Buf> {
         self.device().ok_or_else(|| missing("device"))
+    }
+
+    pub(super) fn bufs(&self) -> impl Iterator<Item = &Buf> {
+        let (a, b) = match self {
+            Store::Aliased(b) => (b.as_ref(), None),
+            Store::Split { host, device } => (host.as_ref(), device.as_ref()),
+        };
+        a.into_iter().chain(b)
     }
 
     pub(super) fn bufs_mut(&mut self) -> impl Iterator<Item = &mut Buf> {

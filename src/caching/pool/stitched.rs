@@ -47,7 +47,8 @@ impl Pool {
             return None;
         }
         let unit = self.config.stitch_unit;
-        let made = match expandable::reserve(&*self.source, self.allowed, unit) {
+        // Address space as for at least `arena::MIN_RESERVED` of allowed memory (see there).
+        let made = match expandable::reserve(&*self.source, self.allowed.max(arena::MIN_RESERVED), unit) {
             Reservation::Made(seg, _) => Arena::new(&seg, unit).map(|a| (seg, a)),
             Reservation::Unsupported => {
                 self.arena_unsupported = true;
@@ -122,19 +123,24 @@ impl Pool {
         let rounded = p.rounded;
         let (_, a) = self.arena_mut(si);
         let n = a.units_for(rounded);
-        if let Some((plan, _)) = a.home_fit(n).filter(|&(_, cost)| cost <= room) {
+        if let Some((plan, cost)) = a.home_fit(n).filter(|&(_, cost)| cost <= room) {
+            self.trim_for_arena(si, cost as u64, rounded as u64);
             return self.arena_make(si, p, plan);
         }
         let find = |pool: &mut Self| {
             let a = pool.segments[si as usize].as_mut().and_then(|e| e.arena.as_mut())?;
             let max_holes = room / a.unit();
-            a.find_cached(n, max_holes).map(|(id, _)| id)
+            a.find_cached(n, max_holes).map(|(id, holes)| (id, holes * a.unit()))
         };
-        p.block = find(self);
-        if p.block.is_none() && self.quick.len() > 0 {
+        let mut found = find(self);
+        if found.is_none() && self.quick.len() > 0 {
             self.flush_quick();
-            p.block = find(self);
+            found = find(self);
         }
+        if let Some((_, cost)) = found {
+            self.trim_for_arena(si, cost as u64, rounded as u64);
+        }
+        p.block = found.map(|(id, _)| id);
         p.block.is_some()
     }
 
@@ -209,6 +215,7 @@ impl Pool {
             p.arena_over_allowed = true;
             return false;
         }
+        self.trim_for_arena(si, cost, p.rounded as u64);
         self.arena_make(si, p, plan)
     }
 
@@ -408,6 +415,44 @@ impl Pool {
             }
         }
         freed
+    }
+
+    /// The trim policy before arena `si` adds `cost` reserved bytes (units new or given back
+    /// earlier) for a `rounded`-byte request: past `Config::trim_ratio` times the allocated
+    /// peak (or the allowed memory), the pools' free pages go first, then the free units of
+    /// the *other* queues' arenas, the largest runs first (not while their queue has work in
+    /// flight, which may still use a block freed there). An arena's own free units are left be:
+    /// a view of them is what it makes instead of growing. So a pipeline whose stages allocate
+    /// on queues of their own holds the ratio as the pools do, at a few punches a step, where
+    /// each queue's arena kept its own peak (twice the allocated peak with four stages).
+    pub(super) fn trim_for_arena(&mut self, si: u32, cost: u64, rounded: u64) {
+        if cost == 0 {
+            return;
+        }
+        let excess = self.budget().trim_excess(cost, rounded);
+        if excess == 0 {
+            return;
+        }
+        let mut left = self.punch_largest(excess, None);
+        let others: Vec<(QueueKey, u32)> =
+            self.arenas.iter().filter(|&(_, &s)| s != si).map(|(&q, &s)| (q, s)).collect();
+        for (q, s) in others {
+            if left == 0 {
+                break;
+            }
+            if self.queue_busy(q) {
+                continue;
+            }
+            let seg = Arc::clone(&self.segments[s as usize].as_ref().expect("live arena").seg);
+            let (bytes, calls) = self.arena_mut(s).1.punch_largest(&seg, left as usize);
+            if bytes > 0 {
+                self.stats.device.num_device_free += calls as i64;
+                stats::dec_array(&mut self.stats.device.reserved_bytes, PoolKind::Large, bytes as i64);
+                let base = self.segments[s as usize].as_ref().map_or(0, |e| e.base);
+                self.log(HistoryKind::SegmentUnmap, base, bytes, q);
+                left = left.saturating_sub(bytes as u64);
+            }
+        }
     }
 
     /// Returns arena `si` to the source if no block of it is handed out and its queue has no

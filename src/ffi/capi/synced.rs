@@ -86,9 +86,12 @@ pub unsafe extern "C" fn dmabuf_rt_synced_create(
 
 /// Destroys a SyncedMemory. The memory it allocated returns to its allocator (after an
 /// asynchronous push still in flight has run); memory lent with `_set_host_data` or
-/// `_set_device_data` is never freed: it stays the caller's. Pointers from it are invalid
-/// afterwards. The handle is never valid again: a second destroy, or any use, is
-/// `DMABUF_RT_INVALID_HANDLE`.
+/// `_set_device_data` is never freed: it stays the caller's (and its frees are refused until
+/// a push from it still in flight has run). Pointers from it are invalid afterwards. The
+/// handle is never valid again: a second destroy, or any use, is `DMABUF_RT_INVALID_HANDLE`.
+/// Refused with `DMABUF_RT_INVALID_ARGUMENT`, changing nothing, while memory it owns is lent
+/// to another live SyncedMemory (its pointer passed to that one's `_set_host_data` or
+/// `_set_device_data`), as are the `_set_*_data` calls that would free such memory.
 #[unsafe(no_mangle)]
 pub extern "C" fn dmabuf_rt_synced_destroy(synced: dmabuf_rt_synced) -> dmabuf_rt_status {
     call("dmabuf_rt_synced_destroy", || rt()?.destroy_synced(handle(synced)))
@@ -316,7 +319,7 @@ pub unsafe extern "C" fn dmabuf_rt_synced_set_host_data(
 ) -> dmabuf_rt_status {
     call("dmabuf_rt_synced_set_host_data", || {
         let rt = rt()?;
-        rt.lend_to_synced(handle(synced), |_, m| {
+        rt.lend_to_synced(handle(synced), true, |_, m| {
             if data.is_null() {
                 return Err(null("data"));
             }
@@ -346,7 +349,7 @@ pub unsafe extern "C" fn dmabuf_rt_synced_set_host_data(
 pub extern "C" fn dmabuf_rt_synced_set_device_data(synced: dmabuf_rt_synced, data: *mut c_void) -> dmabuf_rt_status {
     call("dmabuf_rt_synced_set_device_data", || {
         let rt = rt()?;
-        rt.lend_to_synced(handle(synced), |device, m| {
+        rt.lend_to_synced(handle(synced), false, |device, m| {
             if data.is_null() {
                 return Err(null("data"));
             }
