@@ -54,14 +54,14 @@ typedef enum dmabuf_rt_status {
   DMABUF_RT_WOULD_DEADLOCK = 8,
 } dmabuf_rt_status;
 
-// What a copy goes between: one of the `DMABUF_RT_MEMCPY_*` values (any other value is
-// refused with `DMABUF_RT_INVALID_ARGUMENT`).
-typedef int dmabuf_rt_memcpy_kind;
-
 // A stream: an ordered queue of copies, event records, waits and callbacks, with its own
 // executor thread. 0 is never a valid stream; where a function takes an optional stream,
 // 0 means none.
 typedef uint64_t dmabuf_rt_stream;
+
+// What a copy goes between: one of the `DMABUF_RT_MEMCPY_*` values (any other value is
+// refused with `DMABUF_RT_INVALID_ARGUMENT`).
+typedef int dmabuf_rt_memcpy_kind;
 
 // A handle of device memory another process of the same user can open (64 bytes, to send by
 // any means: a pipe, a file, a pickle). It carries no fd: opening it connects to the process
@@ -266,6 +266,19 @@ enum dmabuf_rt_status dmabuf_rt_device_memory(int device, uint64_t *total, uint6
 // # Safety
 // `ptr` must be NULL (refused) or valid for writing a pointer.
 enum dmabuf_rt_status dmabuf_rt_device_alloc(int device, size_t size, void **ptr);
+
+// `dmabuf_rt_device_alloc` on `stream` (a stream of `device`; 0: none, the same as
+// `dmabuf_rt_device_alloc`): the block belongs to the stream, as a block PyTorch's caching
+// allocator gives on the current stream. Freed with `dmabuf_rt_device_free` (from any thread),
+// it is taken again at once by allocations on that stream, whose work queued before the free
+// (which may still use it) runs first in stream order, and by no other stream's: memory freed
+// while a stream's copy still reads it is never handed to another stream meanwhile. A stream
+// of another device is refused (`DMABUF_RT_INVALID_ARGUMENT`), an unknown one is
+// `DMABUF_RT_INVALID_HANDLE`.
+//
+// # Safety
+// `ptr` must be NULL (refused) or valid for writing a pointer.
+enum dmabuf_rt_status dmabuf_rt_device_alloc_on_stream(int device, size_t size, dmabuf_rt_stream stream, void **ptr);
 
 // Frees device memory from `dmabuf_rt_device_alloc` on the same device (no size needed).
 // The block returns to the device's cache, not to the system (see `dmabuf_rt_empty_cache`).

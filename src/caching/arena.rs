@@ -624,8 +624,9 @@ impl Arena {
             let cost = plan.rebacked * self.unit;
             return (plan.more.is_empty() && plan.grown == 0).then_some((plan, cost));
         }
-        let (s, _) = self.free.fit(n as u32)?;
-        Some((Plan { first: (s, n as u32), more: Vec::new(), rebacked: 0, grown: 0 }, 0))
+        let n = u32::try_from(n).ok()?;
+        let (s, _) = self.free.fit(n)?;
+        Some((Plan { first: (s, n), more: Vec::new(), rebacked: 0, grown: 0 }, 0))
     }
 
     /// The free run a home block of `n` units takes, as [`Arena::home_fit`] finds it where no
@@ -636,7 +637,7 @@ impl Arena {
         if self.n_holes > 0 {
             return None;
         }
-        self.free.fit(n as u32).map(|(s, _)| s)
+        self.free.fit(u32::try_from(n).ok()?).map(|(s, _)| s)
     }
 
     /// Makes the home block of `n` units at free, backed units `[s, s + n)` (from

@@ -279,7 +279,7 @@ fn reservation_len_within(allowed: u64, floor: usize, room: Option<u64>) -> usiz
 }
 
 /// Bytes of address space left below this process's `RLIMIT_AS`, if it has one.
-fn address_space_room() -> Option<u64> {
+pub(crate) fn address_space_room() -> Option<u64> {
     let limit = crate::source::address_space_limit()?;
     let pages: u64 = std::fs::read_to_string("/proc/self/statm").ok()?.split_whitespace().next()?.parse().ok()?;
     Some(limit.saturating_sub(pages.saturating_mul(crate::source::page_size() as u64)))

@@ -312,6 +312,22 @@ impl Runtime {
         self.device(device)?.allocator().allocate_raw(size, None)
     }
 
+    /// `size` bytes of device memory that belong to `stream` (a stream of `device`), as
+    /// PyTorch's caching allocator gives a block on the current stream: freed, it is taken
+    /// again at once by allocations on that stream (its work queued before the free, which may
+    /// still use the block, runs first in stream order) and by no other stream's.
+    pub fn device_alloc_on(&self, device: usize, size: usize, stream: usize) -> Result<*mut u8> {
+        let dev = self.device(device)?;
+        let on = self.stream_device(stream)?;
+        if on != device {
+            return Err(Error::InvalidArgument {
+                what: format!("allocation on stream {stream}: it belongs to device {on}, not to device {device}"),
+            });
+        }
+        let queue = self.stream(stream)?;
+        dev.allocator().allocate_raw(size, Some(&queue))
+    }
+
     /// Frees device memory; `size`, when given, must be what was asked for.
     pub fn device_free(&self, device: usize, ptr: *mut u8, size: Option<usize>) -> Result<()> {
         let dev = self.device(device)?;

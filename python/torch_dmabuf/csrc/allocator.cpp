@@ -55,7 +55,16 @@ class DmabufAllocator final : public c10::DeviceAllocator {
       return {nullptr, nullptr, &empty_deleter, c10::Device(kDmabuf, device)};
     }
     void* ptr = nullptr;
-    check(dmabuf_rt_device_alloc(device, n, &ptr), "allocating device memory");
+    // On the current stream, as CUDA's caching allocator does: a block freed while work queued
+    // on its stream still uses it is taken again only by that stream's allocations (after that
+    // work, in stream order), never handed to another stream meanwhile. The default stream (0)
+    // is synchronous: its work is done when the call that queued it returns.
+    auto stream = current_stream(device);
+    if (stream.id() == 0) {
+      check(dmabuf_rt_device_alloc(device, n, &ptr), "allocating device memory");
+    } else {
+      check(dmabuf_rt_device_alloc_on_stream(device, n, handle(stream), &ptr), "allocating device memory");
+    }
     used_.store(true, std::memory_order_relaxed);
     auto del = device < static_cast<c10::DeviceIndex>(kDeleters.size()) ? kDeleters[device] : &free_block;
     return {ptr, ptr, del, c10::Device(kDmabuf, device)};

@@ -22,6 +22,10 @@ impl Pool {
             && self.uses_expandable()
             && !self.arena_unsupported
             && rounded >= MIN_UNITS * self.config.stitch_unit
+            // Larger than the allowed memory: refused by the ladder, never an arena's (whose
+            // unit counts are 32-bit: 2^32 units and more would wrap to a small run).
+            && rounded as u64 <= self.allowed
+            && rounded / self.config.stitch_unit <= u32::MAX as usize
     }
 
     /// Whether block `id` lies in an arena.
@@ -48,7 +52,15 @@ impl Pool {
         }
         let unit = self.config.stitch_unit;
         // Address space as for at least `arena::MIN_RESERVED` of allowed memory (see there).
-        let made = match expandable::reserve(&*self.source, self.allowed.max(arena::MIN_RESERVED), unit) {
+        // Under an address-space limit (`RLIMIT_AS`) a reservation takes at most a quarter of
+        // the room left: as for the allowed memory only, and a smaller share for each arena
+        // there is already (the k-th takes a 4k-th of the room left, so forty queues' arenas
+        // leave two fifths of it, where a quarter each left nothing after eighteen).
+        let want = match expandable::address_space_room() {
+            Some(room) => self.allowed.min(room / (16 * (self.arenas.len() as u64 + 1))),
+            None => self.allowed.max(arena::MIN_RESERVED),
+        };
+        let made = match expandable::reserve(&*self.source, want, unit) {
             Reservation::Made(seg, _) => Arena::new(&seg, unit).map(|a| (seg, a)),
             Reservation::Unsupported => {
                 self.arena_unsupported = true;

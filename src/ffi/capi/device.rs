@@ -128,6 +128,39 @@ pub unsafe extern "C" fn dmabuf_rt_device_alloc(device: c_int, size: usize, ptr:
     })
 }
 
+/// `dmabuf_rt_device_alloc` on `stream` (a stream of `device`; 0: none, the same as
+/// `dmabuf_rt_device_alloc`): the block belongs to the stream, as a block PyTorch's caching
+/// allocator gives on the current stream. Freed with `dmabuf_rt_device_free` (from any thread),
+/// it is taken again at once by allocations on that stream, whose work queued before the free
+/// (which may still use it) runs first in stream order, and by no other stream's: memory freed
+/// while a stream's copy still reads it is never handed to another stream meanwhile. A stream
+/// of another device is refused (`DMABUF_RT_INVALID_ARGUMENT`), an unknown one is
+/// `DMABUF_RT_INVALID_HANDLE`.
+///
+/// # Safety
+/// `ptr` must be NULL (refused) or valid for writing a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dmabuf_rt_device_alloc_on_stream(
+    device: c_int,
+    size: usize,
+    stream: dmabuf_rt_stream,
+    ptr: *mut *mut c_void,
+) -> dmabuf_rt_status {
+    call("dmabuf_rt_device_alloc_on_stream", || {
+        let ptr = out(ptr, "ptr")?;
+        let size = nonzero(size)?;
+        let rt = rt()?;
+        let device = device_id(rt, device)?;
+        let p = match handle(stream) {
+            0 => rt.device_alloc(device, size)?,
+            s => rt.device_alloc_on(device, size, s)?,
+        };
+        // SAFETY: the caller's contract for `ptr`.
+        unsafe { store(ptr, p.cast::<c_void>()) };
+        Ok(())
+    })
+}
+
 /// Frees device memory from `dmabuf_rt_device_alloc` on the same device (no size needed).
 /// The block returns to the device's cache, not to the system (see `dmabuf_rt_empty_cache`).
 /// Free memory only after the streams that use it have finished with it (synchronize them or
