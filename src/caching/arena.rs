@@ -873,8 +873,8 @@ impl Arena {
     }
 
     /// Gives free backed units back to the kernel, the largest runs first (one
-    /// `fallocate(PUNCH_HOLE)` per run), until at least `want` bytes went; returns the bytes
-    /// released and the calls made.
+    /// `fallocate(PUNCH_HOLE)` per run), until at least `want` bytes went (`usize::MAX`: all of
+    /// them); returns the bytes released and the calls made.
     pub(crate) fn punch_largest(&mut self, seg: &Segment, want: usize) -> (usize, usize) {
         let mut runs = self.free_backed_runs();
         runs.sort_unstable_by_key(|&(u, k)| (std::cmp::Reverse(k), u));
@@ -883,23 +883,6 @@ impl Arena {
             if bytes >= want {
                 break;
             }
-            if seg.punch(u * self.unit, k * self.unit).is_err() {
-                continue;
-            }
-            calls += 1;
-            set(&mut self.holes, u, u + k, true);
-            self.n_holes += k;
-            bytes += k * self.unit;
-        }
-        (bytes, calls)
-    }
-
-    /// Gives every free backed unit back to the kernel (one `fallocate(PUNCH_HOLE)` per run);
-    /// returns the bytes released and the calls made.
-    pub(crate) fn punch_free(&mut self, seg: &Segment) -> (usize, usize) {
-        let runs = self.free_backed_runs();
-        let (mut bytes, mut calls) = (0, 0);
-        for (u, k) in runs {
             if seg.punch(u * self.unit, k * self.unit).is_err() {
                 continue;
             }

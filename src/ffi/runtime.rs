@@ -318,13 +318,7 @@ impl Runtime {
     /// still use the block, runs first in stream order) and by no other stream's.
     pub fn device_alloc_on(&self, device: usize, size: usize, stream: usize) -> Result<*mut u8> {
         let dev = self.device(device)?;
-        let on = self.stream_device(stream)?;
-        if on != device {
-            return Err(Error::InvalidArgument {
-                what: format!("allocation on stream {stream}: it belongs to device {on}, not to device {device}"),
-            });
-        }
-        let queue = self.stream(stream)?;
+        let queue = self.stream_of(device, stream, "allocation")?;
         dev.allocator().allocate_raw(size, Some(&queue))
     }
 
@@ -398,15 +392,7 @@ impl Runtime {
             dev.synchronize()?;
             return crate::ipc::get_handle_raw(dev.allocator(), ptr, None);
         };
-        let on = self.stream_device(stream)?;
-        if on != device {
-            return Err(Error::InvalidArgument {
-                what: format!(
-                    "IPC handle: stream {stream} belongs to device {on}, not to device {device} of the memory"
-                ),
-            });
-        }
-        let queue = self.stream(stream)?;
+        let queue = self.stream_of(device, stream, "IPC handle")?;
         crate::ipc::get_handle_raw(dev.allocator(), ptr, Some(&queue))
     }
 
@@ -728,6 +714,22 @@ impl Runtime {
             .get(&h)
             .map(|e| Arc::clone(&e.queue))
             .ok_or(Error::UnknownHandle { what: "stream", handle: h })
+    }
+
+    /// The queue behind stream `h`, which must be a stream of `device` (`what` names the call
+    /// for the refusal).
+    fn stream_of(&self, device: usize, h: usize, what: &str) -> Result<Arc<Queue>> {
+        let streams = lock(&self.streams);
+        let e = streams.get(&h).ok_or(Error::UnknownHandle { what: "stream", handle: h })?;
+        if e.device != device {
+            return Err(Error::InvalidArgument {
+                what: format!(
+                    "{what}: stream {h} belongs to device {}, not to device {device} of the memory",
+                    e.device
+                ),
+            });
+        }
+        Ok(Arc::clone(&e.queue))
     }
 
     /// The stream's device.

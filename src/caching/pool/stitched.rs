@@ -417,16 +417,24 @@ impl Pool {
                     continue;
                 }
             }
-            let (bytes, calls) = self.arena_mut(si).1.punch_free(&seg);
-            if bytes > 0 {
-                self.stats.device.num_device_free += calls as i64;
-                stats::dec_array(&mut self.stats.device.reserved_bytes, PoolKind::Large, bytes as i64);
-                let base = self.segments[si as usize].as_ref().map_or(0, |e| e.base);
-                self.log(HistoryKind::SegmentUnmap, base, bytes, q);
-                freed += bytes;
-            }
+            freed += self.arena_punch(q, si, usize::MAX);
         }
         freed
+    }
+
+    /// Gives free units of arena `si` (queue `q`, which the caller checked has no work in
+    /// flight) back to the kernel, the largest runs first, until at least `want` bytes went,
+    /// and accounts for them (calls, reserved bytes, history). Returns the bytes released.
+    fn arena_punch(&mut self, q: QueueKey, si: u32, want: usize) -> usize {
+        let seg = Arc::clone(&self.segments[si as usize].as_ref().expect("live arena").seg);
+        let (bytes, calls) = self.arena_mut(si).1.punch_largest(&seg, want);
+        if bytes > 0 {
+            self.stats.device.num_device_free += calls as i64;
+            stats::dec_array(&mut self.stats.device.reserved_bytes, PoolKind::Large, bytes as i64);
+            let base = self.segments[si as usize].as_ref().map_or(0, |e| e.base);
+            self.log(HistoryKind::SegmentUnmap, base, bytes, q);
+        }
+        bytes
     }
 
     /// The trim policy before arena `si` adds `cost` reserved bytes (units new or given back
@@ -455,15 +463,7 @@ impl Pool {
             if self.queue_busy(q) {
                 continue;
             }
-            let seg = Arc::clone(&self.segments[s as usize].as_ref().expect("live arena").seg);
-            let (bytes, calls) = self.arena_mut(s).1.punch_largest(&seg, left as usize);
-            if bytes > 0 {
-                self.stats.device.num_device_free += calls as i64;
-                stats::dec_array(&mut self.stats.device.reserved_bytes, PoolKind::Large, bytes as i64);
-                let base = self.segments[s as usize].as_ref().map_or(0, |e| e.base);
-                self.log(HistoryKind::SegmentUnmap, base, bytes, q);
-                left = left.saturating_sub(bytes as u64);
-            }
+            left = left.saturating_sub(self.arena_punch(q, s, left as usize) as u64);
         }
     }
 
