@@ -17,6 +17,9 @@
 //! at 89-165 MiB); and a workload of 1-2 MiB punched and faulted in pages every step (125
 //! source calls a warm step) to hold a share smaller than the small pool's segment.
 
+mod common;
+
+use common::trace::{SMALL_SEGMENT, Trace, bound};
 use dmabuf_rt::caching::Config;
 use dmabuf_rt::caching::replay::{ReplayOptions, ReplayReport, ReplaySource, TraceOp, replay_with};
 
@@ -70,27 +73,6 @@ fn size_distribution(r: &mut Rng) -> Box<dyn Fn(&mut Rng) -> usize> {
             let big = r.log_uniform(8e6, 200e6);
             Box::new(move |r| if r.below(4) == 0 { big } else { r.log_uniform(1024.0, 4e6) })
         }
-    }
-}
-
-/// A trace being written: blocks get fresh addresses.
-#[derive(Default)]
-struct Trace {
-    ops: Vec<TraceOp>,
-    next: u64,
-}
-
-impl Trace {
-    fn alloc(&mut self, size: usize) -> u64 {
-        self.next += 1;
-        self.ops.push(TraceOp::Alloc { addr: self.next, size: size.max(1) });
-        self.next
-    }
-    fn free(&mut self, addr: u64) {
-        self.ops.push(TraceOp::Free { addr });
-    }
-    fn step(&mut self) {
-        self.ops.push(TraceOp::Step);
     }
 }
 
@@ -226,8 +208,6 @@ fn workload(seed: u64) -> (&'static str, Vec<TraceOp>) {
     (name, t.ops)
 }
 
-const SMALL_SEGMENT: f64 = (2 << 20) as f64;
-
 fn check(seed: u64, conf: &str) -> (&'static str, ReplayReport) {
     let (name, ops) = workload(seed);
     let c = Config::parse(conf).unwrap();
@@ -248,9 +228,7 @@ fn check(seed: u64, conf: &str) -> (&'static str, ReplayReport) {
         r.warm_steps
     );
     assert_eq!(r.ooms, 0, "{what}");
-    let peak = r.peak_allocated_bytes as f64;
-    let bound = (peak * 1.03).max(peak + SMALL_SEGMENT);
-    assert!(r.peak_reserved_bytes as f64 <= bound, "{what}: past the bound");
+    assert!(r.peak_reserved_bytes as f64 <= bound(r.peak_allocated_bytes), "{what}: past the bound");
     assert_eq!(r.warm_source_calls, 0, "{what}: warm steps called the source");
     assert_eq!(twice.warm_source_calls, 0, "{what}: warm steps of two runs called the source");
     // The views settle: a longer run maps no more of them (some workloads still map one in

@@ -27,7 +27,7 @@ use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use common::QueueGate;
-use common::wait::{wait_until, within};
+use common::wait::{gettid, task_state, wait_asleep, within};
 use dmabuf_rt::Error;
 use dmabuf_rt::caching::{CachingAllocator, Config};
 use dmabuf_rt::queue::Queue;
@@ -38,37 +38,6 @@ const MB: usize = 1 << 20;
 
 fn watchdog() -> Duration {
     Duration::from_secs(60 * common::time_scale() as u64)
-}
-
-/// A thread's scheduler state letter and voluntary context switches (`/proc`).
-fn task_state(tid: i32) -> (char, u64) {
-    let s = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).unwrap_or_default();
-    let mut state = '?';
-    let mut vcs = 0;
-    for line in s.lines() {
-        if let Some(v) = line.strip_prefix("State:") {
-            state = v.trim().chars().next().unwrap_or('?');
-        } else if let Some(v) = line.strip_prefix("voluntary_ctxt_switches:") {
-            vcs = v.trim().parse().unwrap_or(0);
-        }
-    }
-    (state, vcs)
-}
-
-/// Waits until thread `tid` sleeps, having slept more than `after` times before: a thread
-/// that woke from one wait and went into the next.
-fn wait_asleep(tid: i32, after: u64) -> u64 {
-    let mut seen = 0;
-    wait_until("the thread sleeps again", watchdog(), || {
-        let (s, v) = task_state(tid);
-        seen = v;
-        s == 'S' && v > after
-    });
-    seen
-}
-
-fn gettid() -> i32 {
-    rustix::thread::gettid().as_raw_nonzero().get()
 }
 
 /// Allocates `size` bytes (and drops them) until `rx` brings the other thread's result;
@@ -132,7 +101,7 @@ fn claimed(conf: &str, limit: Duration, before_gate1: impl FnOnce(&CachingAlloca
     }
     drop(big);
     before_gate1(&a, tid);
-    let v0 = wait_asleep(tid, 0); // the request sleeps in its first wait (the small free)
+    let v0 = wait_asleep(tid, 0, watchdog()); // the request sleeps in its first wait (the small free)
     gate1.open();
     Claimed { a, gate2: Some(gate2), q2, rx, tid, v0, _q1: q1 }
 }
@@ -163,7 +132,7 @@ fn a_claimant_does_not_spin_on_bytes_held_in_limbo() {
             let Some(h) = handle else { return };
             assert!(c.a.stats().limbo_bytes.current >= 8 * MB as i64);
             // The request woke (gate1) and sleeps again: in its claim's wait for the 40 MiB.
-            wait_asleep(c.tid, c.v0);
+            wait_asleep(c.tid, c.v0, watchdog());
             drop(c.gate2.take()); // the 40 MiB free completes: only the limbo bytes remain
             let r = c.rx.recv_timeout(limit * 3);
             let (state, _) = task_state(c.tid);
@@ -308,10 +277,10 @@ fn a_panic_in_the_final_attempt_withdraws_the_claim() {
         while a.stats().num_alloc_retries == retries {
             std::thread::yield_now();
         }
-        let v = wait_asleep(tid, 0); // its first wait
+        let v = wait_asleep(tid, 0, watchdog()); // its first wait
         drop(big);
         gate1.open();
-        wait_asleep(tid, v); // its claim's wait for the 40 MiB
+        wait_asleep(tid, v, watchdog()); // its claim's wait for the 40 MiB
         armed.store(true, Ordering::SeqCst);
         gate2.open();
         let r = waiter.join();
@@ -346,7 +315,7 @@ fn calls_that_take_no_room_go_on_under_a_claim() {
         let limit = Duration::from_secs(2);
         for conf in ["expandable_segments:False", "expandable_segments:False,roundup_power2_divisions:4", ""] {
             let mut c = claimed(conf, limit, |_, _| {});
-            wait_asleep(c.tid, c.v0); // in its claim's wait
+            wait_asleep(c.tid, c.v0, watchdog()); // in its claim's wait
             let t = Instant::now();
             let s = c.a.stats();
             let _ = c.a.snapshot();
@@ -379,7 +348,7 @@ fn a_fraction_lowered_under_a_claim_leaves_no_trace() {
     within("fraction under a claim", watchdog(), || {
         let limit = Duration::from_secs(2);
         let mut c = claimed("expandable_segments:False", limit, |_, _| {});
-        wait_asleep(c.tid, c.v0);
+        wait_asleep(c.tid, c.v0, watchdog());
         c.a.set_memory_fraction(0.125).unwrap();
         drop(c.gate2.take());
         let (w, _) = c.rx.recv().unwrap();

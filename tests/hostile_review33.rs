@@ -92,7 +92,7 @@ mod common;
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
-use common::QueueGate;
+use common::{QueueGate, summary};
 use dmabuf_rt::caching::{CachingAllocator, Config, HostCachingAllocator};
 use dmabuf_rt::queue::{HostBuffer, Queue, fill_now};
 use dmabuf_rt::source::ShmemSource;
@@ -111,14 +111,6 @@ fn allocators() -> (CachingAllocator, HostCachingAllocator) {
         .build()
         .unwrap();
     (dev, HostCachingAllocator::new(ShmemSource::new().reserve(false)))
-}
-
-fn summary(v: &[u8]) -> String {
-    let mut counts = std::collections::BTreeMap::new();
-    for b in v {
-        *counts.entry(*b).or_insert(0usize) += 1;
-    }
-    counts.iter().map(|(b, n)| format!("{n}x {b:#04x}")).collect::<Vec<_>>().join(", ")
 }
 
 /// Finding 2. A host callback queued before a push on the same queue calls `host_data`: the

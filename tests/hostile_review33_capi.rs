@@ -12,20 +12,19 @@
 
 mod common;
 
-use std::ffi::{CStr, c_int, c_void};
+use std::ffi::c_void;
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier, Condvar, Mutex, mpsc};
+use std::sync::{Arc, Barrier, Mutex, mpsc};
 use std::time::Duration;
 
+use common::capi::*;
 use common::isolate::in_child;
-use common::wait::wait_until;
+use common::summary;
+use common::wait::{gettid, wait_asleep};
 use dmabuf_rt::ffi::capi::dmabuf_rt_status::*;
 use dmabuf_rt::ffi::capi::*;
-use dmabuf_rt::ffi::paddle::{
-    C_ERROR, C_SUCCESS, CDeviceInterface, CDeviceSt, CustomRuntimeParams, CustomRuntimeVersion, INTERFACE_SIZE,
-    InitPlugin, PARAMS_SIZE,
-};
+use dmabuf_rt::ffi::paddle::{C_ERROR, C_SUCCESS, CDeviceInterface, CDeviceSt};
 
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
@@ -35,142 +34,11 @@ fn limit() -> Duration {
     Duration::from_secs(20 * common::time_scale() as u64)
 }
 
-fn last_error() -> String {
-    let p = dmabuf_rt_last_error();
-    if p.is_null() {
-        return "<no last error>".into();
-    }
-    // SAFETY: a non-null last error is a NUL-terminated string valid until the next failure.
-    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-}
-
-#[track_caller]
-fn ok(s: dmabuf_rt_status) {
-    assert_eq!(s, DMABUF_RT_OK, "call failed: {}", if s == DMABUF_RT_OK { String::new() } else { last_error() });
-}
-
-fn gettid() -> i32 {
-    rustix::thread::gettid().as_raw_nonzero().get()
-}
-
-/// A thread's scheduler state letter and voluntary context switches (`/proc`).
-fn task_state(tid: i32) -> (char, u64) {
-    let s = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).unwrap_or_default();
-    let (mut state, mut vcs) = ('?', 0);
-    for line in s.lines() {
-        if let Some(v) = line.strip_prefix("State:") {
-            state = v.trim().chars().next().unwrap_or('?');
-        } else if let Some(v) = line.strip_prefix("voluntary_ctxt_switches:") {
-            vcs = v.trim().parse().unwrap_or(0);
-        }
-    }
-    (state, vcs)
-}
-
-/// Waits until thread `tid` sleeps, having slept more than `after` times before.
-fn wait_asleep(tid: i32, after: u64) {
-    wait_until("the thread sleeps", limit(), || {
-        let (s, v) = task_state(tid);
-        s == 'S' && v > after
-    });
-}
-
-/// A gate a stream callback waits at (futex, no allocation), opened from any thread.
-struct Gate {
-    open: Mutex<bool>,
-    cv: Condvar,
-}
-
-impl Gate {
-    fn new() -> &'static Gate {
-        Box::leak(Box::new(Gate { open: Mutex::new(false), cv: Condvar::new() }))
-    }
-    fn open(&self) {
-        *self.open.lock().unwrap_or_else(|p| p.into_inner()) = true;
-        self.cv.notify_all();
-    }
-    fn wait(&self) {
-        let mut g = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        while !*g {
-            g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
-        }
-    }
-}
-
-unsafe extern "C" fn gate_cb(_s: dmabuf_rt_stream, _st: dmabuf_rt_status, user: *mut c_void) {
-    // SAFETY: the tests pass a leaked (static) Gate.
-    unsafe { &*user.cast::<Gate>() }.wait();
-}
-
-/// Holds `stream` at this point until the returned gate opens.
-fn close_stream(stream: dmabuf_rt_stream) -> &'static Gate {
-    let g = Gate::new();
-    // SAFETY: gate_cb with a static Gate may run on any thread at any time.
-    ok(unsafe { dmabuf_rt_stream_add_callback(stream, Some(gate_cb), (g as *const Gate).cast_mut().cast()) });
-    g
-}
-
-fn new_stream(device: c_int) -> dmabuf_rt_stream {
-    let mut s = 0;
-    // SAFETY: valid out-pointer.
-    ok(unsafe { dmabuf_rt_stream_create(device, &mut s) });
-    s
-}
-
-fn synced(device: c_int, size: usize, alias: bool) -> dmabuf_rt_synced {
-    let mut s = 0;
-    // SAFETY: valid out-pointer.
-    ok(unsafe { dmabuf_rt_synced_create(device, size, alias, &mut s) });
-    s
-}
-
 fn head(s: dmabuf_rt_synced) -> dmabuf_rt_head {
     let mut h = -1;
     // SAFETY: valid out-pointer.
     ok(unsafe { dmabuf_rt_synced_head(s, &mut h) });
     h
-}
-
-/// The host view for writing, filled with `byte` (the pointer is valid until the next call).
-fn write_host(s: dmabuf_rt_synced, size: usize, byte: u8) {
-    let mut p = null_mut();
-    // SAFETY: valid out-pointer; the pointer is valid for `size` bytes until the next call.
-    unsafe {
-        ok(dmabuf_rt_synced_mutable_host_data(s, &mut p));
-        std::ptr::write_bytes(p.cast::<u8>(), byte, size);
-    }
-}
-
-fn device_ptr(s: dmabuf_rt_synced) -> *mut c_void {
-    let mut p: *const c_void = std::ptr::null();
-    // SAFETY: valid out-pointer.
-    ok(unsafe { dmabuf_rt_synced_device_data(s, &mut p) });
-    p.cast_mut()
-}
-
-/// `len` bytes of device memory at `p`, read with a synchronous copy.
-fn read_device(device: c_int, p: *const c_void, len: usize) -> Vec<u8> {
-    let mut out = vec![0u8; len];
-    // SAFETY: `out` is valid for `len` bytes.
-    ok(unsafe {
-        dmabuf_rt_memcpy(device, out.as_mut_ptr().cast(), device, p, len, DMABUF_RT_MEMCPY_DEVICE_TO_HOST, 0)
-    });
-    out
-}
-
-fn stats(device: c_int) -> dmabuf_rt_stats {
-    let mut s = dmabuf_rt_stats::default();
-    // SAFETY: valid out-pointer.
-    ok(unsafe { dmabuf_rt_device_stats(device, &mut s) });
-    s
-}
-
-fn summary(v: &[u8]) -> String {
-    let mut counts = std::collections::BTreeMap::new();
-    for b in v {
-        *counts.entry(*b).or_insert(0usize) += 1;
-    }
-    counts.iter().map(|(b, n)| format!("{n}x {b:#04x}")).collect::<Vec<_>>().join(", ")
 }
 
 // ---- Finding 1: a query from a stream callback deadlocks against a call waiting for the push ----
@@ -219,7 +87,7 @@ fn a_head_query_from_a_stream_callback_while_a_call_waits_for_the_push_behind_it
         let tid = tid_rx.recv().unwrap();
         // The reader sleeps in its wait for the push (its first and only blocking point; it may
         // be asleep already, so no count of earlier sleeps is compared).
-        wait_asleep(tid, 0);
+        wait_asleep(tid, 0, limit());
         ctx.gate.open();
         match rx.recv_timeout(limit()) {
             Ok(st) => {
@@ -685,20 +553,7 @@ fn a_transition_from_a_callback_before_its_own_push_is_refused_not_hung() {
 // ---- The Paddle plugin ----
 
 fn plugin() -> Box<CDeviceInterface> {
-    // SAFETY: an all-zero CDeviceInterface is valid (NULL function pointers and data).
-    let mut iface: Box<CDeviceInterface> = Box::new(unsafe { std::mem::zeroed() });
-    iface.size = INTERFACE_SIZE;
-    let mut params = CustomRuntimeParams {
-        size: PARAMS_SIZE,
-        interface: &mut *iface,
-        version: CustomRuntimeVersion { major: 0, minor: 0, patch: 0 },
-        device_type: std::ptr::null(),
-        sub_device_type: std::ptr::null(),
-        pir_default_passes: null_mut(),
-        reserved: [0; 32],
-    };
-    // SAFETY: params and interface are valid and sized as Paddle's.
-    unsafe { InitPlugin(&mut params) };
+    let (iface, _) = paddle_plugin();
     assert!(iface.create_stream.is_some());
     iface
 }

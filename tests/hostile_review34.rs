@@ -88,6 +88,8 @@ mod common;
 
 use std::sync::Arc;
 
+use common::trace::{SMALL_SEGMENT, Trace, bound};
+
 use dmabuf_rt::caching::replay::{ReplayOptions, ReplayReport, ReplaySource, TraceOp, replay_with};
 use dmabuf_rt::caching::stats::AGGREGATE;
 use dmabuf_rt::caching::{Allocation, CachingAllocator, Config};
@@ -96,34 +98,6 @@ use dmabuf_rt::source::SparseSource;
 
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
-const SMALL_SEGMENT: f64 = (2 << 20) as f64;
-
-/// The allocator's bound: 3% above the peak allocated bytes, or one small segment (2 MiB).
-fn bound(peak_allocated: u64) -> f64 {
-    let p = peak_allocated as f64;
-    (p * 1.03).max(p + SMALL_SEGMENT)
-}
-
-/// A trace being written: blocks get fresh addresses.
-#[derive(Default)]
-struct Trace {
-    ops: Vec<TraceOp>,
-    next: u64,
-}
-
-impl Trace {
-    fn alloc(&mut self, size: usize) -> u64 {
-        self.next += 1;
-        self.ops.push(TraceOp::Alloc { addr: self.next, size });
-        self.next
-    }
-    fn free(&mut self, addr: u64) {
-        self.ops.push(TraceOp::Free { addr });
-    }
-    fn step(&mut self) {
-        self.ops.push(TraceOp::Step);
-    }
-}
 
 fn replay(ops: &[TraceOp], conf: &str, capacity: u64, repeat: usize) -> ReplayReport {
     let c = Config::parse(conf).unwrap();

@@ -19,80 +19,19 @@
 
 mod common;
 
-use std::ffi::{CStr, c_int, c_void};
+use std::ffi::{c_int, c_void};
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier, Condvar, Mutex};
+use std::sync::{Arc, Barrier, Mutex};
 
+use common::capi::*;
 use common::isolate::in_child;
+use common::summary;
 use dmabuf_rt::ffi::capi::dmabuf_rt_status::*;
 use dmabuf_rt::ffi::capi::*;
 
 const KB: usize = 1 << 10;
 const ENV: &[(&str, &str)] = &[("DMABUF_RT_DEVICES", "shmem,shmem"), ("DMABUF_RT_CAPACITY", "256M")];
-
-fn last_error() -> String {
-    let p = dmabuf_rt_last_error();
-    if p.is_null() {
-        return "<no last error>".into();
-    }
-    // SAFETY: a non-null last error is a NUL-terminated string valid until the next failure.
-    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-}
-
-#[track_caller]
-fn ok(s: dmabuf_rt_status) {
-    assert_eq!(s, DMABUF_RT_OK, "call failed: {}", if s == DMABUF_RT_OK { String::new() } else { last_error() });
-}
-
-/// A gate a stream callback waits at (futex, no allocation), opened from any thread.
-struct Gate {
-    open: Mutex<bool>,
-    cv: Condvar,
-}
-
-impl Gate {
-    fn new() -> &'static Gate {
-        Box::leak(Box::new(Gate { open: Mutex::new(false), cv: Condvar::new() }))
-    }
-    fn open(&self) {
-        *self.open.lock().unwrap_or_else(|p| p.into_inner()) = true;
-        self.cv.notify_all();
-    }
-    fn wait(&self) {
-        let mut g = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        while !*g {
-            g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
-        }
-    }
-}
-
-unsafe extern "C" fn gate_cb(_s: dmabuf_rt_stream, _st: dmabuf_rt_status, user: *mut c_void) {
-    // SAFETY: the tests pass a leaked (static) Gate.
-    unsafe { &*user.cast::<Gate>() }.wait();
-}
-
-/// Holds `stream` at this point until the returned gate opens.
-fn close_stream(stream: dmabuf_rt_stream) -> &'static Gate {
-    let g = Gate::new();
-    // SAFETY: gate_cb with a static Gate may run on any thread at any time.
-    ok(unsafe { dmabuf_rt_stream_add_callback(stream, Some(gate_cb), (g as *const Gate).cast_mut().cast()) });
-    g
-}
-
-fn new_stream(device: c_int) -> dmabuf_rt_stream {
-    let mut s = 0;
-    // SAFETY: valid out-pointer.
-    ok(unsafe { dmabuf_rt_stream_create(device, &mut s) });
-    s
-}
-
-fn synced(device: c_int, size: usize, alias: bool) -> dmabuf_rt_synced {
-    let mut s = 0;
-    // SAFETY: valid out-pointer.
-    ok(unsafe { dmabuf_rt_synced_create(device, size, alias, &mut s) });
-    s
-}
 
 fn device_alloc(device: c_int, size: usize) -> *mut c_void {
     let mut p = null_mut();
@@ -106,48 +45,6 @@ fn host_alloc(size: usize) -> *mut c_void {
     // SAFETY: valid out-pointer.
     ok(unsafe { dmabuf_rt_host_alloc(size, &mut p) });
     p
-}
-
-/// The host view for writing, filled with `byte` (the pointer is valid until the next call).
-fn write_host(s: dmabuf_rt_synced, size: usize, byte: u8) {
-    let mut p = null_mut();
-    // SAFETY: valid out-pointer; the pointer is valid for `size` bytes until the next call.
-    unsafe {
-        ok(dmabuf_rt_synced_mutable_host_data(s, &mut p));
-        std::ptr::write_bytes(p.cast::<u8>(), byte, size);
-    }
-}
-
-fn device_ptr(s: dmabuf_rt_synced) -> *mut c_void {
-    let mut p: *const c_void = std::ptr::null();
-    // SAFETY: valid out-pointer.
-    ok(unsafe { dmabuf_rt_synced_device_data(s, &mut p) });
-    p.cast_mut()
-}
-
-/// `len` bytes of device memory at `p`, read with a synchronous copy.
-fn read_device(device: c_int, p: *const c_void, len: usize) -> Vec<u8> {
-    let mut out = vec![0u8; len];
-    // SAFETY: `out` is valid for `len` bytes.
-    ok(unsafe {
-        dmabuf_rt_memcpy(device, out.as_mut_ptr().cast(), device, p, len, DMABUF_RT_MEMCPY_DEVICE_TO_HOST, 0)
-    });
-    out
-}
-
-fn stats(device: c_int) -> dmabuf_rt_stats {
-    let mut s = dmabuf_rt_stats::default();
-    // SAFETY: valid out-pointer.
-    ok(unsafe { dmabuf_rt_device_stats(device, &mut s) });
-    s
-}
-
-fn summary(v: &[u8]) -> String {
-    let mut counts = std::collections::BTreeMap::new();
-    for b in v {
-        *counts.entry(*b).or_insert(0usize) += 1;
-    }
-    counts.iter().map(|(b, n)| format!("{n}x {b:#04x}")).collect::<Vec<_>>().join(", ")
 }
 
 fn overlaps(a: *const c_void, b: *const c_void, len: usize) -> bool {

@@ -10,13 +10,15 @@
     reason = "every call in a block goes through the plugin's function pointers under one contract, stated once"
 )]
 
+mod common;
+
 use std::ffi::{CStr, c_void};
 use std::ptr::null_mut;
 use std::sync::Once;
 
 use dmabuf_rt::ffi::paddle::{
-    C_ERROR, C_FAILED, C_SUCCESS, CDeviceInterface, CDeviceSt, CustomRuntimeParams, CustomRuntimeVersion,
-    INTERFACE_SIZE, InitPlugin, PARAMS_SIZE,
+    C_ERROR, C_FAILED, C_SUCCESS, CDeviceInterface, CDeviceSt, CustomRuntimeParams, CustomRuntimeVersion, InitPlugin,
+    PARAMS_SIZE,
 };
 
 const CAPACITY: usize = 256 << 20;
@@ -42,20 +44,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 /// Paddle's side: a zeroed interface and params, filled by `InitPlugin`.
 fn plugin() -> Box<CDeviceInterface> {
     setup();
-    // SAFETY: an all-zero CDeviceInterface is valid (NULL function pointers and data).
-    let mut iface: Box<CDeviceInterface> = Box::new(unsafe { std::mem::zeroed() });
-    iface.size = INTERFACE_SIZE;
-    let mut params = CustomRuntimeParams {
-        size: PARAMS_SIZE,
-        interface: &mut *iface,
-        version: CustomRuntimeVersion { major: 0, minor: 0, patch: 0 },
-        device_type: std::ptr::null(),
-        sub_device_type: std::ptr::null(),
-        pir_default_passes: null_mut(),
-        reserved: [0; 32],
-    };
-    // SAFETY: params and interface are valid and sized as Paddle's.
-    unsafe { InitPlugin(&mut params) };
+    let (iface, params) = common::capi::paddle_plugin();
     assert_eq!((params.version.major, params.version.minor, params.version.patch), (0, 1, 1));
     // SAFETY: InitPlugin points it at a static NUL-terminated string.
     assert_eq!(unsafe { CStr::from_ptr(params.device_type) }.to_str().unwrap(), "dmabuf");

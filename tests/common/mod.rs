@@ -30,6 +30,16 @@ pub fn unprivileged<T: Send>(f: impl FnOnce() -> T + Send) -> T {
     })
 }
 
+/// How many of each byte value `v` holds, as "65536x 0x11, 4x 0x22" (what a test saw where it
+/// wanted one value).
+pub fn summary(v: &[u8]) -> String {
+    let mut counts = std::collections::BTreeMap::new();
+    for b in v {
+        *counts.entry(*b).or_insert(0usize) += 1;
+    }
+    counts.iter().map(|(b, n)| format!("{n}x {b:#04x}")).collect::<Vec<_>>().join(", ")
+}
+
 /// A deterministic byte pattern.
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8).collect()
@@ -68,10 +78,12 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 pub mod arena;
+pub mod capi;
 pub mod control;
 pub mod isolate;
 pub mod seccomp;
 pub mod tags;
+pub mod trace;
 pub mod tracked;
 pub mod wait;
 

@@ -28,3 +28,36 @@ pub fn within<T: Send + 'static>(what: &str, limit: Duration, f: impl FnOnce() -
         Err(_) => panic!("hang: {what} did not finish within {limit:?}"),
     }
 }
+
+/// The calling thread's id (for [`task_state`]).
+pub fn gettid() -> i32 {
+    rustix::thread::gettid().as_raw_nonzero().get()
+}
+
+/// A thread's scheduler state letter and voluntary context switches (`/proc`).
+pub fn task_state(tid: i32) -> (char, u64) {
+    let s = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).unwrap_or_default();
+    let (mut state, mut vcs) = ('?', 0);
+    for line in s.lines() {
+        if let Some(v) = line.strip_prefix("State:") {
+            state = v.trim().chars().next().unwrap_or('?');
+        } else if let Some(v) = line.strip_prefix("voluntary_ctxt_switches:") {
+            vcs = v.trim().parse().unwrap_or(0);
+        }
+    }
+    (state, vcs)
+}
+
+/// Waits (up to `limit`) until thread `tid` sleeps, having slept more than `after` times
+/// before: a thread that woke from one wait and went into the next. Returns its count of
+/// sleeps then.
+#[track_caller]
+pub fn wait_asleep(tid: i32, after: u64, limit: Duration) -> u64 {
+    let mut seen = 0;
+    wait_until("the thread sleeps", limit, || {
+        let (s, v) = task_state(tid);
+        seen = v;
+        s == 'S' && v > after
+    });
+    seen
+}
