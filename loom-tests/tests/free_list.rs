@@ -6,12 +6,35 @@ use dmabuf_rt::caching::free_list::{FreeList, Node};
 use loom::sync::Arc;
 use loom::thread;
 
+/// `loom::model`, but with `DMABUF_RT_LOOM_ABORT_ON_PANIC` set (`loom-tests/weakened`) the first
+/// panic aborts the process after printing its message. A weakened ordering can make the code free a
+/// node twice for real: unwinding from loom's report ran the drain's drop over the garbage, and
+/// the SIGSEGV met the signal handler of loom's coroutines, which allocates and deadlocked in
+/// malloc (a CI run hung for 75 minutes).
+fn model<F>(f: F)
+where
+    F: Fn() + Sync + Send + 'static,
+{
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    if std::env::var_os("DMABUF_RT_LOOM_ABORT_ON_PANIC").is_some() {
+        HOOK.call_once(|| {
+            std::panic::set_hook(Box::new(|info| {
+                // Straight to stderr: the test harness's capture would go with the process.
+                use std::io::Write;
+                let _ = writeln!(std::io::stderr(), "loom model failed: {info}");
+                std::process::abort();
+            }));
+        });
+    }
+    loom::model(f)
+}
+
 /// Two threads free while the allocator drains: every free is seen exactly once (no lost
 /// free, nothing handed out twice), and the drainer reads each node's link only after its
 /// push is visible.
 #[test]
 fn concurrent_frees_and_a_drain_lose_nothing_and_duplicate_nothing() {
-    loom::model(|| {
+    model(|| {
         let list = Arc::new(FreeList::new());
         let pushers: Vec<_> = [1u32, 2]
             .into_iter()
@@ -34,7 +57,7 @@ fn concurrent_frees_and_a_drain_lose_nothing_and_duplicate_nothing() {
 /// still nothing lost or duplicated.
 #[test]
 fn recycled_nodes_do_not_corrupt_the_list() {
-    loom::model(|| {
+    model(|| {
         let list = Arc::new(FreeList::new());
         list.push(Node::new(1u32));
         let l = Arc::clone(&list);
@@ -57,7 +80,7 @@ fn recycled_nodes_do_not_corrupt_the_list() {
 /// Two drainers race with a pusher: each value reaches exactly one of them.
 #[test]
 fn two_drainers_split_the_frees_between_them() {
-    loom::model(|| {
+    model(|| {
         let list = Arc::new(FreeList::new());
         list.push(Node::new(1u32));
         let l = Arc::clone(&list);
@@ -81,7 +104,7 @@ fn two_drainers_split_the_frees_between_them() {
 #[test]
 fn a_deferred_free_is_applied_in_order_and_seen_once_the_count_is_zero() {
     use dmabuf_rt::caching::free_list::Pending;
-    loom::model(|| {
+    model(|| {
         let list = Arc::new(FreeList::new());
         let pending = Arc::new(Pending::new());
         let (l, p) = (Arc::clone(&list), Arc::clone(&pending));
@@ -116,7 +139,7 @@ fn a_deferred_free_is_applied_in_order_and_seen_once_the_count_is_zero() {
 #[test]
 fn a_deferred_free_on_two_queues_wakes_the_sleeper_once_both_markers_passed() {
     use dmabuf_rt::caching::free_list::Pending;
-    loom::model(|| {
+    model(|| {
         let list = Arc::new(FreeList::new());
         let pending = Arc::new(Pending::new());
         let (l, p) = (Arc::clone(&list), Arc::clone(&pending));
@@ -153,7 +176,7 @@ fn woken_by_the_outstanding_completion_while_a_newer_free_waits(
 ) {
     use dmabuf_rt::caching::free_list::Pending;
     use loom::sync::atomic::{AtomicBool, Ordering};
-    loom::model(move || {
+    model(move || {
         let list = Arc::new(FreeList::new());
         let pending = Arc::new(Pending::new());
         pending.begin();
@@ -206,7 +229,7 @@ fn the_ladders_wait_ends_with_the_next_completion_while_newer_frees_wait() {
 fn a_request_kept_out_by_a_claim_wakes_when_the_claim_goes() {
     use dmabuf_rt::caching::free_list::Pending;
     use loom::sync::atomic::{AtomicUsize, Ordering};
-    loom::model(|| {
+    model(|| {
         let pending = Arc::new(Pending::new());
         pending.begin();
         let changed = Arc::new(AtomicUsize::new(0));
