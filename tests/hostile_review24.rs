@@ -61,6 +61,10 @@ fn alloc(conf: &str) -> CachingAllocator {
     alloc_of(conf, 4 << 30)
 }
 
+/// The pending-wait limit (5 s by default) scales with the time scale too: in the kernel
+/// lane's emulated guest the backlog's fills run many times slower, and a wait that gave up
+/// while they were still completing failed the large-fill race once (264 MB of deferred frees
+/// outstanding after the wait).
 fn alloc_of(conf: &str, capacity: u64) -> CachingAllocator {
     let (no_caching, conf) = match conf.strip_prefix("no_caching+") {
         Some(c) => (true, c),
@@ -68,7 +72,12 @@ fn alloc_of(conf: &str, capacity: u64) -> CachingAllocator {
     };
     let mut c = Config::parse(conf).unwrap();
     c.no_caching = no_caching;
-    CachingAllocator::builder(ShmemSource::new().reserve(false)).config(c).capacity(capacity).build().unwrap()
+    CachingAllocator::builder(ShmemSource::new().reserve(false))
+        .config(c)
+        .capacity(capacity)
+        .pending_wait_limit(Duration::from_secs(5 * common::time_scale() as u64))
+        .build()
+        .unwrap()
 }
 
 /// Many threads allocate and drop RAII blocks (own queue, other queue, no queue) while others
@@ -96,8 +105,8 @@ fn drops_race_every_entry_point() {
 ///   waits for the frees outstanding, and allocations that would take it wait
 ///   (`pool/claims.rs`, `tests/hostile_review29.rs`; PyTorch waits under its mutex).
 ///
-/// The capacity shrinks with the time scale: the kernel lane's guest has 2 GiB, and the
-/// backlog's fills touch the memory they hold.
+/// The capacity shrinks with the time scale: the kernel lane's guest has 4 GiB for two test
+/// binaries at once, and the backlog's fills touch the memory they hold.
 #[test]
 fn large_deferred_raw_fills_race_every_entry_point() {
     entry_point_race(
