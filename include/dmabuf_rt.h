@@ -426,7 +426,10 @@ enum dmabuf_rt_status dmabuf_rt_ipc_open_mem_handle(int device, const struct dma
 
 // Closes memory `dmabuf_rt_ipc_open_mem_handle` opened on `device`, after the device's queued
 // work: the process that made the handle may reuse it once every process closed it. Any other
-// pointer, or a second close, is refused with `DMABUF_RT_INVALID_POINTER`.
+// pointer, or a second close, is refused with `DMABUF_RT_INVALID_POINTER`. So is the close of
+// memory lent to a SyncedMemory that may still use it (`dmabuf_rt_synced_set_device_data` or
+// `_set_host_data` of memory in the block): destroy the SyncedMemory or lend it other memory
+// first.
 enum dmabuf_rt_status dmabuf_rt_ipc_close_mem_handle(int device, void *ptr);
 
 // Stores the device's allocator statistics in `*stats`.
@@ -723,12 +726,14 @@ enum dmabuf_rt_status dmabuf_rt_synced_set_host_data(dmabuf_rt_synced synced, vo
 
 // Lends `size` bytes of device memory at `data` as the device memory (Caffe's
 // `set_gpu_data`): head `AT_DEVICE`, the device view no longer owned. `data` must lie in the
-// memory of this SyncedMemory's device (from `dmabuf_rt_device_alloc`, or another
-// SyncedMemory's device pointer; the whole range within one live allocation), else
-// `DMABUF_RT_INVALID_POINTER`. Device memory the SyncedMemory owned is freed now (when
-// aliased, that is its one buffer, and `data` becomes both views); `data` is never freed by
-// it: it stays allocated until the caller frees it, which `dmabuf_rt_device_free` refuses
-// (`DMABUF_RT_INVALID_POINTER`) before the SyncedMemory is destroyed or the memory replaced. Pointers from it before this call are invalid
+// memory of this SyncedMemory's device (from `dmabuf_rt_device_alloc`, another
+// SyncedMemory's device pointer, or a block opened on that device from an IPC handle; the
+// whole range within one live allocation or opened block), else `DMABUF_RT_INVALID_POINTER`.
+// Device memory the SyncedMemory owned is freed now (when aliased, that is its one buffer,
+// and `data` becomes both views); `data` is never freed by it: it stays allocated until the
+// caller frees it, which `dmabuf_rt_device_free` refuses (`DMABUF_RT_INVALID_POINTER`) before
+// the SyncedMemory is destroyed or the memory replaced, as `dmabuf_rt_ipc_close_mem_handle`
+// refuses to close an opened block lent here. Pointers from it before this call are invalid
 // after it.
 enum dmabuf_rt_status dmabuf_rt_synced_set_device_data(dmabuf_rt_synced synced, void *data);
 

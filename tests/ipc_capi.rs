@@ -344,3 +344,76 @@ fn a_handle_made_on_a_stream_carries_its_work_as_a_fence() {
         wait_until("limbo back to 0", WAIT, || stats(0).limbo_bytes == 0);
     });
 }
+
+/// Memory opened from a handle and lent to a SyncedMemory (`_set_device_data`) is not closed
+/// under it: the last close ends the mapping and lets the producer reuse the block, which the
+/// SyncedMemory would then read and write in the other process's hands. The close is refused
+/// from four threads at once, and goes once the SyncedMemory is destroyed; a close racing a
+/// lend of the same block never lets both succeed.
+///
+/// It failed before the close looked at the registry of lent memory: the frees of lent memory
+/// were refused, the close of an opened block was not.
+#[test]
+fn an_opened_block_lent_to_a_synced_memory_is_not_closed_under_it() {
+    in_child("an_opened_block_lent_to_a_synced_memory_is_not_closed_under_it", ENV, || {
+        let n = 64 * KB;
+        let p = alloc(0, n);
+        ok(write(0, p, 0, &pat(3, n)));
+        let h = handle(0, p);
+        let q = open(1, &h).unwrap_or_else(|s| panic!("open: {s:?} {}", last_error()));
+        let s = common::capi::synced(1, n, false);
+        ok(dmabuf_rt_synced_set_device_data(s, q));
+        std::thread::scope(|sc| {
+            for _ in 0..4 {
+                let q = q as usize;
+                sc.spawn(move || {
+                    refused(
+                        dmabuf_rt_ipc_close_mem_handle(1, q as *mut c_void),
+                        DMABUF_RT_INVALID_POINTER,
+                        "lent to a SyncedMemory",
+                    );
+                });
+            }
+        });
+        assert_eq!(read(1, q, n), pat(3, n), "the refused close changed the block");
+        assert_eq!(read(1, common::capi::device_ptr(s), n), pat(3, n));
+        ok(dmabuf_rt_synced_destroy(s));
+        ok(dmabuf_rt_ipc_close_mem_handle(1, q));
+
+        // A close racing a lend of the same block: one of the two wins, never both.
+        let (mut lends, mut closes) = (0, 0);
+        for round in 0..40 {
+            // A handle opens once: a new one each round.
+            let h = handle(0, p);
+            let q = open(1, &h).unwrap_or_else(|st| panic!("round {round}: open: {st:?} {}", last_error())) as usize;
+            let s = common::capi::synced(1, n, false);
+            let barrier = std::sync::Barrier::new(2);
+            let (lent, closed) = std::thread::scope(|sc| {
+                let lend = sc.spawn(|| {
+                    barrier.wait();
+                    dmabuf_rt_synced_set_device_data(s, q as *mut c_void)
+                });
+                let close = sc.spawn(|| {
+                    barrier.wait();
+                    dmabuf_rt_ipc_close_mem_handle(1, q as *mut c_void)
+                });
+                (lend.join().unwrap(), close.join().unwrap())
+            });
+            let (lent, closed) = (lent == DMABUF_RT_OK, closed == DMABUF_RT_OK);
+            assert!(lent != closed, "round {round}: lent {lent}, closed {closed}: {}", last_error());
+            if lent {
+                lends += 1;
+                assert_eq!(read(1, common::capi::device_ptr(s), n), pat(3, n), "round {round}");
+                ok(dmabuf_rt_synced_destroy(s));
+                ok(dmabuf_rt_ipc_close_mem_handle(1, q as *mut c_void));
+            } else {
+                closes += 1;
+                ok(dmabuf_rt_synced_destroy(s));
+            }
+        }
+        eprintln!("{lends} lends won, {closes} closes won");
+        ok(dmabuf_rt_device_free(0, p));
+        wait_until("the release", WAIT, || stats(0).limbo_bytes == 0);
+        assert_eq!(stats(0).allocations, 0);
+    });
+}

@@ -426,6 +426,7 @@ impl Runtime {
 
     /// Closes a block `ipc_open` opened on `device`: the exporting process may reuse it once
     /// every process closed it. Synchronizes the device first (its queues may use the block).
+    /// Refused while memory in it is lent to a SyncedMemory that may still use it.
     pub fn ipc_close(&self, device: usize, ptr: *mut u8) -> Result<()> {
         let dev = self.device(device)?;
         let refused = |why: &str| Error::UnknownPointer {
@@ -440,16 +441,28 @@ impl Runtime {
             None => return Err(refused("")),
         }
         dev.synchronize()?;
+        // Held until the block has left `imported`, so that no lend of it comes between the
+        // check and the close (a lend looks the memory up with the registry held for writing).
+        let lent = self.lent.read();
         let block = {
             let mut imported = lock(&self.imported);
             let Some((_, blocks)) = imported.get_mut(&(ptr as usize)) else { return Err(refused("closed meanwhile")) };
+            // The last close ends the mapping and tells the exporter, which may then reuse the
+            // memory: not while a SyncedMemory may still read or write it.
+            let p = ptr as usize;
+            if let [only] = blocks.as_slice()
+                && lent.any(|s, _| s >= p && s - p < only.len())
+            {
+                return Err(lent_refusal(ptr));
+            }
             let block = blocks.pop();
             if blocks.is_empty() {
                 imported.remove(&(ptr as usize));
             }
             block
         };
-        // Released outside the lock (it sends to the exporting process).
+        drop(lent);
+        // Released outside the locks (it sends to the exporting process).
         drop(block);
         Ok(())
     }
@@ -569,8 +582,9 @@ impl Runtime {
         }
     }
 
-    /// `len` bytes at `ptr` inside a device's memory, as a range.
-    fn device_mem(&self, device: usize, ptr: *const u8, len: usize) -> Result<Mem> {
+    /// `len` bytes at `ptr` inside a device's memory (an allocation of its allocator, or a block
+    /// opened on it from an IPC handle), as a range.
+    pub(crate) fn device_mem(&self, device: usize, ptr: *const u8, len: usize) -> Result<Mem> {
         let found = self.device(device)?.allocator().mem_at(ptr, len);
         if found.is_err() {
             match self.imported_mem(ptr, len) {

@@ -118,7 +118,10 @@ pub unsafe extern "C" fn dmabuf_rt_ipc_open_mem_handle(
 
 /// Closes memory `dmabuf_rt_ipc_open_mem_handle` opened on `device`, after the device's queued
 /// work: the process that made the handle may reuse it once every process closed it. Any other
-/// pointer, or a second close, is refused with `DMABUF_RT_INVALID_POINTER`.
+/// pointer, or a second close, is refused with `DMABUF_RT_INVALID_POINTER`. So is the close of
+/// memory lent to a SyncedMemory that may still use it (`dmabuf_rt_synced_set_device_data` or
+/// `_set_host_data` of memory in the block): destroy the SyncedMemory or lend it other memory
+/// first.
 #[unsafe(no_mangle)]
 pub extern "C" fn dmabuf_rt_ipc_close_mem_handle(device: c_int, ptr: *mut c_void) -> dmabuf_rt_status {
     call("dmabuf_rt_ipc_close_mem_handle", || {

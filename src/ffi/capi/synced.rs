@@ -338,12 +338,14 @@ pub unsafe extern "C" fn dmabuf_rt_synced_set_host_data(
 
 /// Lends `size` bytes of device memory at `data` as the device memory (Caffe's
 /// `set_gpu_data`): head `AT_DEVICE`, the device view no longer owned. `data` must lie in the
-/// memory of this SyncedMemory's device (from `dmabuf_rt_device_alloc`, or another
-/// SyncedMemory's device pointer; the whole range within one live allocation), else
-/// `DMABUF_RT_INVALID_POINTER`. Device memory the SyncedMemory owned is freed now (when
-/// aliased, that is its one buffer, and `data` becomes both views); `data` is never freed by
-/// it: it stays allocated until the caller frees it, which `dmabuf_rt_device_free` refuses
-/// (`DMABUF_RT_INVALID_POINTER`) before the SyncedMemory is destroyed or the memory replaced. Pointers from it before this call are invalid
+/// memory of this SyncedMemory's device (from `dmabuf_rt_device_alloc`, another
+/// SyncedMemory's device pointer, or a block opened on that device from an IPC handle; the
+/// whole range within one live allocation or opened block), else `DMABUF_RT_INVALID_POINTER`.
+/// Device memory the SyncedMemory owned is freed now (when aliased, that is its one buffer,
+/// and `data` becomes both views); `data` is never freed by it: it stays allocated until the
+/// caller frees it, which `dmabuf_rt_device_free` refuses (`DMABUF_RT_INVALID_POINTER`) before
+/// the SyncedMemory is destroyed or the memory replaced, as `dmabuf_rt_ipc_close_mem_handle`
+/// refuses to close an opened block lent here. Pointers from it before this call are invalid
 /// after it.
 #[unsafe(no_mangle)]
 pub extern "C" fn dmabuf_rt_synced_set_device_data(synced: dmabuf_rt_synced, data: *mut c_void) -> dmabuf_rt_status {
@@ -353,7 +355,7 @@ pub extern "C" fn dmabuf_rt_synced_set_device_data(synced: dmabuf_rt_synced, dat
             if data.is_null() {
                 return Err(null("data"));
             }
-            let mem = rt.device(device)?.allocator().mem_at(data.cast(), m.size())?;
+            let mem = rt.device_mem(device, data.cast(), m.size())?;
             m.set_device_data(mem)
         })
     })
