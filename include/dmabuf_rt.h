@@ -604,6 +604,8 @@ enum dmabuf_rt_status dmabuf_rt_synced_create(int device, size_t size, bool alia
 // `_set_device_data` is never freed: it stays the caller's (and its frees are refused until
 // a push from it still in flight has run). Pointers from it are invalid afterwards. The
 // handle is never valid again: a second destroy, or any use, is `DMABUF_RT_INVALID_HANDLE`.
+// A call on it that another thread is running finishes first; calls that were still waiting
+// for it are refused with `DMABUF_RT_INVALID_HANDLE` and change nothing.
 // Refused with `DMABUF_RT_INVALID_ARGUMENT`, changing nothing, while memory it owns is lent
 // to another live SyncedMemory (its pointer passed to that one's `_set_host_data` or
 // `_set_device_data`), as are the `_set_*_data` calls that would free such memory.

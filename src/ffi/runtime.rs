@@ -869,12 +869,15 @@ impl Runtime {
     /// Runs `f` on the live SyncedMemory `h` (locked for the call), with its device. A push in
     /// flight is waited for first with the object unlocked, so that a stream callback ahead of
     /// the push may call on it meanwhile (and be refused, `WouldDeadlock`, if it asks for
-    /// what waits for the push) rather than wait for the lock for ever.
+    /// what waits for the push) rather than wait for the lock for ever. Refused
+    /// (`UnknownHandle`) if `h` was destroyed while this call waited for the object: it would
+    /// otherwise queue work no record of the destroy knows of.
     pub fn with_synced<T>(&self, h: usize, f: impl FnOnce(usize, &mut SyncedMemory) -> Result<T>) -> Result<T> {
+        let gone = || Error::UnknownHandle { what: "SyncedMemory", handle: h };
         let (device, mem, facts) = lock(&self.synced)
             .get(&h)
             .map(|e| (e.device, Arc::clone(&e.mem), Arc::clone(&e.facts)))
-            .ok_or(Error::UnknownHandle { what: "SyncedMemory", handle: h })?;
+            .ok_or_else(gone)?;
         let mut m = lock(&mem);
         while let Some(push) = m.push_event() {
             drop(m);
@@ -885,6 +888,13 @@ impl Runtime {
                 // failed (`f` reports it): no second wait.
                 break;
             }
+        }
+        // `destroy_synced` takes the object out of the table with the object locked: seen here
+        // with it locked, it stays in until `f` has run. Otherwise a push that waited behind a
+        // destroy queued a copy into memory the destroy had just let go of its record of, whose
+        // owner then freed it and saw it reissued and overwritten (hostile_review36_capi).
+        if !lock(&self.synced).get(&h).is_some_and(|e| Arc::ptr_eq(&e.mem, &mem)) {
+            return Err(gone());
         }
         let r = f(device, &mut m);
         *lock(&facts) = SyncedFacts::of(&m);
@@ -942,9 +952,8 @@ impl Runtime {
                 return Err(lent_elsewhere("replaced"));
             }
             let r = f(device, m);
-            // Destroyed meanwhile (the object goes with this call): it borrows nothing any more.
-            let live = lock(&self.synced).contains_key(&h);
-            lent.set(h, if live { m.borrowed_ranges() } else { Vec::new() });
+            // `with_synced` runs this only on a live object, which no destroy takes away meanwhile.
+            lent.set(h, m.borrowed_ranges());
             r
         })
     }
