@@ -39,6 +39,13 @@ fn device_alloc(device: c_int, size: usize) -> *mut c_void {
     p
 }
 
+/// Shifts one racing thread's start by `n` spins, so the rounds see different orders.
+fn spin(n: usize) {
+    for _ in 0..n {
+        std::hint::spin_loop();
+    }
+}
+
 /// Pointers are not Send; carry them as addresses.
 #[derive(Clone, Copy)]
 struct Addr(usize);
@@ -68,9 +75,7 @@ fn a_push_racing_a_destroy_writes_into_a_freed_lent_block() {
             write_host(h, size, 0xc3);
             // Head AT_DEVICE, so that the holder's call copies device to host (long) and
             // leaves the head AT_HOST, where a push copies.
-            let mut p = null_mut();
-            // SAFETY: valid out-pointer.
-            ok(unsafe { dmabuf_rt_synced_mutable_device_data(h, &mut p) });
+            ok(mutable_device(h).0);
             let s = new_stream(0);
             let gate = close_stream(s);
             let barrier = Arc::new(Barrier::new(3));
@@ -78,24 +83,18 @@ fn a_push_racing_a_destroy_writes_into_a_freed_lent_block() {
                 let b = Arc::clone(&barrier);
                 let holder = sc.spawn(move || {
                     b.wait();
-                    let mut p = null_mut();
-                    // SAFETY: valid out-pointer.
-                    unsafe { dmabuf_rt_synced_mutable_host_data(h, &mut p) }
+                    mutable_host(h).0
                 });
                 let b = Arc::clone(&barrier);
                 let pusher = sc.spawn(move || {
                     b.wait();
-                    for _ in 0..(round % 4) * 2000 {
-                        std::hint::spin_loop();
-                    }
+                    spin((round % 4) * 2000);
                     dmabuf_rt_synced_async_device_push(h, s)
                 });
                 let b = Arc::clone(&barrier);
                 let destroyer = sc.spawn(move || {
                     b.wait();
-                    for _ in 0..(round % 3) * 2000 {
-                        std::hint::spin_loop();
-                    }
+                    spin((round % 3) * 2000);
                     dmabuf_rt_synced_destroy(h)
                 });
                 let _ = holder.join().unwrap();
@@ -155,9 +154,8 @@ fn a_destroyed_synced_memorys_block_lent_meanwhile_stays_with_the_borrower() {
         let mut accepted = 0;
         for round in 0..rounds {
             let h = synced(0, size, false);
-            let mut d1 = null_mut();
-            // SAFETY: valid out-pointer.
-            ok(unsafe { dmabuf_rt_synced_mutable_device_data(h, &mut d1) });
+            let (st, d1) = mutable_device(h);
+            ok(st);
             let d1 = Addr(d1 as usize);
             let borrower = synced(0, size, false);
             let barrier = Arc::new(Barrier::new(3));
@@ -166,26 +164,18 @@ fn a_destroyed_synced_memorys_block_lent_meanwhile_stays_with_the_borrower() {
                 // Holds the object with a long device-to-host copy.
                 let holder = sc.spawn(move || {
                     b.wait();
-                    let mut p = null_mut();
-                    // SAFETY: valid out-pointer.
-                    unsafe { dmabuf_rt_synced_mutable_host_data(h, &mut p) }
+                    mutable_host(h).0
                 });
                 let b = Arc::clone(&barrier);
                 // Queues behind the holder; if the destroy goes first it runs a long
                 // host-to-device copy on the destroyed object, holding its blocks.
                 let zombie = sc.spawn(move || {
                     b.wait();
-                    for _ in 0..(round % 4) * 1000 {
-                        std::hint::spin_loop();
-                    }
-                    let mut p = null_mut();
-                    // SAFETY: valid out-pointer.
-                    unsafe { dmabuf_rt_synced_mutable_device_data(h, &mut p) }
+                    spin((round % 4) * 1000);
+                    mutable_device(h).0
                 });
                 barrier.wait();
-                for _ in 0..(round % 3) * 1000 {
-                    std::hint::spin_loop();
-                }
+                spin((round % 3) * 1000);
                 let destroyed = dmabuf_rt_synced_destroy(h);
                 // At once: lend the destroyed object's device block to another SyncedMemory.
                 let lend = dmabuf_rt_synced_set_device_data(borrower, d1.0 as *mut c_void);
@@ -219,9 +209,8 @@ fn a_destroyed_synced_memorys_block_lent_meanwhile_stays_with_the_borrower() {
                 if let Some(other) = hit {
                     // SAFETY: `other` is a live block of `size` bytes of CPU-mapped shmem.
                     unsafe { std::ptr::write_bytes(other.cast::<u8>(), 0x5a, size) };
-                    let mut p = null_mut();
-                    // SAFETY: valid out-pointer.
-                    ok(unsafe { dmabuf_rt_synced_mutable_device_data(borrower, &mut p) });
+                    let (st, p) = mutable_device(borrower);
+                    ok(st);
                     ok(dmabuf_rt_memset(0, p, 0xee, size));
                     let got = read_device(0, other, size);
                     panic!(

@@ -53,6 +53,11 @@ fn any(map: &HashMap<usize, Entry>, except: Option<usize>, inside: impl Fn(usize
         .any(|(_, e)| e.ranges.iter().any(|&(s, len)| inside(s, len)))
 }
 
+/// Whether `start` lies in the block of `len` bytes at `base`.
+fn starts_in(start: usize, base: usize, len: usize) -> bool {
+    start >= base && start - base < len
+}
+
 /// The registry, read.
 pub(crate) struct Reading<'a>(RwLockReadGuard<'a, HashMap<usize, Entry>>);
 
@@ -61,6 +66,12 @@ impl Reading<'_> {
     /// holds. Nothing is lent most of the time: then this costs a length test.
     pub(crate) fn any(&self, inside: impl Fn(usize, usize) -> bool) -> bool {
         !self.0.is_empty() && any(&self.0, None, inside)
+    }
+
+    /// Whether a SyncedMemory may still use a lent range that starts inside the block of
+    /// `len` bytes at `base`.
+    pub(crate) fn any_starting_in(&self, base: usize, len: usize) -> bool {
+        self.any(|s, _| starts_in(s, base, len))
     }
 }
 
@@ -71,7 +82,7 @@ impl Writing<'_> {
     /// Whether a SyncedMemory other than `h` may still use a lent range that starts inside
     /// one of `blocks` (`(address, length)`).
     pub(crate) fn lent_from(&self, h: usize, blocks: &[(usize, usize)]) -> bool {
-        !blocks.is_empty() && any(&self.0, Some(h), |s, _| blocks.iter().any(|&(b, len)| s >= b && s - b < len))
+        !blocks.is_empty() && any(&self.0, Some(h), |s, _| blocks.iter().any(|&(b, len)| starts_in(s, b, len)))
     }
 
     /// SyncedMemory `h` borrows `ranges` now (none: it is forgotten).

@@ -366,8 +366,7 @@ impl Runtime {
         let lent = self.lent.read();
         let mut host = lock(&self.host_live);
         if let Some(a) = host.get(&(ptr as usize)) {
-            let (base, len) = (ptr as usize, a.mem().len());
-            if lent.any(|s, _| s >= base && s - base < len) {
+            if lent.any_starting_in(ptr as usize, a.mem().len()) {
                 return Err(lent_refusal(ptr));
             }
         }
@@ -449,9 +448,8 @@ impl Runtime {
             let Some((_, blocks)) = imported.get_mut(&(ptr as usize)) else { return Err(refused("closed meanwhile")) };
             // The last close ends the mapping and tells the exporter, which may then reuse the
             // memory: not while a SyncedMemory may still read or write it.
-            let p = ptr as usize;
             if let [only] = blocks.as_slice()
-                && lent.any(|s, _| s >= p && s - p < only.len())
+                && lent.any_starting_in(ptr as usize, only.len())
             {
                 return Err(lent_refusal(ptr));
             }

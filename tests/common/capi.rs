@@ -78,11 +78,26 @@ pub fn synced(device: c_int, size: usize, alias: bool) -> dmabuf_rt_synced {
     s
 }
 
-/// The host view for writing, filled with `byte` (the pointer is valid until the next call).
-pub fn write_host(s: dmabuf_rt_synced, size: usize, byte: u8) {
+/// `dmabuf_rt_synced_mutable_host_data` of `s`: its status and the host view.
+pub fn mutable_host(s: dmabuf_rt_synced) -> (dmabuf_rt_status, *mut c_void) {
     let mut p = null_mut();
     // SAFETY: valid out-pointer.
-    ok(unsafe { dmabuf_rt_synced_mutable_host_data(s, &mut p) });
+    let st = unsafe { dmabuf_rt_synced_mutable_host_data(s, &mut p) };
+    (st, p)
+}
+
+/// `dmabuf_rt_synced_mutable_device_data` of `s`: its status and the device view.
+pub fn mutable_device(s: dmabuf_rt_synced) -> (dmabuf_rt_status, *mut c_void) {
+    let mut p = null_mut();
+    // SAFETY: valid out-pointer.
+    let st = unsafe { dmabuf_rt_synced_mutable_device_data(s, &mut p) };
+    (st, p)
+}
+
+/// The host view for writing, filled with `byte` (the pointer is valid until the next call).
+pub fn write_host(s: dmabuf_rt_synced, size: usize, byte: u8) {
+    let (st, p) = mutable_host(s);
+    ok(st);
     // SAFETY: the host view is valid for `size` bytes until the next call on `s`.
     unsafe { std::ptr::write_bytes(p.cast::<u8>(), byte, size) };
 }
