@@ -61,10 +61,9 @@ fn alloc(conf: &str) -> CachingAllocator {
     alloc_of(conf, 4 << 30)
 }
 
-/// The pending-wait limit (5 s by default) scales with the time scale too: in the kernel
-/// lane's emulated guest the backlog's fills run many times slower, and a wait that gave up
-/// while they were still completing failed the large-fill race once (264 MB of deferred frees
-/// outstanding after the wait).
+/// The pending-wait limit (5 s by default) scales with the time scale, as the other waits do:
+/// in the kernel lane's emulated guest the backlog's fills run many times slower. (It did not
+/// cure the guest's failures of the large-fill race: see that test.)
 fn alloc_of(conf: &str, capacity: u64) -> CachingAllocator {
     let (no_caching, conf) = match conf.strip_prefix("no_caching+") {
         Some(c) => (true, c),
