@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
+use common::tags::{Live, Raw, settled};
 use common::{QueueGate, Rng, allocator, scaled};
 use dmabuf_rt::Error;
 use dmabuf_rt::caching::CachingAllocator;
@@ -1103,4 +1104,72 @@ fn sized_frees_check_and_free_at_once() {
     let p = a.allocate_raw(1000, None).unwrap();
     a.free_raw_sized(p, 1000).unwrap();
     assert_refused(a.free_raw_sized(p, 1000), p, "already freed (double free)");
+}
+
+/// The lib test `caching::tests::drops_race_allocations_and_raw_frees` with every block tagged
+/// at both ends, over many fresh allocators: owned blocks dropped by their owner (the owner's
+/// fast hold, `try_lock`, or the dropped list) race raw allocations and frees and stats on
+/// three threads, and each thread's last blocks are dropped by another. A block handed to two
+/// owners at once shows as a lost tag; a free accounted with the wrong request shows in the
+/// settled stats. (The lib test failed once in the kernel lane's emulated machine with the
+/// requested bytes 4096 above what the blocks held, every other count right: what a block
+/// handed out twice and freed twice leaves. Not reproduced since: 2,514 runs of that test and
+/// 41 of its whole binary in the emulated machine, 4,100 runs and 3,000 rounds of this one on
+/// the host.)
+#[test]
+fn drops_and_raw_frees_racing_hand_no_block_to_two_owners() {
+    const THREADS: usize = 3;
+    let (rounds, each) = (scaled(20), 2000);
+    for round in 0..rounds {
+        for conf in ["expandable_segments:False", "page_stitching:True"] {
+            let a = Arc::new(allocator(conf, 256 * MB as u64));
+            std::thread::scope(|s| {
+                for t in 0..THREADS {
+                    let a = Arc::clone(&a);
+                    s.spawn(move || {
+                        let mut live: Vec<Live> = Vec::new();
+                        let mut raw: Vec<Raw> = Vec::new();
+                        for i in 0..each {
+                            let size = [4096, 512, 96 * KB, 4096, MB][(i + t) % 5];
+                            if t == 0 && i % 2 == 0 {
+                                raw.push(Raw::new(a.allocate_raw(size, None).unwrap(), size));
+                            } else {
+                                live.push(Live::new(a.allocate(size, None).unwrap()));
+                            }
+                            if i % 3 != 0
+                                && let Some(l) = live.pop()
+                            {
+                                l.check("an owned block freed at once");
+                            }
+                            if live.len() > 16 {
+                                live.swap_remove(i % live.len()).check("an owned block freed later");
+                            }
+                            if raw.len() > 4 {
+                                let r = raw.swap_remove(i % raw.len());
+                                r.check("a raw block");
+                                a.free_raw(r.p as *mut u8).unwrap();
+                            }
+                            if i % 257 == 0 {
+                                let _ = a.stats();
+                            }
+                        }
+                        for r in raw {
+                            r.check("a raw block at the end");
+                            a.free_raw(r.p as *mut u8).unwrap();
+                        }
+                        // The rest is dropped on another thread (no fast hold there).
+                        std::thread::spawn(move || {
+                            for l in &live {
+                                l.check("an owned block dropped by another thread");
+                            }
+                            drop(live);
+                        })
+                        .join()
+                        .unwrap();
+                    });
+                }
+            });
+            settled(&a, &format!("{conf}, round {round}"));
+        }
+    }
 }

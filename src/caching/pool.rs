@@ -783,6 +783,7 @@ impl Pool {
     #[inline(always)]
     pub(super) fn hand_out(&mut self, id: BlockId, size: usize, queue: QueueKey) -> Handed {
         let b = &mut self.blocks[id as usize];
+        debug_assert!(!b.allocated && !b.in_quick, "block {id} handed out while allocated or quick-cached");
         b.allocated = true;
         b.requested = size;
         let (bsize, bpool, bseg, boff) = (b.size, b.pool, b.seg, b.offset);

@@ -148,6 +148,11 @@ pub(crate) struct PoolLock<T> {
     /// never joined by a fast hold (an `Allocation` dropped by a callback the pool makes, a
     /// memory source's, under the lock).
     holder: AtomicU64,
+    /// Debug builds: set while any guard lives, to catch two holders at once (a failure of the
+    /// exclusion above). Plain loads and stores: the check adds no barrier that could hide the
+    /// reordering it looks for.
+    #[cfg(debug_assertions)]
+    inside: AtomicBool,
     data: UnsafeCell<T>,
 }
 
@@ -184,6 +189,8 @@ impl<T> PoolLock<T> {
             owner: AtomicU64::new(0),
             busy: AtomicBool::new(false),
             holder: AtomicU64::new(0),
+            #[cfg(debug_assertions)]
+            inside: AtomicBool::new(false),
             data: UnsafeCell::new(value),
         }
     }
@@ -217,7 +224,7 @@ impl<T> PoolLock<T> {
         }
         self.count(&mut m, me);
         self.holder.store(me, Ordering::Relaxed);
-        PoolGuard { lock: self, hold: Hold::Mutex(m) }
+        self.guard(Hold::Mutex(m))
     }
 
     /// The lock, as [`PoolLock::lock`] takes it, unless this thread holds it already (a
@@ -253,7 +260,7 @@ impl<T> PoolLock<T> {
             self.revoke(&mut m);
         }
         self.holder.store(me, Ordering::Relaxed);
-        Some(PoolGuard { lock: self, hold: Hold::Mutex(m) })
+        Some(self.guard(Hold::Mutex(m)))
     }
 
     /// The lock if nobody holds it and no other thread owns it, without waiting.
@@ -271,7 +278,7 @@ impl<T> PoolLock<T> {
             return None;
         }
         self.holder.store(me, Ordering::Relaxed);
-        Some(PoolGuard { lock: self, hold: Hold::Mutex(m) })
+        Some(self.guard(Hold::Mutex(m)))
     }
 
     /// The owner's hold, with no atomic read-modify-write; `None` on any other thread, or once
@@ -297,7 +304,27 @@ impl<T> PoolLock<T> {
             self.busy.store(false, Ordering::Release);
             return None;
         }
-        Some(PoolGuard { lock: self, hold: Hold::Fast })
+        Some(self.guard(Hold::Fast))
+    }
+
+    /// The guard of a hold just taken. Debug builds check that no other guard lives (see
+    /// `inside`); on a failure the guard is let go as the panic unwinds (so this thread can
+    /// take the lock again).
+    #[inline(always)]
+    fn guard<'a>(&'a self, hold: Hold<'a>) -> PoolGuard<'a, T> {
+        let g = PoolGuard { lock: self, hold };
+        #[cfg(debug_assertions)]
+        {
+            if self.inside.load(Ordering::Relaxed) {
+                let how = match g.hold {
+                    Hold::Fast => "the owner's fast hold",
+                    Hold::Mutex(_) => "a mutex hold",
+                };
+                panic!("dmabuf-rt: two holders of the caching allocator's lock at once ({how} joined another)");
+            }
+            self.inside.store(true, Ordering::Relaxed);
+        }
+        g
     }
 
     /// Takes the bias back from its owner, under `mutex`: once this returns, the owner has left
@@ -378,6 +405,9 @@ impl<T> std::ops::DerefMut for PoolGuard<'_, T> {
 impl<T> Drop for PoolGuard<'_, T> {
     #[inline(always)]
     fn drop(&mut self) {
+        // Before the hold is let go (below), so the next holder sees it cleared.
+        #[cfg(debug_assertions)]
+        self.lock.inside.store(false, Ordering::Relaxed);
         match self.hold {
             // Release: a revoker that sees it cleared sees everything written in the hold.
             Hold::Fast => self.lock.busy.store(false, Ordering::Release),
@@ -405,15 +435,27 @@ mod tests {
         panic!("never made the owner");
     }
 
+    /// A hold taken by `take`; a panic taking it (debug builds check there that no other guard
+    /// lives) counts in `overlaps` instead of leaving the other threads at their barriers.
+    fn taken<'a>(
+        overlaps: &AtomicUsize,
+        take: impl FnOnce() -> Option<PoolGuard<'a, u64>>,
+    ) -> Option<PoolGuard<'a, u64>> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(take)).unwrap_or_else(|_| {
+            overlaps.fetch_add(1, Ordering::Relaxed);
+            None
+        })
+    }
+
     /// A critical section that counts in `overlaps` another one running at the same time (it
     /// spins a little inside, so that holds overlap if exclusion fails). Counted, not
     /// asserted: a panic here would leave the other threads waiting at their barriers.
-    fn critical(g: &mut PoolGuard<'_, u64>, inside: &AtomicBool, overlaps: &AtomicUsize) {
+    fn critical(g: &mut PoolGuard<'_, u64>, inside: &AtomicBool, overlaps: &AtomicUsize, spins: usize) {
         if inside.swap(true, Ordering::SeqCst) {
             overlaps.fetch_add(1, Ordering::Relaxed);
         }
         let v = **g;
-        for _ in 0..20 {
+        for _ in 0..spins {
             std::hint::spin_loop();
         }
         **g = v + 1;
@@ -513,7 +555,11 @@ mod tests {
             return;
         }
         const ROUNDS: usize = 300;
-        const OWNER_OPS: usize = 2000;
+        const OWNER_OPS: usize = 300;
+        // The owner's holds are long enough that a revocation that did not wait for one would
+        // be caught inside it most of the time (with 20 spins a revocation that did not wait
+        // was caught in 1 run of 5; with 300, in 6 of 6).
+        const OWNER_SPINS: usize = 300;
         const OTHERS: usize = 2;
         let inside = Arc::new(AtomicBool::new(false));
         let overlaps = Arc::new(AtomicUsize::new(0));
@@ -534,9 +580,9 @@ mod tests {
                             std::hint::spin_loop();
                         }
                         for k in 0..3 {
-                            let mut g = if k == 1 { l.try_lock() } else { Some(l.lock()) };
+                            let mut g = taken(&overlaps, || if k == 1 { l.try_lock() } else { Some(l.lock()) });
                             if let Some(g) = g.as_mut() {
-                                critical(g, &inside, &overlaps);
+                                critical(g, &inside, &overlaps, 20);
                                 ops.fetch_add(1, Ordering::Relaxed);
                             }
                         }
@@ -554,12 +600,10 @@ mod tests {
             start.wait();
             let mut mine = 0u64;
             for _ in 0..OWNER_OPS {
-                let mut g = match l.fast() {
-                    Some(g) => g,
-                    None => l.lock(),
-                };
-                critical(&mut g, &inside, &overlaps);
-                mine += 1;
+                if let Some(mut g) = taken(&overlaps, || Some(l.fast().unwrap_or_else(|| l.lock()))) {
+                    critical(&mut g, &inside, &overlaps, OWNER_SPINS);
+                    mine += 1;
+                }
             }
             done.wait();
             total += *l.lock() - before - mine;

@@ -164,6 +164,7 @@ impl Pool {
         if !quick_ok || b.size >= max_split || b.arena {
             return false;
         }
+        debug_assert!(b.allocated && b.requested > 0 && !b.in_quick, "block {id} freed while not live");
         let (pool, size, requested, queue, split) = (b.pool, b.size, b.requested, b.queue, b.is_split());
         b.allocated = false;
         b.requested = 0;
@@ -263,6 +264,7 @@ impl Pool {
     /// The caller let go: it no longer counts as allocated (it stays active until free).
     pub(super) fn account_free_request(&mut self, id: BlockId) {
         let b = &self.blocks[id as usize];
+        debug_assert!(b.allocated && b.requested > 0, "block {id}: free requested while not live");
         let (pool, size, requested) = (b.pool, b.size as i64, b.requested as i64);
         self.stats.hot.on_free_request(pool, size, requested);
         if b.size >= self.config.max_split_size {
