@@ -417,3 +417,64 @@ fn an_opened_block_lent_to_a_synced_memory_is_not_closed_under_it() {
         assert_eq!(stats(0).allocations, 0);
     });
 }
+
+/// A producer process that exits, its block still allocated, while this process's
+/// SyncedMemory borrows the block it opened from the producer's handle: the memory stays (the
+/// opened mapping holds the segment's memory), the SyncedMemory's reads and writes through its
+/// host and device views go on, and the close after the destroy releases it (a second close is
+/// refused).
+#[test]
+fn a_producer_exits_while_a_synced_memory_borrows_its_opened_block() {
+    use std::io::{BufRead, Write};
+    const NAME: &str = "a_producer_exits_while_a_synced_memory_borrows_its_opened_block";
+    let n = 256 * KB;
+    if std::env::var(isolate::CHILD_ENV).as_deref() == Ok("producer") {
+        let p = alloc(0, n);
+        ok(write(0, p, 0, &pat(7, n)));
+        println!("HANDLE {}", hex(&handle(0, p)));
+        std::io::stdout().flush().unwrap();
+        // Exits, the block never freed, when the consumer says so (or is gone).
+        let mut line = String::new();
+        let _ = std::io::stdin().read_line(&mut line);
+        std::process::exit(0);
+    }
+    in_child(NAME, ENV, || {
+        let mut producer = isolate::command(NAME, ENV)
+            .env(isolate::CHILD_ENV, "producer")
+            .env("DMABUF_RT_LOG", "off")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let said = std::io::BufReader::new(producer.stdout.take().unwrap());
+        let h = said
+            .lines()
+            .map_while(Result::ok)
+            // The line may follow libtest's "test NAME ... " on the same line.
+            .find_map(|l| l.split_once("HANDLE ").map(|(_, h)| unhex(h.trim())))
+            .expect("the producer printed no handle");
+        let q = open(0, &h).unwrap_or_else(|s| panic!("open: {s:?} {}", last_error()));
+        let s = common::capi::synced(0, n, false);
+        ok(dmabuf_rt_synced_set_device_data(s, q));
+        // The producer goes: its allocator, its segment and its fds with it.
+        writeln!(producer.stdin.take().unwrap(), "exit").unwrap();
+        assert!(producer.wait().unwrap().success());
+        // The SyncedMemory reads the borrowed block through its host view...
+        let mut host: *const c_void = std::ptr::null();
+        // SAFETY: valid out-pointer.
+        ok(unsafe { dmabuf_rt_synced_host_data(s, &mut host) });
+        // SAFETY: the host view holds `n` bytes until the next call on `s`.
+        let seen = unsafe { std::slice::from_raw_parts(host.cast::<u8>(), n) }.to_vec();
+        assert!(seen == pat(7, n), "the borrowed block's bytes changed when its producer exited");
+        // ...and writes it back through its device view.
+        common::capi::write_host(s, n, 0x5a);
+        let (st, d) = common::capi::mutable_device(s);
+        ok(st);
+        assert_eq!(d, q, "the device view is not the borrowed block");
+        assert!(read(0, q, n) == vec![0x5a; n], "the write did not reach the borrowed block");
+        ok(dmabuf_rt_synced_destroy(s));
+        ok(dmabuf_rt_ipc_close_mem_handle(0, q));
+        refused(dmabuf_rt_ipc_close_mem_handle(0, q), DMABUF_RT_INVALID_POINTER, "");
+        assert_eq!(stats(0).allocations, 0);
+    });
+}
