@@ -149,7 +149,13 @@ fn views_evicted_for_address_space_while_queues_gate_and_arenas_are_punched() {
     let mut k = 1usize;
     let mut gate_g = Some(QueueGate::close(&g));
     let mut deferred = false;
-    for step in 0..iters {
+    for step in 0.. {
+        // At least `iters` steps, and on until the views made fill the view space several
+        // times over: under emulation (fewer steps, the other threads relatively faster) 30
+        // steps made 72 remaps, too few to reach the eviction this test is about.
+        if step >= iters && (a.stats().num_remaps > 400 || step >= 2000) {
+            break;
+        }
         let what = format!("step {step}");
         let gated = step % 7 >= 5;
         let gate = gated.then(|| QueueGate::close(&q));
