@@ -5,6 +5,12 @@
 //! `{"t": ns, "op": "step"}` between training steps or serving iterations. A replay can repeat
 //! the trace (`--repeat N`, each repetition a step too) to show what a warm allocator does: the
 //! source calls and remaps of the warm steps (the second half of them) are reported apart.
+//!
+//! A replay's figures are those of its trace alone (the same on every run) only while the
+//! process's stitched views stay below their process-wide budget of kernel mappings (32,768
+//! runs, shared by every allocator of the process): other allocators holding views near that
+//! budget make the replayed arena grow where it would have mapped a view, so its reserved
+//! bytes, source calls and remaps change. The allocated bytes are the trace's either way.
 
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -169,7 +175,10 @@ impl ReplayReport {
     }
 }
 
-/// Parses a JSON-lines trace; errors name the line.
+/// Parses a JSON-lines trace; errors name the line. Each line is a flat JSON object (string,
+/// number, `true`, `false` and `null` values; strings may hold any character); `addr` and
+/// `size` are whole numbers, written as integers or as JSON numbers whose value is whole
+/// (`4096.0`, `4.096e3`).
 pub fn parse_trace(text: &str) -> Result<Vec<TraceOp>> {
     let mut ops = Vec::new();
     for (i, line) in text.lines().enumerate() {
@@ -178,13 +187,10 @@ pub fn parse_trace(text: &str) -> Result<Vec<TraceOp>> {
             continue;
         }
         let bad = |why: &str| Error::Config { what: format!("trace line {}: {why}: {line}", i + 1) };
-        let fields = flat_object(line).ok_or_else(|| bad("not a flat JSON object"))?;
+        let fields = flat_object(line).map_err(|why| bad(&format!("not a flat JSON object ({why})")))?;
         let num = |k: &str| -> Result<u64> {
-            fields
-                .get(k)
-                .ok_or_else(|| bad(&format!("missing \"{k}\"")))?
-                .parse::<u64>()
-                .map_err(|_| bad(&format!("\"{k}\" is not a whole number")))
+            let v = fields.get(k).ok_or_else(|| bad(&format!("missing \"{k}\"")))?;
+            whole_number(v).ok_or_else(|| bad(&format!("\"{k}\" is not a whole number")))
         };
         let op = fields.get("op").ok_or_else(|| bad("missing \"op\""))?;
         ops.push(match op.as_str() {
@@ -200,18 +206,102 @@ pub fn parse_trace(text: &str) -> Result<Vec<TraceOp>> {
     Ok(ops)
 }
 
-/// Parses `{"k": v, ...}` with string or number values (enough for traces).
-fn flat_object(line: &str) -> Option<HashMap<String, String>> {
-    let body = line.strip_prefix('{')?.strip_suffix('}')?;
-    let mut out = HashMap::new();
-    for part in body.split(',') {
-        let (k, v) = part.split_once(':')?;
-        let k = k.trim().strip_prefix('"')?.strip_suffix('"')?;
-        let v = v.trim();
-        let v = v.strip_prefix('"').and_then(|v| v.strip_suffix('"')).unwrap_or(v);
-        out.insert(k.to_string(), v.to_string());
+/// A non-negative whole number written as a JSON number: an integer, or a fraction or
+/// exponent whose value is whole and below 2^64.
+fn whole_number(v: &str) -> Option<u64> {
+    if let Ok(n) = v.parse::<u64>() {
+        return Some(n);
     }
-    Some(out)
+    // JSON's grammar: digits, then an optional fraction and exponent (no `inf`, `nan`, `+`).
+    let json_number = v.starts_with(|c: char| c.is_ascii_digit())
+        && v.bytes().all(|b| b.is_ascii_digit() || matches!(b, b'.' | b'e' | b'E' | b'+' | b'-'));
+    let f: f64 = v.parse().ok().filter(|_| json_number)?;
+    (f.fract() == 0.0 && f < 18_446_744_073_709_551_616.0).then_some(f as u64)
+}
+
+/// Parses `{"k": v, ...}` whose values are strings (escapes decoded) or bare tokens (numbers,
+/// `true`, `false`, `null`, kept as written): enough for traces. Errors say what is wrong.
+fn flat_object(line: &str) -> std::result::Result<HashMap<String, String>, String> {
+    let mut chars = line.char_indices().peekable();
+    let skip_ws = |chars: &mut std::iter::Peekable<std::str::CharIndices<'_>>| {
+        while chars.next_if(|&(_, c)| matches!(c, ' ' | '\t' | '\r' | '\n')).is_some() {}
+    };
+    let string = |chars: &mut std::iter::Peekable<std::str::CharIndices<'_>>| -> std::result::Result<String, String> {
+        let mut out = String::new();
+        loop {
+            match chars.next() {
+                None => return Err("unterminated string".into()),
+                Some((_, '"')) => return Ok(out),
+                Some((at, '\\')) => out.push(match chars.next().map(|(_, c)| c) {
+                    Some('"') => '"',
+                    Some('\\') => '\\',
+                    Some('/') => '/',
+                    Some('b') => '\u{8}',
+                    Some('f') => '\u{c}',
+                    Some('n') => '\n',
+                    Some('r') => '\r',
+                    Some('t') => '\t',
+                    Some('u') => {
+                        let hex: String = (0..4).filter_map(|_| chars.next().map(|(_, c)| c)).collect();
+                        let code = u32::from_str_radix(&hex, 16).map_err(|_| format!("bad \\u escape at byte {at}"))?;
+                        // A surrogate (half of a pair) stands for no character of its own.
+                        char::from_u32(code).unwrap_or('\u{fffd}')
+                    }
+                    _ => return Err(format!("unknown escape at byte {at}")),
+                }),
+                Some((_, c)) => out.push(c),
+            }
+        }
+    };
+    if chars.next().map(|(_, c)| c) != Some('{') {
+        return Err("it does not start with '{'".into());
+    }
+    let mut out = HashMap::new();
+    skip_ws(&mut chars);
+    if chars.next_if(|&(_, c)| c == '}').is_none() {
+        loop {
+            skip_ws(&mut chars);
+            if chars.next().map(|(_, c)| c) != Some('"') {
+                return Err("expected a member name in double quotes".into());
+            }
+            let key = string(&mut chars)?;
+            skip_ws(&mut chars);
+            if chars.next().map(|(_, c)| c) != Some(':') {
+                return Err(format!("expected ':' after \"{key}\""));
+            }
+            skip_ws(&mut chars);
+            let value = match chars.peek() {
+                Some((_, '"')) => {
+                    chars.next();
+                    string(&mut chars)?
+                }
+                Some((_, '{' | '[')) => return Err(format!("\"{key}\" holds an object or array")),
+                _ => {
+                    let mut v = String::new();
+                    while let Some((_, c)) = chars.next_if(|&(_, c)| !matches!(c, ',' | '}' | ' ' | '\t' | '\r' | '\n'))
+                    {
+                        v.push(c);
+                    }
+                    if v.is_empty() {
+                        return Err(format!("\"{key}\" has no value"));
+                    }
+                    v
+                }
+            };
+            out.insert(key, value);
+            skip_ws(&mut chars);
+            match chars.next().map(|(_, c)| c) {
+                Some(',') => {}
+                Some('}') => break,
+                _ => return Err("expected ',' or '}' after a member".into()),
+            }
+        }
+    }
+    skip_ws(&mut chars);
+    match chars.next() {
+        None => Ok(out),
+        Some((at, _)) => Err(format!("text after the object at byte {at}")),
+    }
 }
 
 fn allocator(source: ReplaySource, capacity: u64, config: &Config) -> Result<CachingAllocator> {
@@ -421,9 +511,13 @@ fn run_on(
     };
     let start = Instant::now();
     'all: for _ in 0..opts.repeat.max(1) {
-        for op in ops {
+        for (k, op) in ops.iter().enumerate() {
             match *op {
-                Slotted::Alloc { slot, size } => live.alloc(a, slot, size, &mut ooms)?,
+                // A refusal other than an out-of-memory says which operation (as `resolve`
+                // does), so that a long trace's bad line can be found.
+                Slotted::Alloc { slot, size } => live
+                    .alloc(a, slot, size, &mut ooms)
+                    .map_err(|e| Error::Config { what: format!("trace op {} (alloc of {size} bytes): {e}", k + 1) })?,
                 // A free of a block whose alloc failed (OOM) is skipped with it.
                 Slotted::Free { slot } => live.free(a, slot)?,
                 Slotted::Nothing => {}
@@ -445,7 +539,19 @@ fn run_on(
     Ok(Run { ooms, elapsed, steps })
 }
 
-/// Replays `trace` at `capacity` as `opts` says.
+/// `ops` operations `opts.repeat` times over, refused when the count overflows.
+fn repeated(ops: usize, opts: &ReplayOptions) -> Result<usize> {
+    ops.checked_mul(opts.repeat.max(1)).ok_or_else(|| Error::Config {
+        what: format!(
+            "a trace of {ops} operations repeated {} times: more operations than a usize counts",
+            opts.repeat
+        ),
+    })
+}
+
+/// Replays `trace` at `capacity` as `opts` says. Its figures depend on the trace alone only
+/// while the process's stitched views are below their budget of kernel mappings (see the
+/// [module](self) documentation).
 pub fn replay_with(
     trace: &[TraceOp],
     source: ReplaySource,
@@ -453,12 +559,12 @@ pub fn replay_with(
     config: &Config,
     opts: &ReplayOptions,
 ) -> Result<ReplayReport> {
+    let ops = repeated(trace.iter().filter(|op| **op != TraceOp::Step).count(), opts)?;
     let a = allocator(source, capacity, config)?;
     let r = run(&a, trace, opts, |_, _| true)?;
     let st = a.stats();
     let peak_allocated = st.allocated_bytes[AGGREGATE].peak as u64;
     let peak_reserved = st.reserved_bytes[AGGREGATE].peak as u64;
-    let ops = trace.iter().filter(|op| **op != TraceOp::Step).count() * opts.repeat.max(1);
     let warm = &r.steps[r.steps.len().div_ceil(2).min(r.steps.len())..];
     let warm = if r.steps.len() > 1 { warm } else { &[] };
     Ok(ReplayReport {
@@ -496,8 +602,10 @@ pub struct ReplayPicture {
 /// Replays `trace` as [`replay_with`] does, twice: once to record the timeline and find the
 /// operation at which the reserved bytes peaked, and again on a fresh allocator up to that
 /// operation to take its snapshot there (the allocator's choices do not depend on addresses
-/// or time, so the second replay reaches the same state; this is checked, and an error says
-/// so if it did not).
+/// or time, so the second replay reaches the same state while the process's stitched views
+/// stay below their budget of kernel mappings, see the [module](self) documentation; this is
+/// checked, and an error says so if it did not: other allocators of the process holding views
+/// can make one of the replays grow its arena instead of mapping a view).
 pub fn replay_picture(
     trace: &[TraceOp],
     source: ReplaySource,
@@ -505,9 +613,9 @@ pub fn replay_picture(
     config: &Config,
     opts: &ReplayOptions,
 ) -> Result<ReplayPicture> {
-    let a = allocator(source, capacity, config)?;
     // At most about a million points are kept (the picture draws 2,000), the peak always.
-    let ops = (trace.len() * opts.repeat.max(1)) as u64;
+    let ops = repeated(trace.len(), opts)? as u64;
+    let a = allocator(source, capacity, config)?;
     let stride = ops.div_ceil(1 << 20).max(1);
     let mut timeline = Vec::with_capacity((ops / stride) as usize + 1);
     let mut peak = (0u64, 0u64, 0u64);
@@ -547,8 +655,16 @@ pub fn replay_picture(
         return Err(Error::Config {
             what: format!(
                 "the second replay reached {} reserved / {} allocated bytes at op {}, not the first's {} / {}: \
-                 the allocator's choices depended on something besides the trace",
-                again.0, again.1, peak.0, peak.1, peak.2
+                 the allocator's choices depended on something besides the trace (the stitched views of the \
+                 process's allocators map {} of the {} kernel mappings they may hold: near that budget, an arena \
+                 grows instead of mapping a view)",
+                again.0,
+                again.1,
+                peak.0,
+                peak.1,
+                peak.2,
+                super::arena::mapped_runs(),
+                super::arena::MAX_MAPPED_RUNS
             ),
         });
     }
@@ -676,6 +792,15 @@ mod tests {
         let e = parse_trace("{\"op\":\"munmap\",\"addr\":1}").unwrap_err().to_string();
         assert!(e.contains("unknown op"), "{e}");
         assert!(parse_trace("alloc 1 2").is_err());
+        // Strings may hold commas, colons and escaped quotes; whole numbers may be floats.
+        let t = parse_trace(r#"{"op":"alloc","name":"a, \"b\": c","addr":1,"size":4.096e3}"#).unwrap();
+        assert_eq!(t, [TraceOp::Alloc { addr: 1, size: 4096 }]);
+        let e = parse_trace(r#"{"op":"alloc","addr":1,"size":4096.5}"#).unwrap_err().to_string();
+        assert!(e.contains("\"size\" is not a whole number"), "{e}");
+        for bad in [r#"{"op":"alloc","addr":1,"size":4096"#, r#"{"op":"step"} x"#, r#"{"op":"step",}"#] {
+            let e = parse_trace(bad).unwrap_err().to_string();
+            assert!(e.contains("not a flat JSON object"), "{bad}: {e}");
+        }
     }
 
     #[test]
