@@ -1,12 +1,16 @@
 //! `dmabuf-rt`: command-line front end.
 
 mod bench;
+mod files;
 mod svg_cmd;
 // The zero-copy pipeline of `bench` is the example's demo, built on `dmabuf_rt::share`: one
 // copy of the code for the example, this CLI (`pipeline-stage`) and tests/pipeline.rs.
 #[path = "../../../examples/zero_copy_pipeline/demo/mod.rs"]
 mod demo;
 
+use std::ffi::OsString;
+use std::io::Write;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use dmabuf_rt::caching::Config;
@@ -27,131 +31,131 @@ commands:
              calls and remaps of the warm steps (the second half) are shown apart; --api raw holds
              raw pointers (allocate_raw / free_raw, as C and PyTorch callers do) instead of
              Allocations (owned, the default); --svg draws the
-             segments at the reserved peak and the reserved/allocated/requested timeline
+             segments at the reserved peak and the reserved/allocated/requested timeline (--svg -
+             writes the SVG to stdout and the report to stderr); the trace is at most 1 GiB
   svg SNAPSHOT.json -o OUT.svg [--title TEXT] [--device N]
              draw an allocator snapshot (Snapshot::to_json, dmabuf_rt_snapshot_json, or PyTorch's
              memory snapshot as JSON) as a self-contained SVG: segments coloured by state, and the
-             reserved/allocated timeline when it has a trace (-o - writes to stdout)
+             reserved/allocated timeline when it has a trace (- as SNAPSHOT.json reads stdin,
+             -o - writes to stdout; the snapshot is at most 1 GiB)
   help       this text";
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) == Some(PIPELINE_STAGE) {
-        demo::stage_process(&args[1..]);
+    let args: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let command = args.first().and_then(|a| a.to_str());
+    if command == Some(PIPELINE_STAGE) {
+        match files::utf8_args(&args[1..]) {
+            Ok(stage) => demo::stage_process(&stage),
+            Err(e) => {
+                eprintln!("dmabuf-rt {PIPELINE_STAGE}: {e}");
+                return ExitCode::from(1);
+            }
+        }
     }
-    match args.first().map(String::as_str) {
-        Some("devices") => {
-            print!("{}", dmabuf_rt::discovery::discover());
-            ExitCode::SUCCESS
+    let (name, result) = match command {
+        Some("devices") => ("devices", files::write_stdout(dmabuf_rt::discovery::discover().to_string().as_bytes())),
+        Some("bench") => {
+            ("bench", files::utf8_args(&args[1..]).and_then(|a| bench::parse(&a)).and_then(|o| bench::run(&o)))
         }
-        Some("bench") => match bench::parse(&args[1..]).and_then(|o| bench::run(&o)) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("dmabuf-rt bench: {e}");
-                ExitCode::from(1)
+        Some("replay") => ("replay", run_replay(&args[1..])),
+        Some("svg") => ("svg", svg_cmd::run(&args[1..])),
+        Some("help" | "-h" | "--help") => ("help", files::write_stdout(format!("{USAGE}\n").as_bytes())),
+        _ => {
+            match args.first() {
+                Some(other) => eprintln!("dmabuf-rt: unknown command `{}`\n\n{USAGE}", other.to_string_lossy()),
+                None => eprintln!("{USAGE}"),
             }
-        },
-        Some("replay") => match run_replay(&args[1..]) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("dmabuf-rt replay: {e}");
-                ExitCode::from(1)
-            }
-        },
-        Some("svg") => match svg_cmd::run(&args[1..]) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("dmabuf-rt svg: {e}");
-                ExitCode::from(1)
-            }
-        },
-        Some("help" | "-h" | "--help") => {
-            println!("{USAGE}");
-            ExitCode::SUCCESS
+            return ExitCode::from(2);
         }
-        Some(other) => {
-            eprintln!("dmabuf-rt: unknown command `{other}`\n\n{USAGE}");
-            ExitCode::from(2)
-        }
-        None => {
-            eprintln!("{USAGE}");
-            ExitCode::from(2)
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("dmabuf-rt {name}: {e}");
+            ExitCode::from(1)
         }
     }
 }
 
-fn run_replay(args: &[String]) -> Result<(), String> {
-    let mut file = None;
+fn run_replay(args: &[OsString]) -> Result<(), String> {
+    let mut file: Option<PathBuf> = None;
     let mut source = ReplaySource::Virtual;
     let mut capacity: u64 = 1 << 40;
     let (mut find_min, mut json) = (false, false);
-    let mut svg = None;
+    let mut svg: Option<PathBuf> = None;
     let mut opts = ReplayOptions::default();
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        match a.as_str() {
-            "--source" => {
-                source = match it.next().map(String::as_str) {
-                    Some("virtual") => ReplaySource::Virtual,
-                    Some("shmem") => ReplaySource::Shmem,
+        match a.to_str() {
+            Some("--source") => {
+                source = match files::text_value(it.next(), "--source", "virtual or shmem")? {
+                    "virtual" => ReplaySource::Virtual,
+                    "shmem" => ReplaySource::Shmem,
                     other => return Err(format!("--source takes virtual or shmem, not {other:?}")),
                 }
             }
-            "--capacity" => {
-                capacity = it
-                    .next()
+            Some("--capacity") => {
+                const WANT: &str = "a positive number of bytes";
+                capacity = Some(files::text_value(it.next(), "--capacity", WANT)?)
                     .and_then(|v| v.parse().ok())
                     .filter(|&c| c > 0)
-                    .ok_or("--capacity takes a positive number of bytes")?;
+                    .ok_or(format!("--capacity takes {WANT}"))?;
             }
-            "--find-min-capacity" => find_min = true,
-            "--repeat" => {
-                opts.repeat = it
-                    .next()
+            Some("--find-min-capacity") => find_min = true,
+            Some("--repeat") => {
+                const WANT: &str = "a number of replays from 1 to 10000";
+                opts.repeat = Some(files::text_value(it.next(), "--repeat", WANT)?)
                     .and_then(|v| v.parse().ok())
                     .filter(|&n| n > 0 && n <= 10_000)
-                    .ok_or("--repeat takes a number of replays from 1 to 10000")?;
+                    .ok_or(format!("--repeat takes {WANT}"))?;
             }
-            "--api" => {
-                opts.api = it
-                    .next()
-                    .ok_or("--api takes owned or raw")?
+            Some("--api") => {
+                opts.api = files::text_value(it.next(), "--api", "owned or raw")?
                     .parse()
                     .map_err(|e: dmabuf_rt::Error| e.to_string())?;
             }
-            "--json" => json = true,
-            "--svg" => svg = Some(it.next().ok_or("--svg takes the SVG file to write (- for stdout)")?.clone()),
-            f if !f.starts_with("--") && file.is_none() => file = Some(f.to_string()),
-            other => return Err(format!("unexpected argument `{other}`")),
+            Some("--json") => json = true,
+            Some("--svg") => svg = Some(it.next().ok_or("--svg takes the SVG file to write (- for stdout)")?.into()),
+            Some(f) if f.starts_with("--") => return Err(format!("unexpected argument `{f}`")),
+            _ if file.is_none() => file = Some(a.into()),
+            _ => return Err(format!("unexpected argument `{}`", a.to_string_lossy())),
         }
     }
     let file = file.ok_or("missing the trace file")?;
-    let text = std::fs::read_to_string(&file).map_err(|e| format!("{file}: {e}"))?;
+    let to_stdout = svg.as_deref().is_some_and(|s| s == std::path::Path::new("-"));
+    if let Some(out) = &svg {
+        files::refuse_same_file(&file, out)?;
+    }
+    let text = files::read_input(&file)?;
     let trace = parse_trace(&text).map_err(|e| e.to_string())?;
+    drop(text);
     let config = Config::from_env().map_err(|e| e.to_string())?;
     // With --find-min-capacity, the figures of the replay at the capacity asked for come first,
     // then those of the replay at the minimum capacity (`at_min_capacity`).
     let report = replay_report(&trace, source, capacity, &config, find_min, &opts).map_err(|e| e.to_string())?;
-    if json {
-        println!("{}", report.to_json());
+    let text = if json { format!("{}\n", report.to_json()) } else { report.to_text() };
+    // With --svg -, standard output is the SVG's alone: the report goes to standard error.
+    if to_stdout {
+        std::io::stderr().write_all(text.as_bytes()).map_err(|e| format!("standard error: {e}"))?;
     } else {
-        print!("{}", report.to_text());
+        files::write_stdout(text.as_bytes())?;
     }
     if let Some(out) = svg {
         let pic = replay_picture(&trace, source, capacity, &config, &opts).map_err(|e| e.to_string())?;
         let segments = svg_cmd::segments_of(&pic.at_peak)?;
         let title = format!(
-            "{file}: at the reserved peak (op {} of {}), {:.1} MiB reserved",
+            "{}: at the reserved peak (op {} of {}), {:.1} MiB reserved",
+            file.display(),
             pic.peak_op,
             pic.timeline.last().map_or(0, |p| p.op),
             report.peak_reserved_bytes as f64 / (1u64 << 20) as f64
         );
         let doc = dmabuf_rt::caching::svg::render(&title, &segments, &pic.timeline, Some(pic.peak_op));
-        if out == "-" {
-            print!("{doc}");
+        if to_stdout {
+            files::write_stdout(doc.as_bytes())?;
         } else {
-            std::fs::write(&out, &doc).map_err(|e| format!("{out}: {e}"))?;
-            eprintln!("dmabuf-rt replay: wrote {out} ({} bytes, {} segments)", doc.len(), segments.len());
+            files::write_file(&out, doc.as_bytes())?;
+            eprintln!("dmabuf-rt replay: wrote {} ({} bytes, {} segments)", out.display(), doc.len(), segments.len());
         }
     }
     Ok(())

@@ -22,53 +22,62 @@
 //! history): they start where the history starts, not at zero. The marker is at the
 //! reserved peak.
 
+use std::ffi::OsString;
 use std::fmt;
+use std::path::{Path, PathBuf};
 
 use dmabuf_rt::caching::svg::{self, SvgBlock, SvgSegment, SvgState, TimelinePoint};
 
-/// Runs `dmabuf-rt svg SNAPSHOT.json -o OUT.svg [--title TEXT] [--device N]` (`-o -`: to
-/// standard output).
-pub(crate) fn run(args: &[String]) -> Result<(), String> {
-    let (mut input, mut output, mut title, mut device) = (None, None, None, None);
+use crate::files;
+
+/// Runs `dmabuf-rt svg SNAPSHOT.json -o OUT.svg [--title TEXT] [--device N]` (`-` as the
+/// snapshot: standard input; `-o -`: to standard output).
+pub(crate) fn run(args: &[OsString]) -> Result<(), String> {
+    let (mut input, mut output, mut title, mut device): (Option<PathBuf>, Option<PathBuf>, _, _) =
+        (None, None, None, None);
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        match a.as_str() {
-            "-o" | "--output" => {
-                output = Some(it.next().ok_or("-o takes the SVG file to write (- for stdout)")?.clone())
+        match a.to_str() {
+            Some("-o" | "--output") => {
+                output = Some(it.next().ok_or("-o takes the SVG file to write (- for stdout)")?.into())
             }
-            "--title" => title = Some(it.next().ok_or("--title takes a text")?.clone()),
-            "--device" => {
+            Some("--title") => title = Some(files::text_value(it.next(), "--title", "a text")?.to_string()),
+            Some("--device") => {
+                const WANT: &str = "a device index (0, 1, ...)";
                 device = Some(
-                    it.next().and_then(|v| v.parse::<u64>().ok()).ok_or("--device takes a device index (0, 1, ...)")?,
+                    files::text_value(it.next(), "--device", WANT)?
+                        .parse::<u64>()
+                        .map_err(|_| format!("--device takes {WANT}"))?,
                 )
             }
-            f if (!f.starts_with('-') || f == "-") && input.is_none() => input = Some(f.to_string()),
-            other => return Err(format!("unexpected argument `{other}`")),
+            Some(f) if f.starts_with('-') && f != "-" => return Err(format!("unexpected argument `{f}`")),
+            _ if input.is_none() => input = Some(a.into()),
+            _ => return Err(format!("unexpected argument `{}`", a.to_string_lossy())),
         }
     }
     let input = input.ok_or("missing the snapshot file (SNAPSHOT.json)")?;
     let output = output.ok_or("missing -o OUT.svg")?;
-    let text = if input == "-" {
-        std::io::read_to_string(std::io::stdin()).map_err(|e| format!("standard input: {e}"))?
-    } else {
-        std::fs::read_to_string(&input).map_err(|e| format!("{input}: {e}"))?
-    };
-    let doc = parse_json(&text).map_err(|e| format!("{input}: {e}"))?;
-    let pic = picture(&doc, device).map_err(|e| format!("{input}: {e}"))?;
+    files::refuse_same_file(&input, &output)?;
+    let text = files::read_input(&input)?;
+    let name = if input == Path::new("-") { "standard input".to_string() } else { input.display().to_string() };
+    let doc = parse_json(&text).map_err(|e| format!("{name}: {e}"))?;
+    drop(text);
+    let pic = picture(&doc, device).map_err(|e| format!("{name}: {e}"))?;
     for note in &pic.notes {
         eprintln!("dmabuf-rt svg: {note}");
     }
-    let mut title = title.unwrap_or_else(|| format!("{input}: memory snapshot"));
+    let mut title = title.unwrap_or_else(|| format!("{}: memory snapshot", input.display()));
     if !pic.allocs_in_trace && !pic.timeline.is_empty() {
         title.push_str(" (no alloc/free in the trace: allocated not drawn)");
     }
     let out = svg::render(&title, &pic.segments, &pic.timeline, pic.peak_op);
-    if output == "-" {
-        print!("{out}");
+    if output == Path::new("-") {
+        files::write_stdout(out.as_bytes())?;
     } else {
-        std::fs::write(&output, &out).map_err(|e| format!("{output}: {e}"))?;
+        files::write_file(&output, out.as_bytes())?;
         eprintln!(
-            "dmabuf-rt svg: wrote {output} ({} bytes): {} segments, {} timeline points",
+            "dmabuf-rt svg: wrote {} ({} bytes): {} segments, {} timeline points",
+            output.display(),
             out.len(),
             pic.segments.len(),
             pic.timeline.len()
@@ -469,6 +478,9 @@ fn read_segment(i: usize, s: &Json) -> Result<RawSegment, String> {
         .or_else(|| s.get("size"))
         .and_then(Json::as_u64)
         .ok_or(format!("{ctx}: no \"total_size\" (a non-negative integer)"))?;
+    if address.checked_add(size).is_none() {
+        return Err(format!("{ctx}: {size} bytes from there reach past the top of the 64-bit address space"));
+    }
     let pool = s.get("pool").or_else(|| s.get("segment_type")).and_then(Json::as_str).unwrap_or("?").to_string();
     let stream = s.get("stream").and_then(Json::as_u64).unwrap_or(0);
     let expandable = s.get("is_expandable").and_then(Json::as_bool).unwrap_or(false);
@@ -569,7 +581,11 @@ fn group_runs(raw: Vec<RawSegment>) -> Result<Vec<SvgSegment>, String> {
     let mut out: Vec<Out> = Vec::new();
     for s in raw {
         if let Some(last) = out.last_mut() {
-            let last_end = last.seg.address as u64 + last.seg.size as u64;
+            // `read_segment` refused a segment whose end passes 2^64, and runs merge only in
+            // address order, so a merged segment ends where its last run does: no sum below
+            // overflows, and the checked ones say which segment if one did.
+            let past_top = || format!("the segment at {:#x} reaches past the top of the address space", s.address);
+            let last_end = (last.seg.address as u64).checked_add(last.seg.size as u64).ok_or_else(past_top)?;
             let same = (true, s.stream, &s.pool) == (last.expandable, last.stream, &last.pool);
             if s.expandable && same && s.address >= last_end {
                 if s.address > last_end {
@@ -580,8 +596,13 @@ fn group_runs(raw: Vec<RawSegment>) -> Result<Vec<SvgSegment>, String> {
                     });
                 }
                 let shift = usize_of(s.address - last.seg.address as u64, "offset")?;
-                last.seg.blocks.extend(s.blocks.into_iter().map(|b| SvgBlock { offset: b.offset + shift, ..b }));
-                last.seg.size = usize_of(shift as u64 + s.size, "size")?;
+                let mut blocks = Vec::with_capacity(s.blocks.len());
+                for b in s.blocks {
+                    let offset = b.offset.checked_add(shift).ok_or_else(past_top)?;
+                    blocks.push(SvgBlock { offset, ..b });
+                }
+                last.seg.blocks.extend(blocks);
+                last.seg.size = usize_of((shift as u64).checked_add(s.size).ok_or_else(past_top)?, "size")?;
                 last.runs += 1;
                 continue;
             }
@@ -898,10 +919,11 @@ mod tests {
             dir.join(format!("dmabuf-rt-svg-{}.svg", std::process::id())),
         );
         std::fs::write(&input, snapshot()).unwrap();
-        let args: Vec<String> = [input.to_str().unwrap(), "-o", output.to_str().unwrap(), "--title", "a <b>"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+        let args: Vec<OsString> =
+            [input.as_os_str(), "-o".as_ref(), output.as_os_str(), "--title".as_ref(), "a <b>".as_ref()]
+                .iter()
+                .map(|s| s.into())
+                .collect();
         run(&args).unwrap();
         let svg = std::fs::read_to_string(&output).unwrap();
         assert!(svg.starts_with("<?xml") && svg.contains("<title>a &lt;b&gt;</title>") && svg.contains("peak, op 0"));
@@ -910,9 +932,10 @@ mod tests {
         assert!(e.ends_with("not valid JSON at byte 16: expected a value, found ']'"), "{e}");
         let _ = std::fs::remove_file(&input);
         let _ = std::fs::remove_file(&output);
-        assert!(run(&["-o".to_string(), "x.svg".to_string()]).unwrap_err().contains("missing the snapshot"));
-        assert!(run(&["a.json".to_string()]).unwrap_err().contains("missing -o"));
-        assert!(run(&["a.json".to_string(), "--bogus".to_string()]).unwrap_err().contains("--bogus"));
+        let args = |a: &[&str]| a.iter().map(OsString::from).collect::<Vec<_>>();
+        assert!(run(&args(&["-o", "x.svg"])).unwrap_err().contains("missing the snapshot"));
+        assert!(run(&args(&["a.json"])).unwrap_err().contains("missing -o"));
+        assert!(run(&args(&["a.json", "--bogus"])).unwrap_err().contains("--bogus"));
     }
 
     /// `replay --svg`: the segments of a snapshot of this library come out drawn: without page
