@@ -62,12 +62,12 @@ pub enum Origin {
 #[derive(Debug)]
 pub(crate) enum Backing {
     None,
-    /// The memfd behind a udmabuf (kept for pread/pwrite-style access).
+    /// The memfd behind a udmabuf over it from its start, so that the segment's offsets are
+    /// the memfd's (kept for pread/pwrite-style access: [`Segment::memfd`]).
     Memfd(OwnedFd),
-    /// The memfds behind a udmabuf made of several ranges.
-    Memfds(
-        #[expect(dead_code, reason = "held so every range stays reachable by fd as long as the segment")] Vec<OwnedFd>,
-    ),
+    /// The memfds behind a udmabuf made of several ranges (or of one range not from the
+    /// start): kept alive only, since offsets in the segment are not offsets in them.
+    Memfds(Vec<OwnedFd>),
     /// An object of the source that made the segment (the GEM handle behind a PRIME export,
     /// closed when the last user drops it), opaque to the segment.
     KeepAlive(Arc<dyn KeepAlive>),
@@ -103,7 +103,13 @@ pub struct Segment {
     fd_state: std::sync::atomic::AtomicU8,
     /// Unique among the segments this process ever made ([`Segment::serial`]).
     serial: u64,
+    /// The files whose pages it shows ([`Segment::files`]), found on first use.
+    files: std::sync::OnceLock<Vec<FileId>>,
 }
+
+/// A file by `(device, inode)`: two segments that name one show the same pages (two imports of
+/// one fd, a block's fd imported back, a udmabuf and the memfd behind it).
+pub(crate) type FileId = (u64, u64);
 
 /// The next [`Segment::serial`].
 static NEXT_SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -146,6 +152,7 @@ impl Segment {
             origin,
             fd_state: Default::default(),
             serial: next_serial(),
+            files: std::sync::OnceLock::new(),
         })
     }
 
@@ -163,6 +170,7 @@ impl Segment {
             origin,
             fd_state: Default::default(),
             serial: next_serial(),
+            files: std::sync::OnceLock::new(),
         })
     }
 
@@ -220,6 +228,29 @@ impl Segment {
     /// refuse or decline).
     pub fn is_stitched(&self) -> bool {
         self.fd_state.load(std::sync::atomic::Ordering::Acquire) == FD_STITCHED
+    }
+
+    /// The files whose pages the segment shows: its fd's and those of the memfds behind it
+    /// (a udmabuf's), as `(device, inode)`; found with `fstat` on first use (a file that cannot
+    /// be looked at is left out).
+    pub(crate) fn files(&self) -> &[FileId] {
+        self.files.get_or_init(|| {
+            let id = |fd: BorrowedFd<'_>| rustix::fs::fstat(fd).ok().map(|st| (st.st_dev, st.st_ino));
+            let mut files: Vec<FileId> = id(self.fd.as_fd()).into_iter().collect();
+            match &self.backing {
+                Backing::Memfd(m) => files.extend(id(m.as_fd())),
+                Backing::Memfds(ms) => files.extend(ms.iter().filter_map(|m| id(m.as_fd()))),
+                Backing::None | Backing::KeepAlive(_) => {}
+            }
+            files
+        })
+    }
+
+    /// Whether an offset in the segment is the same offset in each of [`Segment::files`]: not
+    /// for a page-stitched arena (its views show units out of order) nor a udmabuf made of
+    /// ranges of memfds.
+    pub(crate) fn files_in_order(&self) -> bool {
+        !self.is_stitched() && !matches!(self.backing, Backing::Memfds(_))
     }
 
     /// Moves the fd state from [`FD_PLAIN`] to `to` (or finds it there already); refuses if it

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use super::mem::Aliasing;
 use super::ring::{RingError, Transfer};
 use super::{Mem, QueueShared};
 use crate::copy;
@@ -47,6 +48,7 @@ pub(super) struct CheckedCopy<'a> {
     src: &'a Mem,
     d: *mut u8,
     s: *mut u8,
+    alias: Aliasing,
 }
 
 impl<'a> CheckedCopy<'a> {
@@ -61,7 +63,7 @@ impl<'a> CheckedCopy<'a> {
         if !dst.writable() {
             return Err(crate::error::Error::ReadOnly);
         }
-        Ok(Self { dst, src, d, s })
+        Ok(Self { dst, src, d, s, alias: dst.aliasing(src) })
     }
 
     /// Bytes to copy.
@@ -73,7 +75,7 @@ impl<'a> CheckedCopy<'a> {
     /// where a side is a dma-buf).
     #[inline]
     pub(super) fn run(&self) -> std::result::Result<(), Arc<str>> {
-        if self.src.dmabuf().is_none() && self.dst.dmabuf().is_none() {
+        if self.alias == Aliasing::No && self.src.dmabuf().is_none() && self.dst.dmabuf().is_none() {
             // SAFETY: both ranges lie inside live memory the two `Mem`s hold for the call
             // (checked at construction: same length, mapped), accessed only through `copy`.
             unsafe { copy_maybe_overlapping(self.s, self.d, self.len()) };
@@ -89,6 +91,13 @@ pub(super) fn cpu_copy(dst: &Mem, src: &Mem) -> std::result::Result<(), Arc<str>
         _ => return Err("copy side has no CPU mapping".into()),
     };
     let (src_buf, dst_buf) = (src.dmabuf(), dst.dmabuf());
+    let alias = dst.aliasing(src);
+    if alias != Aliasing::No {
+        return with_sync([(src_buf, sys::dma_buf::SYNC_READ), (dst_buf, sys::dma_buf::SYNC_WRITE)], || {
+            // SAFETY: as below.
+            unsafe { copy_aliased(s, d, dst.len(), alias) }
+        })?;
+    }
     if src_buf.is_none() && dst_buf.is_none() {
         // No dma-buf side: no sync bracket (the small-copy fast path pays nothing for it).
         // SAFETY: as below.
@@ -98,10 +107,60 @@ pub(super) fn cpu_copy(dst: &Mem, src: &Mem) -> std::result::Result<(), Arc<str>
     with_sync([(src_buf, sys::dma_buf::SYNC_READ), (dst_buf, sys::dma_buf::SYNC_WRITE)], || {
         // SAFETY: both ranges lie inside live memory held by `dst`/`src` (Mem ranges are
         // bounds-checked at construction, and the Arcs they hold keep the memory mapped);
-        // they are accessed only through `copy`. Overlapping ranges of one buffer are
-        // refused by the caller's contract of distinct buffers (see below).
+        // they are accessed only through `copy`. Ranges of one mapping that overlap are
+        // moved as `memmove` would; two mappings of the same pages were handled above.
         unsafe { copy_maybe_overlapping(s, d, dst.len()) }
     })
+}
+
+/// Bytes moved at a time by [`copy_aliased`] where the order is known.
+const ALIASED_CHUNK: usize = 64 << 10;
+
+/// Copies `len` bytes from `src` to `dst`, two mappings of the same pages (`alias`, not
+/// [`Aliasing::No`]), as `memmove` would in the file they share: where the offsets are known,
+/// a chunk at a time through a private buffer, in the file's order (from the end first where
+/// the destination lies after the source, so no chunk reads bytes already written); else
+/// through a private copy of the whole source (refused, not aborted, if there is no memory
+/// for it).
+///
+/// # Safety
+/// As `copy::copy`, except that the ranges may show the same pages.
+unsafe fn copy_aliased(src: *const u8, dst: *mut u8, len: usize, alias: Aliasing) -> std::result::Result<(), Arc<str>> {
+    let mut tmp: Vec<u8> = Vec::new();
+    let chunk = match alias {
+        Aliasing::Ordered { .. } => len.min(ALIASED_CHUNK),
+        _ => len,
+    };
+    tmp.try_reserve_exact(chunk).map_err(|_| {
+        Arc::<str>::from(format!(
+            "copy between two mappings of the same pages: no memory for a private copy of its {len} bytes"
+        ))
+    })?;
+    tmp.resize(chunk, 0);
+    let mut move_chunk = |at: usize, n: usize| {
+        // `at + n <= len`: inside both ranges (the caller's, valid for `len` bytes).
+        let (s, d) = (src.wrapping_add(at), dst.wrapping_add(at));
+        // SAFETY: `[s, s + n)` is readable (above); `tmp` is private and holds `n` bytes.
+        unsafe { copy::copy(s, tmp.as_mut_ptr(), n) };
+        // SAFETY: `[d, d + n)` is writable (above).
+        unsafe { copy::copy_from_private(&tmp[..n], d) };
+    };
+    if matches!(alias, Aliasing::Ordered { dst_after_src: true }) {
+        let mut end = len;
+        while end > 0 {
+            let n = end.min(chunk);
+            move_chunk(end - n, n);
+            end -= n;
+        }
+    } else {
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(chunk);
+            move_chunk(at, n);
+            at += n;
+        }
+    }
+    Ok(())
 }
 
 /// # Safety

@@ -136,6 +136,19 @@ enum Target {
     },
 }
 
+/// How a copy's two ranges share pages through two mappings ([`Mem::aliasing`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Aliasing {
+    /// They share none (or are ranges of one mapping, whose addresses tell).
+    No,
+    /// They are ranges of one file at known offsets that meet: the copy must move the bytes
+    /// in the file's order (from the end first where the destination lies after the source).
+    Ordered { dst_after_src: bool },
+    /// They show pages of one file at offsets not known here (a page-stitched arena, a
+    /// udmabuf of several ranges): the copy goes through a private copy of the source.
+    Unknown,
+}
+
 /// A byte range of a segment or a host buffer, for queue operations.
 #[derive(Clone)]
 pub struct Mem {
@@ -264,6 +277,26 @@ impl Mem {
         let (Ok(a), Ok(b)) = (self.ptr(), other.ptr()) else { return false };
         let (a, b) = (a as usize, b as usize);
         a < b + other.len && b < a + self.len
+    }
+
+    /// Whether a copy from `src` into this range moves bytes between two mappings of the same
+    /// pages (two segments over one file: an fd imported twice, a block's fd imported back, a
+    /// udmabuf and its memfd), where the addresses do not show that the ranges meet. Ranges of
+    /// one segment are told apart by their addresses (`overlaps`), host memory by the caller.
+    pub(crate) fn aliasing(&self, src: &Mem) -> Aliasing {
+        let (Target::Segment(d), Target::Segment(s)) = (&self.target, &src.target) else { return Aliasing::No };
+        if Arc::ptr_eq(d, s) || !d.files().iter().any(|f| s.files().contains(f)) {
+            return Aliasing::No;
+        }
+        if !(d.files_in_order() && s.files_in_order()) {
+            return Aliasing::Unknown;
+        }
+        // Offsets in both segments are offsets in the file they share.
+        let (a, b) = (self.offset, src.offset);
+        if a + self.len <= b || b + src.len <= a {
+            return Aliasing::No;
+        }
+        Aliasing::Ordered { dst_after_src: a > b }
     }
 
     /// The CPU address of the range's first byte.

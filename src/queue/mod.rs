@@ -640,7 +640,11 @@ fn check_fill(dst: &Mem) -> Result<()> {
 /// pwrite from a mapping of the very pages it writes would read bytes it already changed).
 #[inline]
 fn kernel_copy_applies(shared: &QueueShared, dst: &Mem, src: &Mem) -> bool {
-    shared.engine == CopyEngine::Kernel && (dst.memfd().is_some() || src.memfd().is_some()) && !dst.overlaps(src)
+    shared.engine == CopyEngine::Kernel
+        && (dst.memfd().is_some() || src.memfd().is_some())
+        && !dst.overlaps(src)
+        // Two mappings of the same pages: the CPU path moves them in the file's order.
+        && dst.aliasing(src) == mem::Aliasing::No
 }
 
 fn inline_ok(shared: &QueueShared, op: &Op) -> bool {

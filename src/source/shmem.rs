@@ -271,7 +271,12 @@ impl Udmabuf {
             "UDMABUF_CREATE_LIST",
         ))?;
         let keep = memfd.try_clone_to_owned().map_err(Error::io("dup memfd"))?;
-        Segment::new(dmabuf, total, FdKind::DmaBuf, seg.kind(), Origin::Udmabuf, Backing::Memfd(keep), true)
+        // The memfd is the segment's for pread/pwrite-style access (`Segment::memfd`, which
+        // the kernel copy engine uses) only where the segment's offsets are the memfd's: one
+        // range from its start. Otherwise an offset in the export names another place in the
+        // memfd (another block's bytes): the memfd is only kept alive.
+        let backing = if ranges == [(0, total)] { Backing::Memfd(keep) } else { Backing::Memfds(vec![keep]) };
+        Segment::new(dmabuf, total, FdKind::DmaBuf, seg.kind(), Origin::Udmabuf, backing, true)
     }
 }
 
