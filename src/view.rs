@@ -32,8 +32,10 @@ use crate::sys;
 pub struct CpuView<'a> {
     segment: &'a Segment,
     mapping: &'a Mapping,
-    /// Where the view starts in the segment (and in its fd).
+    /// Where the view starts in the segment's mapping.
     offset: usize,
+    /// Where it starts in the segment's fd, if one range of the fd holds it ([`CpuView::fd_offset`]).
+    fd_offset: Option<usize>,
     len: usize,
     access: Access,
     /// This view issued `DMA_BUF_IOCTL_SYNC` start and owes the end (a root view of a
@@ -77,7 +79,17 @@ impl<'a> CpuView<'a> {
             sys::dma_buf::sync(segment.as_fd(), sys::dma_buf::SYNC_START | access.sync_flags())
                 .map_err(Error::io("DMA_BUF_IOCTL_SYNC start"))?;
         }
-        Ok(Self { segment, mapping, offset, len, access, ends })
+        // The mapping shows the fd in order, except for a page-stitched arena (whose blocks'
+        // views say where they lie: `with_fd_offset`).
+        let fd_offset = (!segment.is_stitched()).then_some(offset);
+        Ok(Self { segment, mapping, offset, fd_offset, len, access, ends })
+    }
+
+    /// The view with `fd_offset` as where it starts in its segment's fd (`None`: no one range
+    /// of the fd holds it): for a block of a page-stitched arena, which the caller locates.
+    pub(crate) fn with_fd_offset(mut self, fd_offset: Option<usize>) -> Self {
+        self.fd_offset = fd_offset;
+        self
     }
 
     /// Length of the view in bytes.
@@ -95,10 +107,20 @@ impl<'a> CpuView<'a> {
         self.access
     }
 
-    /// Where the view starts in its fd ([`AsFd::as_fd`]): with [`CpuView::len`], the range to
-    /// name when the buffer is shared.
+    /// Where the view starts in its segment's mapping. For a segment whose mapping shows its
+    /// fd in order (all but page-stitched arenas) this is also where it starts in the fd:
+    /// [`CpuView::fd_offset`] says which.
     pub fn offset(&self) -> usize {
         self.offset
+    }
+
+    /// Where the view starts in its fd ([`AsFd::as_fd`]): with [`CpuView::len`], the range to
+    /// name when the buffer is shared. `None` where no one range of the fd holds the view: a
+    /// block of a page-stitched arena whose units lie in several runs of its memfd (its
+    /// [`Allocation::fd_ranges`](crate::caching::Allocation::fd_ranges) say where), or a view
+    /// of such an arena's whole mapping.
+    pub fn fd_offset(&self) -> Option<usize> {
+        self.fd_offset
     }
 
     /// Whether the fd is a dma-buf (otherwise a memfd).
@@ -107,7 +129,8 @@ impl<'a> CpuView<'a> {
     }
 
     /// A new fd for the buffer the view lies in (`dup`), to send to another process or driver
-    /// together with [`CpuView::offset`] and [`CpuView::len`].
+    /// together with [`CpuView::fd_offset`] and [`CpuView::len`] (refused for a page-stitched
+    /// arena: its fd names its units, which its blocks show out of order).
     pub fn try_clone_fd(&self) -> Result<OwnedFd> {
         self.segment.try_clone_fd()
     }
@@ -120,6 +143,7 @@ impl<'a> CpuView<'a> {
             segment: self.segment,
             mapping: self.mapping,
             offset: self.offset + offset,
+            fd_offset: self.fd_offset.map(|f| f + offset),
             len,
             access: self.access,
             ends: false,
@@ -201,7 +225,8 @@ impl Segment {
 }
 
 impl AsFd for CpuView<'_> {
-    /// The fd of the buffer the view lies in, at [`CpuView::offset`].
+    /// The fd of the buffer the view lies in, at [`CpuView::fd_offset`] (where that is `None`,
+    /// no one range of the fd holds the view).
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.segment.as_fd()
     }

@@ -115,7 +115,13 @@ impl Allocation {
     /// CPU access to the block: a [`CpuView`] of exactly the bytes asked for (its neighbours in
     /// the segment are out of reach), inside the dma-buf sync bracket if the segment is one.
     pub fn cpu_access(&self, access: Access) -> Result<CpuView<'_>> {
-        CpuView::new(self.seg(), self.body().offset, self.body().size, access)
+        let view = CpuView::new(self.seg(), self.body().offset, self.body().size, access)?;
+        if self.seg().is_stitched() {
+            // Its units' place in the memfd, if one run holds them (`CpuView::fd_offset`).
+            let fd_offset = self.lock_pool().fd_offset(self.id()).ok();
+            return Ok(view.with_fd_offset(fd_offset));
+        }
+        Ok(view)
     }
 
     /// Where the block starts in its fd ([`Allocation::try_clone_fd`]): with
@@ -227,7 +233,9 @@ impl Allocation {
 }
 
 impl AsFd for Allocation {
-    /// The fd of the segment the block lies in, at [`Allocation::offset`].
+    /// The fd of the segment the block lies in, at [`Allocation::offset`] (for a block of a
+    /// page-stitched arena whose units lie in several runs of its memfd, no one range of this
+    /// fd holds it: [`Allocation::fd_ranges`] say where they are).
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.seg().as_fd()
     }
