@@ -24,8 +24,11 @@ use dmabuf_rt::queue::Queue;
 use dmabuf_rt::share::Channel;
 use dmabuf_rt::source::ShmemSource;
 
-/// How long the bounded waits of this file wait.
-const WAIT: Duration = Duration::from_secs(10);
+/// How long the bounded waits of this file wait: 10 s, times the stress time scale (the kernel
+/// lane's emulated machine is several times slower).
+fn wait() -> Duration {
+    Duration::from_secs(10) * common::time_scale()
+}
 
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
@@ -70,7 +73,7 @@ fn blocked_queue() -> (Queue, mpsc::Sender<()>) {
 /// and `peer_gone()` block too.)
 #[test]
 fn releases_are_not_stalled_by_an_export_blocked_on_a_full_channel() {
-    within("an importer releasing while the producer exports", Duration::from_secs(30), || {
+    within("an importer releasing while the producer exports", wait() * 3, || {
         let a = Arc::new(common::allocator("", 256 * MB as u64));
         let (exp, imp) = pair();
         let (exp, imp) = (Arc::new(exp), Arc::new(imp));
@@ -107,7 +110,7 @@ fn releases_are_not_stalled_by_an_export_blocked_on_a_full_channel() {
         let keep = producer.join().unwrap();
         assert_eq!(second.len(), 3000);
         drop((first, keep, second));
-        let deadline = Instant::now() + Duration::from_secs(5);
+        let deadline = Instant::now() + wait();
         while exp.held() != 0 {
             assert!(Instant::now() < deadline, "releases never applied");
             std::thread::yield_now();
@@ -132,7 +135,7 @@ fn a_block_exported_twice_stays_in_limbo_until_both_are_released() {
     assert_eq!(limbo(&a), size);
     a.check_invariants().unwrap();
     drop(g1);
-    wait_until("one release", WAIT, || exp.held() == 1);
+    wait_until("one release", wait(), || exp.held() == 1);
     assert_eq!(limbo(&a), size, "one of two holds released the block");
     let churn: Vec<_> = (0..16).map(|_| a.allocate(40 * KB, None).unwrap()).collect();
     for y in &churn {
@@ -143,7 +146,7 @@ fn a_block_exported_twice_stays_in_limbo_until_both_are_released() {
     assert!(v == pattern(40 * KB, 11), "a block still held once was reused");
     a.check_invariants().unwrap();
     drop(g2);
-    wait_until("both releases", WAIT, || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("both releases", wait(), || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
 }
 
@@ -164,12 +167,12 @@ fn a_peer_releasing_twice_or_unknown_exports_frees_nothing_else() {
     }
     // y's release comes last: once it is applied, everything before it was too.
     theirs.send_bytes(&release_packet(h3.export), &[]).unwrap();
-    wait_until("y's release", WAIT, || exp.held() == 1);
+    wait_until("y's release", wait(), || exp.held() == 1);
     assert!(exp.peer_gone().is_none(), "{:?}", exp.peer_gone());
     assert_eq!(limbo(&a), 8 * KB as i64, "x is held by export {} still", h2.export);
     a.check_invariants().unwrap();
     drop(theirs);
-    wait_until("the hang-up", WAIT, || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the hang-up", wait(), || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
 }
 
@@ -192,25 +195,25 @@ fn a_deferred_free_of_a_shared_block_waits_for_the_queue_and_the_importer() {
         assert!(again.iter().all(|y| y.as_ptr() != addr), "reused while the queue and importer hold it");
         if release_first {
             drop(got);
-            wait_until("the release", WAIT, || exp.held() == 0);
+            wait_until("the release", wait(), || exp.held() == 0);
             a.check_invariants().unwrap();
             assert_eq!(limbo(&a), 0, "not freed yet here, so not in limbo");
             drop(go);
             q.synchronize().unwrap();
-            wait_until("the deferred free", WAIT, || {
+            wait_until("the deferred free", wait(), || {
                 a.check_invariants().unwrap();
                 a.stats().active_bytes[AGGREGATE].current == 4 * 64 * KB as i64
             });
         } else {
             drop(go);
             q.synchronize().unwrap();
-            wait_until("limbo", WAIT, || limbo(&a) == 64 * KB as i64);
+            wait_until("limbo", wait(), || limbo(&a) == 64 * KB as i64);
             a.check_invariants().unwrap();
             let mut v = vec![0; 64 * KB];
             got.read(0, &mut v).unwrap();
             assert!(v == pattern(64 * KB, 21));
             drop(got);
-            wait_until("the release", WAIT, || exp.held() == 0 && limbo(&a) == 0);
+            wait_until("the release", wait(), || exp.held() == 0 && limbo(&a) == 0);
         }
         a.check_invariants().unwrap();
         drop(again);
@@ -235,11 +238,11 @@ fn a_raw_deferred_free_of_a_shared_block_goes_through_limbo() {
     a.check_invariants().unwrap();
     drop(go);
     q.synchronize().unwrap();
-    wait_until("limbo", WAIT, || limbo(&a) == 32 * KB as i64);
+    wait_until("limbo", wait(), || limbo(&a) == 32 * KB as i64);
     a.check_invariants().unwrap();
     assert!(a.free_raw(p).unwrap_err().to_string().contains("limbo"));
     drop(got);
-    wait_until("the release", WAIT, || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the release", wait(), || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
     assert_eq!(a.stats().active_bytes[AGGREGATE].current, 0);
 }
@@ -261,7 +264,7 @@ fn free_raw_sized_of_a_block_in_limbo_is_refused_as_free_raw_refuses_it() {
     assert_eq!(limbo(&a), 16 * KB as i64);
     a.check_invariants().unwrap();
     drop(got);
-    wait_until("the release", WAIT, || limbo(&a) == 0);
+    wait_until("the release", wait(), || limbo(&a) == 0);
     a.check_invariants().unwrap();
 }
 
@@ -297,7 +300,7 @@ fn empty_cache_leaves_blocks_in_limbo_alone() {
         assert!(v == pattern(g.len(), 40 + i as u8), "block {i} changed under empty_cache");
     }
     drop(got);
-    wait_until("the releases", WAIT, || limbo(&a) == 0 && exp.held() == 0);
+    wait_until("the releases", wait(), || limbo(&a) == 0 && exp.held() == 0);
     a.empty_cache();
     a.check_invariants().unwrap();
     let s = a.stats();
@@ -325,9 +328,9 @@ fn the_allocator_dropped_while_exports_are_outstanding() {
         assert!(v == pattern(g.len(), 60 + i as u8), "block {i} lost after the allocator's drop");
     }
     drop(got);
-    wait_until("the releases", WAIT, || exp.held() == 0);
+    wait_until("the releases", wait(), || exp.held() == 0);
     assert!(exp.peer_gone().is_none());
-    within("the exporter's drop", Duration::from_secs(20), move || drop((exp, imp)));
+    within("the exporter's drop", wait() * 2, move || drop((exp, imp)));
 }
 
 /// Opens racing the exporter's drop: each open either works or says the peer is gone, and
@@ -365,7 +368,7 @@ fn opens_racing_the_exporters_drop_are_clean() {
     dropper.join().unwrap();
     assert!(opened.len() >= 20);
     assert_eq!(opened.len() + gone, 200);
-    wait_until("the exporter's releases", WAIT, || limbo(&a) == 0);
+    wait_until("the exporter's releases", wait(), || limbo(&a) == 0);
     a.check_invariants().unwrap();
     drop(opened);
     assert!(matches!(imp.open(&hs[0]), Err(Error::PeerGone { .. }) | Err(Error::InvalidArgument { .. })));
@@ -434,7 +437,7 @@ fn export_free_release_from_many_threads_never_shows_stale_bytes() {
     stop.store(true, Ordering::Release);
     churner.join().unwrap();
     assert_eq!(bad.load(Ordering::Relaxed), 0, "an import read a block that was reused");
-    wait_until("every release", WAIT, || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("every release", wait(), || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
     a.empty_cache();
     let s = a.stats();
@@ -469,7 +472,7 @@ fn a_block_in_limbo_of_a_dropped_queue() {
         assert!(v == pattern(g.len(), 80 + i as u8), "block {i} of the dropped queue changed while held");
     }
     drop(got);
-    wait_until("the releases", WAIT, || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the releases", wait(), || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
     drop(others);
     a.empty_cache();
@@ -514,7 +517,7 @@ fn the_limbo_under_other_settings() {
             got.read(0, &mut v).unwrap();
             assert!(v == pattern(n, 7), "{conf} {n}: the imported block changed");
             drop(got);
-            wait_until("the release", WAIT, || limbo(&a) == 0 && exp.held() == 0);
+            wait_until("the release", wait(), || limbo(&a) == 0 && exp.held() == 0);
             a.check_invariants().unwrap_or_else(|e| panic!("{conf} {n}: {e}"));
             drop(again);
             a.empty_cache();
@@ -556,7 +559,7 @@ fn export_raw_racing_free_raw() {
         g.read(0, &mut v).unwrap();
         assert!(v.iter().all(|&b| b == 0x3C), "round {r}: the import changed");
         drop(g);
-        wait_until("the release", WAIT, || exp.held() == 0 && limbo(&a) == 0);
+        wait_until("the release", wait(), || exp.held() == 0 && limbo(&a) == 0);
         for x in q {
             a.free_raw(x).unwrap();
         }
@@ -591,7 +594,7 @@ fn held_does_not_block_while_an_export_waits_for_a_peer_that_does_not_read() {
         std::thread::yield_now();
     }
     let probe = Arc::clone(&exp);
-    let polls = within("held() while an export is blocked", Duration::from_secs(20), move || {
+    let polls = within("held() while an export is blocked", wait() * 2, move || {
         let start = Instant::now();
         let mut n = 0;
         while start.elapsed() < Duration::from_millis(300) {
@@ -605,7 +608,7 @@ fn held_does_not_block_while_an_export_waits_for_a_peer_that_does_not_read() {
     drop(theirs);
     let sent = producer.join().unwrap();
     assert!(sent < 5000, "a peer that never read took 5000 shares");
-    wait_until("the hang-up", WAIT, || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the hang-up", wait(), || exp.held() == 0 && limbo(&a) == 0);
 }
 
 /// A handle names its exporting process (`pid`), but `open` never checks it: two producers
@@ -646,7 +649,7 @@ fn history_and_stat_resets_with_a_block_in_limbo() {
     let _ = a.snapshot().to_json();
     a.check_invariants().unwrap();
     drop(g);
-    wait_until("the release", WAIT, || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the release", wait(), || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
     let ev: Vec<_> = a.history().into_iter().filter(|e| e.addr == addr).map(|e| e.kind).collect();
     let n = |k: HistoryKind| ev.iter().filter(|&&e| e == k).count();
@@ -677,7 +680,7 @@ fn an_importer_does_not_keep_every_released_segment_forever() {
         let g = imp.open(&exp.export(&x, None).unwrap()).unwrap();
         drop(g);
         drop(x);
-        wait_until("the release", WAIT, || exp.held() == 0 && limbo(&a) == 0);
+        wait_until("the release", wait(), || exp.held() == 0 && limbo(&a) == 0);
         a.empty_cache();
         assert_eq!(a.stats().reserved_bytes[AGGREGATE].current, 0, "round {r}");
     }

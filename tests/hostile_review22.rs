@@ -110,6 +110,8 @@ fn dropped_blocks_with_pending_fence_and_pidfd_close_their_fds() {
 /// Passing check: a fence whose producer is killed while the block is open fails at once.
 #[test]
 fn fence_fails_when_live_producer_is_killed() {
+    // Its fds (producer, channels, fence, pidfd) must not be counted by the test above.
+    let _serial = serial();
     let (mut producer, control, imp) = spawn("hold-1");
     let h = cmd_of(&control.recv::<Ctl>().unwrap().msg).1.unwrap();
     let b = imp.open(&h).unwrap();

@@ -30,7 +30,11 @@ use dmabuf_rt::source::{MemorySource, ShmemSource};
 
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
-const LIMIT: Duration = Duration::from_secs(20);
+/// The bound on each race's run (a hang detector): 20 s, times the stress time scale (the
+/// kernel lane's emulated machine is several times slower and shares its two vCPUs).
+fn limit() -> Duration {
+    Duration::from_secs(20) * common::time_scale()
+}
 
 /// The configurations every race runs under.
 const CONFIGS: &[&str] = &[
@@ -84,7 +88,7 @@ fn alloc_of(conf: &str, capacity: u64) -> CachingAllocator {
 /// fraction changes and the invariants.
 #[test]
 fn drops_race_every_entry_point() {
-    entry_point_race(CONFIGS, false, Duration::from_secs(60));
+    entry_point_race(CONFIGS, false, limit() * 3);
 }
 
 /// The race above with the raw thread's deferred frees filling the whole raw block (up to
@@ -127,7 +131,7 @@ fn large_deferred_raw_fills_race_every_entry_point() {
             "expandable_segments:False,max_split_size_mb:32",
         ]
     };
-    entry_point_race(configs, true, Duration::from_secs(120));
+    entry_point_race(configs, true, limit() * 6);
 }
 
 fn entry_point_race(configs: &'static [&'static str], big_raw_fills: bool, limit: Duration) {
@@ -282,7 +286,7 @@ fn entry_point_race(configs: &'static [&'static str], big_raw_fills: bool, limit
             for q in qs.iter() {
                 q.synchronize().unwrap();
             }
-            wait_until("deferred frees complete", LIMIT, || a.stats().allocation[AGGREGATE].current == 0);
+            wait_until("deferred frees complete", self::limit(), || a.stats().allocation[AGGREGATE].current == 0);
             settled(&a, conf);
             a.empty_cache();
             settled(&a, conf);
@@ -295,7 +299,7 @@ fn entry_point_race(configs: &'static [&'static str], big_raw_fills: bool, limit
 /// free (the new path) or taken by the other (the old path); frees must be applied once.
 #[test]
 fn drop_fast_path_pingpong_exact() {
-    within("pingpong", LIMIT, || {
+    within("pingpong", limit(), || {
         for conf in CONFIGS {
             let a = alloc(conf);
             let hs: Vec<_> = (0..2u64)
@@ -331,7 +335,7 @@ fn drop_fast_path_pingpong_exact() {
 /// callbacks still holding allocations.
 #[test]
 fn drops_in_queue_callbacks_and_queue_drop() {
-    within("callbacks", LIMIT, || {
+    within("callbacks", limit(), || {
         for conf in CONFIGS {
             let a = alloc(conf);
             for round in 0..scaled(30) {
@@ -364,7 +368,7 @@ fn drops_in_queue_callbacks_and_queue_drop() {
                 }
                 drop(q);
                 drop(q2);
-                wait_until("callbacks' frees", LIMIT, || a.stats().allocation[AGGREGATE].current == 0);
+                wait_until("callbacks' frees", limit(), || a.stats().allocation[AGGREGATE].current == 0);
                 settled(&a, &format!("{conf} round {round}"));
             }
         }
@@ -375,7 +379,7 @@ fn drops_in_queue_callbacks_and_queue_drop() {
 /// is dropped during the unwind, on the executor thread.
 #[test]
 fn drop_during_panic_unwind_in_callback_and_thread() {
-    within("unwind", LIMIT, || {
+    within("unwind", limit(), || {
         for conf in CONFIGS {
             let a = alloc(conf);
             let q = Queue::new().unwrap();
@@ -398,7 +402,7 @@ fn drop_during_panic_unwind_in_callback_and_thread() {
                 assert!(r.is_err());
             }
             drop(q);
-            wait_until("frees", LIMIT, || a.stats().allocation[AGGREGATE].current == 0);
+            wait_until("frees", limit(), || a.stats().allocation[AGGREGATE].current == 0);
             settled(&a, conf);
         }
     });
@@ -408,7 +412,7 @@ fn drop_during_panic_unwind_in_callback_and_thread() {
 /// threads at once (the last one lets the pool go).
 #[test]
 fn allocator_handles_dropped_first() {
-    within("handles first", LIMIT, || {
+    within("handles first", limit(), || {
         for conf in CONFIGS {
             for _ in 0..20 {
                 let a = alloc(conf);
@@ -446,7 +450,7 @@ fn allocator_handles_dropped_first() {
                     h.join().unwrap();
                 }
                 q2.synchronize().unwrap();
-                wait_until("frees", LIMIT, || weak_check.stats().allocation[AGGREGATE].current == 0);
+                wait_until("frees", limit(), || weak_check.stats().allocation[AGGREGATE].current == 0);
                 settled(&weak_check, conf);
                 // Now the last handle goes before the blocks.
                 let ys: Vec<Allocation> = (0..32).map(|_| weak_check.allocate(512, Some(&q)).unwrap()).collect();
@@ -525,7 +529,7 @@ fn hostile(conf: &str) -> (CachingAllocator, Arc<AtomicBool>, Arc<Mutex<Vec<Allo
 /// from many threads take the poisoned lock with `try_lock`.
 #[test]
 fn drops_after_poisoned_pool_mutex() {
-    within("poison", LIMIT, || {
+    within("poison", limit(), || {
         for conf in CONFIGS {
             let (a, panic_next, _) = hostile(conf);
             let q = Queue::new().unwrap();
@@ -572,7 +576,7 @@ fn drops_after_poisoned_pool_mutex() {
 /// apply under the allocation in progress; the frees are applied by the next holder.
 #[test]
 fn drop_inside_source_call_with_lock_held() {
-    within("reentrant drop", LIMIT, || {
+    within("reentrant drop", limit(), || {
         for conf in CONFIGS {
             let (a, _, drop_inside) = hostile(conf);
             INSIDE_DROPS.store(0, Ordering::SeqCst);
@@ -601,7 +605,7 @@ fn drop_inside_source_call_with_lock_held() {
             big.clear();
             assert!(INSIDE_DROPS.load(Ordering::SeqCst) > 0, "{conf}: the source never dropped inside");
             q2.synchronize().unwrap();
-            wait_until("frees", LIMIT, || a.stats().allocation[AGGREGATE].current == 0);
+            wait_until("frees", limit(), || a.stats().allocation[AGGREGATE].current == 0);
             settled(&a, conf);
         }
     });
@@ -612,7 +616,7 @@ fn drop_inside_source_call_with_lock_held() {
 /// holds), everything freed in the end.
 #[test]
 fn record_queue_drops_race_gates() {
-    within("gates", LIMIT, || {
+    within("gates", limit(), || {
         for conf in CONFIGS {
             let a = alloc(conf);
             for round in 0..15 {
@@ -670,8 +674,8 @@ fn record_queue_drops_race_gates() {
                 q2.synchronize().unwrap();
                 drop(q);
                 drop(q2);
-                wait_until("deferred frees", LIMIT, || a.stats().allocation[AGGREGATE].current == 0);
-                wait_until("active", LIMIT, || a.stats().active[AGGREGATE].current == 0);
+                wait_until("deferred frees", limit(), || a.stats().allocation[AGGREGATE].current == 0);
+                wait_until("active", limit(), || a.stats().active[AGGREGATE].current == 0);
                 settled(&a, &format!("{conf} round {round}"));
             }
         }
@@ -682,7 +686,7 @@ fn record_queue_drops_race_gates() {
 /// pushed and try-drained from the queue's exit hook, racing the drops' own try_lock).
 #[test]
 fn drops_race_queue_gone() {
-    within("queue gone", LIMIT, || {
+    within("queue gone", limit(), || {
         for conf in CONFIGS {
             let a = alloc(conf);
             for _ in 0..40 {
@@ -729,7 +733,7 @@ fn drops_race_queue_gone() {
 /// history (the short way is refused then); with it off again, the stats still balance.
 #[test]
 fn history_toggle_sees_every_free() {
-    within("history", LIMIT, || {
+    within("history", limit(), || {
         for conf in CONFIGS {
             let a = alloc(conf);
             for _ in 0..scaled(200) {
@@ -761,7 +765,7 @@ fn history_toggle_sees_every_free() {
 fn drops_race_ipc_holds() {
     use dmabuf_rt::ipc::{IpcExporter, IpcImporter};
     use dmabuf_rt::share::Channel;
-    within("ipc holds", LIMIT, || {
+    within("ipc holds", limit(), || {
         for conf in CONFIGS {
             let a = alloc(conf);
             let (e, i) = Channel::pair("hr24 ipc").unwrap();
@@ -800,7 +804,7 @@ fn drops_race_ipc_holds() {
                     drop(opened);
                     drop(xs);
                 }
-                wait_until("ipc releases", LIMIT, || exp.held() == 0);
+                wait_until("ipc releases", limit(), || exp.held() == 0);
                 a.check_invariants().unwrap_or_else(|e| panic!("{conf} round {round}: {e}"));
             }
             stop.store(true, Ordering::Relaxed);
@@ -818,7 +822,7 @@ fn drops_race_ipc_holds() {
 /// blocks of one size than it holds) and taken, alternately, from several threads at once.
 #[test]
 fn quick_cache_full_boundary_drops() {
-    within("quick full", LIMIT, || {
+    within("quick full", limit(), || {
         for conf in CONFIGS {
             let a = alloc(conf);
             // More live blocks of one size than the quick cache holds (1,024); without caching
@@ -869,7 +873,7 @@ thread_local! {
 /// threads exiting at once, with and without the allocator handle still alive.
 #[test]
 fn drops_in_thread_local_destructors() {
-    within("tls", LIMIT, || {
+    within("tls", limit(), || {
         for conf in CONFIGS {
             let a = alloc(conf);
             for round in 0..10 {
@@ -904,7 +908,7 @@ fn drops_in_thread_local_destructors() {
 /// and oversize ones (the long way), with allocations made inside the hooks too.
 #[test]
 fn drops_in_event_hooks_and_after_queues() {
-    within("event hooks", LIMIT, || {
+    within("event hooks", limit(), || {
         for conf in CONFIGS {
             let a = alloc(conf);
             for round in 0..20 {
@@ -940,12 +944,12 @@ fn drops_in_event_hooks_and_after_queues() {
                     drop(a.allocate(4 * KB, Some(&q)).unwrap());
                 }
                 gate.open();
-                wait_until("hooks ran", LIMIT, || done.load(Ordering::SeqCst) == 12);
+                wait_until("hooks ran", limit(), || done.load(Ordering::SeqCst) == 12);
                 q2.synchronize().unwrap();
                 if round % 2 == 0 {
                     drop(q2);
                 }
-                wait_until("frees", LIMIT, || a.stats().allocation[AGGREGATE].current == 0);
+                wait_until("frees", limit(), || a.stats().allocation[AGGREGATE].current == 0);
                 settled(&a, &format!("{conf} round {round}"));
             }
         }

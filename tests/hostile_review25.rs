@@ -40,7 +40,11 @@ use dmabuf_rt::source::{MemorySource, ShmemSource};
 
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
-const LIMIT: Duration = Duration::from_secs(30);
+/// The bound on each race's run (a hang detector): 30 s, times the stress time scale (the
+/// kernel lane's emulated machine is several times slower and shares its two vCPUs).
+fn limit() -> Duration {
+    Duration::from_secs(30) * common::time_scale()
+}
 
 const CONFIGS: &[&str] = &[
     "expandable_segments:False",
@@ -66,7 +70,7 @@ fn membarrier_ok() -> bool {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn racing_frees_of_one_pointer_owner_fast_vs_revokers() {
-    within("racing frees", LIMIT, || {
+    within("racing frees", limit(), || {
         for conf in CONFIGS {
             for round in 0..scaled(60) {
                 let a = alloc(conf);
@@ -135,7 +139,7 @@ fn racing_frees_of_one_pointer_owner_fast_vs_revokers() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn owner_streaks_race_every_entry_point() {
-    within("owner streaks", Duration::from_secs(60), || {
+    within("owner streaks", limit() * 2, || {
         let foreign = alloc("expandable_segments:False");
         let fp = foreign.allocate_raw(4 * KB, None).unwrap() as usize;
         for (ci, conf) in CONFIGS.iter().enumerate() {
@@ -318,7 +322,7 @@ fn owner_streaks_race_every_entry_point() {
                     q.synchronize().unwrap();
                 }
                 a.record_history(false);
-                wait_until("frees", LIMIT, || a.stats().allocation[AGGREGATE].current == 0);
+                wait_until("frees", limit(), || a.stats().allocation[AGGREGATE].current == 0);
                 settled(&a, conf);
             }
         }
@@ -333,7 +337,7 @@ fn owner_streaks_race_every_entry_point() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn owners_take_turns_and_revokers_strike_mid_streak() {
-    within("turns", LIMIT, || {
+    within("turns", limit(), || {
         for conf in CONFIGS {
             for round in 0..scaled(20) {
                 let a = alloc(conf);
@@ -349,7 +353,7 @@ fn owners_take_turns_and_revokers_strike_mid_streak() {
                                 // others revoke meanwhile with raw traffic.
                                 let t0 = std::time::Instant::now();
                                 while turn.load(Ordering::SeqCst) < me {
-                                    assert!(t0.elapsed() < LIMIT, "turn never came");
+                                    assert!(t0.elapsed() < limit(), "turn never came");
                                     if (round + step) % 2 == 0 {
                                         let p = a.allocate_raw(2 * KB, None).unwrap();
                                         let r = Raw::new(p, 2 * KB);
@@ -421,7 +425,7 @@ thread_local! {
 
 #[test]
 fn owner_thread_exit_with_blocks_in_its_thread_locals() {
-    within("owner exit", LIMIT, || {
+    within("owner exit", limit(), || {
         for conf in CONFIGS {
             for _ in 0..scaled(20) {
                 let a = alloc(conf);
@@ -466,7 +470,7 @@ fn owner_thread_exit_with_blocks_in_its_thread_locals() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn one_thread_owns_many_allocators_others_revoke_each() {
-    within("many allocators", LIMIT, || {
+    within("many allocators", limit(), || {
         for _ in 0..scaled(5) {
             let allocs: Vec<CachingAllocator> = (0..8).map(|i| alloc(CONFIGS[i % CONFIGS.len()])).collect();
             for a in &allocs {
@@ -647,7 +651,7 @@ fn owner_reenters_pool_from_source_while_holding_mutex() {
 /// to pass (the aliasing is invisible here); kept as a regression net for a fix.
 #[test]
 fn owner_drops_inside_source_with_mutex_held() {
-    within("owner drops inside source", LIMIT, || {
+    within("owner drops inside source", limit(), || {
         for conf in CONFIGS {
             let r = reentrant(conf);
             let a = r.a.clone();
@@ -679,7 +683,7 @@ fn owner_drops_inside_source_with_mutex_held() {
             *r.nested.lock().unwrap() = None;
             drop(r.nested_got.lock().unwrap().take());
             q.synchronize().unwrap();
-            wait_until("frees", LIMIT, || a.stats().allocation[AGGREGATE].current == 0);
+            wait_until("frees", limit(), || a.stats().allocation[AGGREGATE].current == 0);
             settled(&a, conf);
         }
     });
@@ -691,7 +695,7 @@ fn owner_drops_inside_source_with_mutex_held() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn panicking_owner_thread_and_poisoned_mutex() {
-    within("panicking owner", LIMIT, || {
+    within("panicking owner", limit(), || {
         for conf in CONFIGS {
             let a = alloc(conf);
             let a2 = a.clone();
@@ -777,7 +781,7 @@ fn fork_child_takes_the_lock_from_parents_owner_thread() {
         if r == pid {
             break;
         }
-        if t0.elapsed() > Duration::from_secs(15) {
+        if t0.elapsed() > limit() / 2 {
             // SAFETY: our own child.
             unsafe { libc::kill(pid, libc::SIGKILL) };
             panic!("forked child hung");
@@ -807,7 +811,7 @@ fn seccomp_refusing_membarrier_after_bias() {
             println!("SKIP: no membarrier");
             return;
         }
-        let o = common::isolate::run_child(NAME, &[("DMABUF_RT_LOG", "off")], Duration::from_secs(30));
+        let o = common::isolate::run_child(NAME, &[("DMABUF_RT_LOG", "off")], limit());
         assert!(
             o.ok,
             "a lock() from another thread, after a seccomp filter refusing membarrier(2) was installed, killed the \
@@ -871,7 +875,7 @@ mod capi {
     #[test]
     fn capi_owner_streak_vs_double_and_foreign_frees() {
         setup();
-        super::within("capi", super::LIMIT, || {
+        super::within("capi", super::limit(), || {
             let before = stats();
             let mut stream: dmabuf_rt_stream = 0;
             // SAFETY: valid out-pointer.
@@ -960,7 +964,7 @@ mod capi {
                     break;
                 }
                 assert!(
-                    t0.elapsed() < super::LIMIT,
+                    t0.elapsed() < super::limit(),
                     "C API stats never settled: {:?} vs {:?}",
                     after.allocations,
                     before.allocations

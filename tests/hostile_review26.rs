@@ -888,7 +888,7 @@ fn last_handle_drop_in_a_forked_child_does_not_wait_for_the_parents_lock_holder(
             if r == pid {
                 break true;
             }
-            if t0.elapsed() > Duration::from_secs(2) {
+            if t0.elapsed() > Duration::from_secs(2) * common::time_scale() {
                 // SAFETY: our own child.
                 unsafe { libc::kill(pid, libc::SIGKILL) };
                 // SAFETY: reaps it.

@@ -499,7 +499,11 @@ fn hungry_arenas_on_several_queues_and_threads() {
     let a = arena_allocator("", 8 << 30);
     let threads = 3;
     let steps = scaled(15_000);
-    let out = common::wait::within("threads on hungry arenas", Duration::from_secs(120), move || {
+    // The arenas must have spent a credit's worth of views (checked below): a scaled-down run
+    // (the kernel lane's) goes on past its steps until they have, up to the full count.
+    let enough = |a: &CachingAllocator| a.stats().num_remaps >= 1024;
+    let limit = Duration::from_secs(120) * common::time_scale();
+    let out = common::wait::within("threads on hungry arenas", limit, move || {
         let (txs, rxs): (Vec<_>, Vec<_>) = (0..threads).map(|_| mpsc::channel::<Raw>()).unzip();
         let handles: Vec<_> = rxs
             .into_iter()
@@ -513,7 +517,10 @@ fn hungry_arenas_on_several_queues_and_threads() {
                     let mut mine: VecDeque<(Allocation, u64)> = VecDeque::new();
                     let mut raw: Vec<Raw> = Vec::new();
                     let mut peak_seen = 0usize;
-                    for step in 0..steps {
+                    for step in 0..15_000 {
+                        if step >= steps && step % 250 == 0 && enough(&a) {
+                            break;
+                        }
                         let what = format!("thread {t} step {step}");
                         // Frees handed over by the thread before.
                         while let Ok(r) = rx.try_recv() {

@@ -169,7 +169,7 @@ fn a_callback_that_allocates_is_not_held_up_by_the_last_wait() {
 #[test]
 fn a_callback_waiting_for_frees_behind_itself_does_not_hold_up_other_threads() {
     within("callback self-wait", Duration::from_secs(120 * common::time_scale() as u64), || {
-        let limit = Duration::from_secs(3);
+        let limit = Duration::from_secs(3) * common::time_scale().min(4);
         let a = common::allocator_waiting("", 64 * MB, limit);
         let (q, gate, big) = common::gated_block(&a);
         let (tx, rx) = std::sync::mpsc::channel();
@@ -219,7 +219,7 @@ fn allocate_until(
 #[test]
 fn a_stuck_deferred_free_does_not_hold_up_other_threads() {
     within("stuck free", Duration::from_secs(120 * common::time_scale() as u64), || {
-        let limit = Duration::from_secs(3);
+        let limit = Duration::from_secs(3) * common::time_scale().min(4);
         let a = common::allocator_waiting("", 64 * MB, limit);
         let (q, gate, big) = common::gated_block(&a);
         q.fill(big.mem(), 7).unwrap();

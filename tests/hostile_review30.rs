@@ -70,7 +70,7 @@ fn callback_round(
 /// well within the limit and the request must get its 40 MiB (the memory is freed as soon as
 /// the callback returns).
 fn callback_race(what: &'static str, conf: &'static str, rounds: usize, probe: Probe) {
-    let limit = Duration::from_secs(2);
+    let limit = Duration::from_secs(2) * common::time_scale().min(4);
     within(what, Duration::from_secs(120 * common::time_scale() as u64), move || {
         for round in 0..rounds {
             let (r, took, w) = callback_round(conf, limit, (round * 37) % 300, probe);
@@ -174,7 +174,7 @@ fn allocate_until<T>(a: &CachingAllocator, rx: &mpsc::Receiver<T>) -> (T, Durati
 #[test]
 fn a_queue_stuck_past_the_wait_for_queues_is_not_waited_for_again() {
     within("stuck queue", Duration::from_secs(120 * common::time_scale() as u64), || {
-        let limit = Duration::from_secs(2);
+        let limit = Duration::from_secs(2) * common::time_scale().min(4);
         let a = common::allocator_waiting("", 64 * MB, limit);
         let r = Queue::new().unwrap();
         let gate = QueueGate::close(&r);
@@ -226,7 +226,7 @@ fn a_zero_limit_fails_at_once_naming_the_deferred_bytes() {
         drop(big);
         let t = Instant::now();
         let e = a.allocate(40 * MB, None).map(drop).expect_err("held by a gated free");
-        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        assert!(t.elapsed() < Duration::from_secs(1) * common::time_scale(), "{:?}", t.elapsed());
         let Error::AllocatorOom { cause, .. } = &e else { panic!("not an OOM: {e}") };
         assert!(cause.contains(&format!("{} bytes", 40 * MB)), "{e}");
         common::open_and_serve_40_mib(&a, gate, &q);
@@ -261,7 +261,7 @@ fn a_huge_limit_does_not_overflow() {
 /// fails with memory that was about to be given back.
 #[test]
 fn a_thread_the_queue_waits_for_does_not_make_the_request_fail() {
-    let limit = Duration::from_secs(2);
+    let limit = Duration::from_secs(2) * common::time_scale().min(4);
     within("producer gate", Duration::from_secs(120 * common::time_scale() as u64), move || {
         for round in 0..scaled(40) {
             let a = common::allocator_waiting("expandable_segments:False", 64 * MB, limit);

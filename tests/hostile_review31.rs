@@ -118,7 +118,7 @@ fn claimed(conf: &str, limit: Duration, before_gate1: impl FnOnce(&CachingAlloca
 #[test]
 fn a_claimant_does_not_spin_on_bytes_held_in_limbo() {
     within("limbo spin", watchdog(), || {
-        let limit = Duration::from_secs(2);
+        let limit = Duration::from_secs(2) * common::time_scale().min(4);
         for round in 0..3 {
             let mut handle = None;
             let mut c = claimed("expandable_segments:False", limit, |a, _| {
@@ -166,7 +166,7 @@ fn a_claimant_does_not_spin_on_bytes_held_in_limbo() {
 #[test]
 fn a_request_larger_than_allowed_fails_at_once_and_keeps_no_one_out() {
     within("oversized claim", watchdog(), || {
-        let limit = Duration::from_secs(2);
+        let limit = Duration::from_secs(2) * common::time_scale().min(4);
         let a = common::allocator_waiting("", 64 * MB, limit);
         let q = Queue::new().unwrap();
         let gate = QueueGate::close(&q);
@@ -206,7 +206,7 @@ fn a_request_larger_than_allowed_fails_at_once_and_keeps_no_one_out() {
 #[test]
 fn a_too_large_request_fails_at_once_under_a_claim() {
     within("too large under a claim", watchdog(), || {
-        let limit = Duration::from_secs(2);
+        let limit = Duration::from_secs(2) * common::time_scale().min(4);
         let c = claimed("expandable_segments:False", limit, |_, _| {});
         let ((w, _), slowest, errors) = probe_until(&c.a, &[4096, usize::MAX, isize::MAX as usize + 1], &c.rx);
         drop(w); // gate2 closed: the request fails after its wait
@@ -254,7 +254,7 @@ impl MemorySource for Panicky {
 #[test]
 fn a_panic_in_the_final_attempt_withdraws_the_claim() {
     within("panic under a claim", watchdog(), || {
-        let limit = Duration::from_secs(2);
+        let limit = Duration::from_secs(2) * common::time_scale().min(4);
         let armed = Arc::new(AtomicBool::new(false));
         let src = Panicky { inner: ShmemSource::new().reserve(false), armed: Arc::clone(&armed) };
         let a = CachingAllocator::builder(src)
@@ -312,7 +312,7 @@ fn a_panic_in_the_final_attempt_withdraws_the_claim() {
 #[test]
 fn calls_that_take_no_room_go_on_under_a_claim() {
     within("calls under a claim", watchdog(), || {
-        let limit = Duration::from_secs(2);
+        let limit = Duration::from_secs(2) * common::time_scale().min(4);
         for conf in ["expandable_segments:False", "expandable_segments:False,roundup_power2_divisions:4", ""] {
             let mut c = claimed(conf, limit, |_, _| {});
             wait_asleep(c.tid, c.v0, watchdog()); // in its claim's wait
@@ -346,7 +346,7 @@ fn calls_that_take_no_room_go_on_under_a_claim() {
 #[test]
 fn a_fraction_lowered_under_a_claim_leaves_no_trace() {
     within("fraction under a claim", watchdog(), || {
-        let limit = Duration::from_secs(2);
+        let limit = Duration::from_secs(2) * common::time_scale().min(4);
         let mut c = claimed("expandable_segments:False", limit, |_, _| {});
         wait_asleep(c.tid, c.v0, watchdog());
         c.a.set_memory_fraction(0.125).unwrap();

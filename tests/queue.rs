@@ -340,7 +340,7 @@ fn dropping_a_queue_with_work_in_flight_is_clean() {
     let skipped = q.record().unwrap();
     let t = Instant::now();
     drop(q);
-    assert!(t.elapsed() < Duration::from_secs(2), "drop hung on a pending wait");
+    assert!(t.elapsed() < Duration::from_secs(2) * common::time_scale(), "drop hung on a pending wait");
     assert!(matches!(skipped.query(), Err(Error::OperationFailed { .. })));
     let out = HostBuffer::new(4096).unwrap();
     copy_now(&out, &b).unwrap();
