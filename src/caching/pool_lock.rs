@@ -148,11 +148,11 @@ pub(crate) struct PoolLock<T> {
     /// never joined by a fast hold (an `Allocation` dropped by a callback the pool makes, a
     /// memory source's, under the lock).
     holder: AtomicU64,
-    /// Debug builds: set while any guard lives, to catch two holders at once (a failure of the
-    /// exclusion above). Plain loads and stores: the check adds no barrier that could hide the
-    /// reordering it looks for.
+    /// Debug builds: the mark of the guard that lives ([`PoolGuard::mark`]; 0 for none), to
+    /// catch two holders at once (a failure of the exclusion above) and name them. Plain loads
+    /// and stores: the check adds no barrier that could hide the reordering it looks for.
     #[cfg(debug_assertions)]
-    inside: AtomicBool,
+    inside: AtomicU64,
     data: UnsafeCell<T>,
 }
 
@@ -190,7 +190,7 @@ impl<T> PoolLock<T> {
             busy: AtomicBool::new(false),
             holder: AtomicU64::new(0),
             #[cfg(debug_assertions)]
-            inside: AtomicBool::new(false),
+            inside: AtomicU64::new(0),
             data: UnsafeCell::new(value),
         }
     }
@@ -308,21 +308,28 @@ impl<T> PoolLock<T> {
     }
 
     /// The guard of a hold just taken. Debug builds check that no other guard lives (see
-    /// `inside`); on a failure the guard is let go as the panic unwinds (so this thread can
-    /// take the lock again).
+    /// `inside`: the holder's mark, [`PoolGuard::mark`]); on a failure the panic names both
+    /// holds, and the guard is let go as the panic unwinds (so this thread can take the lock
+    /// again), leaving the other hold's mark.
     #[inline(always)]
     fn guard<'a>(&'a self, hold: Hold<'a>) -> PoolGuard<'a, T> {
         let g = PoolGuard { lock: self, hold };
         #[cfg(debug_assertions)]
         {
-            if self.inside.load(Ordering::Relaxed) {
-                let how = match g.hold {
-                    Hold::Fast => "the owner's fast hold",
-                    Hold::Mutex(_) => "a mutex hold",
-                };
-                panic!("dmabuf-rt: two holders of the caching allocator's lock at once ({how} joined another)");
+            let (me, other) = (g.mark(), self.inside.load(Ordering::Relaxed));
+            if other != 0 {
+                let kind = |m: u64| if m & 1 == 1 { "the owner's fast hold" } else { "a mutex hold" };
+                let (owner, busy) = (self.owner.load(Ordering::Relaxed), self.busy.load(Ordering::Relaxed));
+                panic!(
+                    "dmabuf-rt: two holders of the caching allocator's lock at once: {} of thread {} joined {} of \
+                     thread {} (owner {owner}, busy {busy})",
+                    kind(me),
+                    me >> 1,
+                    kind(other),
+                    other >> 1
+                );
             }
-            self.inside.store(true, Ordering::Relaxed);
+            self.inside.store(me, Ordering::Relaxed);
         }
         g
     }
@@ -402,12 +409,24 @@ impl<T> std::ops::DerefMut for PoolGuard<'_, T> {
     }
 }
 
+impl<T> PoolGuard<'_, T> {
+    /// What debug builds keep in `inside` while this hold lives: the holder's thread token,
+    /// doubled, plus one for the owner's fast hold.
+    #[cfg(debug_assertions)]
+    fn mark(&self) -> u64 {
+        thread_token() << 1 | u64::from(matches!(self.hold, Hold::Fast))
+    }
+}
+
 impl<T> Drop for PoolGuard<'_, T> {
     #[inline(always)]
     fn drop(&mut self) {
         // Before the hold is let go (below), so the next holder sees it cleared.
         #[cfg(debug_assertions)]
-        self.lock.inside.store(false, Ordering::Relaxed);
+        if self.lock.inside.load(Ordering::Relaxed) == self.mark() {
+            // Not another hold's mark (a guard let go as its `guard` check panics).
+            self.lock.inside.store(0, Ordering::Relaxed);
+        }
         match self.hold {
             // Release: a revoker that sees it cleared sees everything written in the hold.
             Hold::Fast => self.lock.busy.store(false, Ordering::Release),
