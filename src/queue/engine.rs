@@ -75,13 +75,7 @@ impl<'a> CheckedCopy<'a> {
     /// where a side is a dma-buf).
     #[inline]
     pub(super) fn run(&self) -> std::result::Result<(), Arc<str>> {
-        if self.alias == Aliasing::No && self.src.dmabuf().is_none() && self.dst.dmabuf().is_none() {
-            // SAFETY: both ranges lie inside live memory the two `Mem`s hold for the call
-            // (checked at construction: same length, mapped), accessed only through `copy`.
-            unsafe { copy_maybe_overlapping(self.s, self.d, self.len()) };
-            return Ok(());
-        }
-        cpu_copy(self.dst, self.src)
+        copy_resolved(self.dst, self.src, self.d, self.s, self.alias)
     }
 }
 
@@ -90,41 +84,63 @@ pub(super) fn cpu_copy(dst: &Mem, src: &Mem) -> std::result::Result<(), Arc<str>
         (Ok(d), Ok(s)) => (d, s),
         _ => return Err("copy side has no CPU mapping".into()),
     };
+    copy_resolved(dst, src, d, s, dst.aliasing(src))
+}
+
+/// Copies `src` (at CPU address `s`) to `dst` (at `d`), whose sharing of pages is `alias`
+/// ([`Mem::aliasing`]), inside the dma-buf sync bracket where a side is a dma-buf.
+#[inline]
+fn copy_resolved(dst: &Mem, src: &Mem, d: *mut u8, s: *mut u8, alias: Aliasing) -> std::result::Result<(), Arc<str>> {
+    // SAFETY: both ranges lie inside live memory held by `dst`/`src` for the call (Mem ranges
+    // are bounds-checked at construction, and the Arcs they hold keep the memory mapped);
+    // they are accessed only through `copy`. Ranges of one mapping that overlap, and two
+    // mappings of the same pages, are moved as `memmove` would.
+    let run = || unsafe { copy_pages(s, d, dst.len(), alias) };
     let (src_buf, dst_buf) = (src.dmabuf(), dst.dmabuf());
-    let alias = dst.aliasing(src);
-    if alias != Aliasing::No {
-        return with_sync([(src_buf, sys::dma_buf::SYNC_READ), (dst_buf, sys::dma_buf::SYNC_WRITE)], || {
-            // SAFETY: as below.
-            unsafe { copy_aliased(s, d, dst.len(), alias) }
-        })?;
-    }
     if src_buf.is_none() && dst_buf.is_none() {
         // No dma-buf side: no sync bracket (the small-copy fast path pays nothing for it).
-        // SAFETY: as below.
-        unsafe { copy_maybe_overlapping(s, d, dst.len()) };
-        return Ok(());
+        return run();
     }
-    with_sync([(src_buf, sys::dma_buf::SYNC_READ), (dst_buf, sys::dma_buf::SYNC_WRITE)], || {
-        // SAFETY: both ranges lie inside live memory held by `dst`/`src` (Mem ranges are
-        // bounds-checked at construction, and the Arcs they hold keep the memory mapped);
-        // they are accessed only through `copy`. Ranges of one mapping that overlap are
-        // moved as `memmove` would; two mappings of the same pages were handled above.
-        unsafe { copy_maybe_overlapping(s, d, dst.len()) }
-    })
+    with_sync([(src_buf, sys::dma_buf::SYNC_READ), (dst_buf, sys::dma_buf::SYNC_WRITE)], run)?
+}
+
+/// Copies `len` bytes from `src` to `dst` as `memmove` would: ranges that share no pages
+/// (`alias` is [`Aliasing::No`]) compared by address, others by [`copy_aliased`].
+///
+/// # Safety
+/// As `copy::copy`, except that the ranges may overlap or show the same pages.
+#[inline]
+unsafe fn copy_pages(src: *const u8, dst: *mut u8, len: usize, alias: Aliasing) -> std::result::Result<(), Arc<str>> {
+    let alias = match alias {
+        Aliasing::No => {
+            let (s, d) = (src as usize, dst as usize);
+            if s + len <= d || d + len <= s {
+                // SAFETY: disjoint, valid (caller).
+                unsafe { copy::copy(src, dst, len) };
+                return Ok(());
+            }
+            // One mapping, overlapping ranges: their addresses give the order.
+            Aliasing::Ordered { dst_after_src: d > s }
+        }
+        other => other,
+    };
+    // SAFETY: as the caller's.
+    unsafe { copy_aliased(src, dst, len, alias) }
 }
 
 /// Bytes moved at a time by [`copy_aliased`] where the order is known.
 const ALIASED_CHUNK: usize = 64 << 10;
 
-/// Copies `len` bytes from `src` to `dst`, two mappings of the same pages (`alias`, not
-/// [`Aliasing::No`]), as `memmove` would in the file they share: where the offsets are known,
+/// Copies `len` bytes from `src` to `dst`, two ranges that may meet (`alias`, not
+/// [`Aliasing::No`]: overlapping ranges of one mapping, or two mappings of the same pages), as
+/// `memmove` would in the memory they share: where the order is known,
 /// a chunk at a time through a private buffer, in the file's order (from the end first where
 /// the destination lies after the source, so no chunk reads bytes already written); else
 /// through a private copy of the whole source (refused, not aborted, if there is no memory
 /// for it).
 ///
 /// # Safety
-/// As `copy::copy`, except that the ranges may show the same pages.
+/// As `copy::copy`, except that the ranges may overlap or show the same pages.
 unsafe fn copy_aliased(src: *const u8, dst: *mut u8, len: usize, alias: Aliasing) -> std::result::Result<(), Arc<str>> {
     let mut tmp: Vec<u8> = Vec::new();
     let chunk = match alias {
@@ -133,7 +149,7 @@ unsafe fn copy_aliased(src: *const u8, dst: *mut u8, len: usize, alias: Aliasing
     };
     tmp.try_reserve_exact(chunk).map_err(|_| {
         Arc::<str>::from(format!(
-            "copy between two mappings of the same pages: no memory for a private copy of its {len} bytes"
+            "copy between ranges that share pages: no memory for a private copy of its {len} bytes"
         ))
     })?;
     tmp.resize(chunk, 0);
@@ -161,24 +177,6 @@ unsafe fn copy_aliased(src: *const u8, dst: *mut u8, len: usize, alias: Aliasing
         }
     }
     Ok(())
-}
-
-/// # Safety
-/// As `copy::copy`, except that the ranges may overlap (a copy within one segment).
-#[inline]
-unsafe fn copy_maybe_overlapping(src: *const u8, dst: *mut u8, len: usize) {
-    let (s, d) = (src as usize, dst as usize);
-    if s + len <= d || d + len <= s {
-        // SAFETY: disjoint, valid (caller).
-        unsafe { copy::copy(src, dst, len) };
-    } else {
-        // Overlap: bounce through a private buffer, which cannot overlap either range.
-        let mut tmp = vec![0u8; len];
-        // SAFETY: valid (caller); `tmp` is private.
-        unsafe { copy::copy(src, tmp.as_mut_ptr(), len) };
-        // SAFETY: as above.
-        unsafe { copy::copy_from_private(&tmp, dst) };
-    }
 }
 
 pub(super) fn cpu_fill(dst: &Mem, byte: u8) -> std::result::Result<(), Arc<str>> {
