@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Duration;
 
-use common::tags::{Live, Raw, check_stamp, settled};
+use common::tags::{Bad, Live, Raw, check_later, settled};
 use common::{QueueGate, Rng, allocator, allocator_waiting, scaled};
 use dmabuf_rt::Error;
 use dmabuf_rt::caching::BlockState;
@@ -105,25 +105,6 @@ fn snapshot_sane(a: &CachingAllocator, what: &str) -> usize {
         );
     }
     total
-}
-
-/// A counter of tags found wrong from queue callbacks (a panic there would not fail the test).
-type Bad = Arc<Mutex<Vec<String>>>;
-
-fn check_later(q: &Queue, p: usize, n: usize, tag: u64, bad: &Bad, what: &'static str) {
-    let bad = bad.clone();
-    q.callback(move |_| {
-        let r = std::panic::catch_unwind(|| check_stamp(p as *mut u8, n, tag, what));
-        if let Err(e) = r {
-            let msg = e
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
-            bad.lock().unwrap().push(msg);
-        }
-    })
-    .unwrap();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::Duration;
 
 use common::arena::{raw_mark, raw_verify};
-use common::tags::{Live, Raw, check_stamp, settled};
+use common::tags::{Bad, Live, Raw, check_later, settled};
 use common::wait::wait_until;
 use common::{QueueGate, Rng, allocator, allocator_waiting, scaled};
 use dmabuf_rt::Error;
@@ -32,24 +32,6 @@ fn ok_oom<T>(r: Result<T, Error>, what: &str) -> Option<T> {
         Err(Error::AllocatorOom { .. }) => None,
         Err(e) => panic!("{what}: refused with a wrong reason: {e}"),
     }
-}
-
-type Bad = Arc<Mutex<Vec<String>>>;
-
-fn check_later(q: &Queue, p: usize, n: usize, tag: u64, bad: &Bad, what: &'static str) {
-    let bad = bad.clone();
-    q.callback(move |_| {
-        let r = std::panic::catch_unwind(|| check_stamp(p as *mut u8, n, tag, what));
-        if let Err(e) = r {
-            let msg = e
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
-            bad.lock().unwrap().push(msg);
-        }
-    })
-    .unwrap();
 }
 
 fn join_all(hs: Vec<std::thread::JoinHandle<()>>) {

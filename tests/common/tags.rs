@@ -93,3 +93,24 @@ impl Raw {
         check_stamp(self.p as *mut u8, self.n, self.tag, what);
     }
 }
+
+/// Tags found wrong by queue callbacks ([`check_later`]; a panic there would not fail the test).
+pub type Bad = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
+
+/// Queues on `q` a check of `n` bytes at `p` against `tag` (as [`check_stamp`]), recording a
+/// mismatch in `bad` instead of panicking on the queue's thread.
+pub fn check_later(q: &dmabuf_rt::queue::Queue, p: usize, n: usize, tag: u64, bad: &Bad, what: &'static str) {
+    let bad = bad.clone();
+    q.callback(move |_| {
+        let r = std::panic::catch_unwind(|| check_stamp(p as *mut u8, n, tag, what));
+        if let Err(e) = r {
+            let msg = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            bad.lock().unwrap().push(msg);
+        }
+    })
+    .unwrap();
+}
