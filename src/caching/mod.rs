@@ -261,8 +261,7 @@ impl AllocatorBuilder {
         });
         Ok(CachingAllocator {
             inner: Arc::new(AllocatorShared {
-                // Not biased: see `pool_lock.rs` (two holders were seen with the bias on).
-                pool: PoolLock::unbiased(Pool::new(self.source, config, capacity)),
+                pool: PoolLock::new(Pool::new(self.source, config, capacity)),
                 handles: AtomicUsize::new(1),
                 frees: FreeList::new(),
                 dropped: FreeList::new(),

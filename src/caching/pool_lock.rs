@@ -10,28 +10,33 @@
 //!
 //! - Every holder but one takes `mutex`. A thread that takes it [`BIAS_AFTER`] times in a row
 //!   (no other thread in between) is made the **owner** (`owner` holds its token).
-//! - The owner's [`PoolLock::fast`] takes no mutex: it sets `busy`, and checks it is still the
-//!   owner. Only the owner writes `busy`, with plain stores.
+//! - The owner's [`PoolLock::fast`] takes no mutex: it marks its hold in its own thread's
+//!   [`FastMark`] (the lock's address), and checks it is still the owner. Each thread writes
+//!   only its own mark, with plain stores; the lock keeps its owner's mark (under `mutex`).
 //! - Any other thread that needs the lock ([`PoolLock::lock`]) takes `mutex`, clears `owner`
 //!   and calls `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`, which makes every running
-//!   thread of the process pass a full memory barrier. After it, either the owner's `busy`
-//!   store is visible, and it waits until the owner clears `busy` (with a release store: the
-//!   owner's writes are then visible to it), or the owner's check comes after the barrier and
-//!   sees that it is no longer the owner. This is Dekker's exclusion with the barrier paid by
+//!   thread of the process pass a full memory barrier. After it, either the owner's mark is
+//!   visible, and it waits until the owner clears it (with a release store: the owner's
+//!   writes are then visible to it), or the owner's check comes after the barrier and sees
+//!   that it is no longer the owner. This is Dekker's exclusion with the barrier paid by
 //!   the rare side only (as in folly's asymmetric fences and liburcu's membarrier flavour).
 //!   Each such revocation doubles the run of acquisitions the next bias needs, so threads that
 //!   take turns end up with a plain mutex.
 //! - [`PoolLock::try_lock`] never revokes: a free from another thread finds the lock biased
 //!   and goes to the lock-free list instead, for the owner to drain.
 //!
-//! **Off in the caching allocator** (it makes its lock with [`PoolLock::unbiased`]): with the
-//! debug check below (`inside`), `hostile_review24` and `hostile_review25` found a mutex hold
-//! joining the owner's fast hold (`owner 0, busy false` when seen) on a 2-vCPU Linux 6.18 VM:
-//! review25's binary in 2 of 30 runs, and 1 of 60 with a full fence in place of the compiler
-//! fence (so not the store buffer alone), none of 40 with the bias off; the kernel lane had
-//! seen the same once (a block handed to two owners). The cause is not found yet; until it
-//! is, the allocator takes the mutex every time. The mechanism and its own tests stay, for
-//! that search.
+//! **Why the mark is the thread's, not the lock's.** The mark was one `busy` flag of the lock,
+//! written by whichever thread was the owner. A thread that had been the owner could read
+//! itself the owner in `fast`, be stopped before it set the flag, and lose the bias; another
+//! thread was made the owner and entered its fast hold; the first went on, set the flag, saw
+//! it was not the owner and cleared the flag, which was the new owner's mark too. The next
+//! revoker found nothing to wait for and joined the new owner's hold (a block handed to two
+//! owners). The debug check below (`inside`) caught it in `hostile_review24` and
+//! `hostile_review25` (2 of 30 runs of review25's binary on a 2-vCPU VM, with a full fence as
+//! often as with the compiler fence: Dekker's exclusion was not what failed);
+//! `tests::a_former_owner_stopped_inside_fast_does_not_unmark_the_next_owners_hold` makes it
+//! happen every time. A stale former owner now writes only its own mark, which no revoker of
+//! the new owner reads.
 //!
 //! Where `membarrier`'s private expedited command is not available when a bias would be
 //! granted (kernels before 4.14, a seccomp filter, Miri), no thread is ever made the owner:
@@ -47,12 +52,14 @@
 //! thread never joins its own hold: `fast` refuses while the thread holds `mutex` (`holder`:
 //! a memory source or logger called under the lock that drops an `Allocation` or calls the
 //! allocator) or is in a fast hold already, and `lock` inside the thread's own fast hold (a
-//! signal handler) panics where a plain mutex would deadlock.
+//! signal handler) panics where a plain mutex would deadlock. A thread holds at most one lock
+//! fast at a time: inside one fast hold, `fast` on another lock refuses (its caller takes the
+//! way it takes on any other thread).
 
 #![allow(unsafe_code)]
 
 use std::cell::{Cell, UnsafeCell};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, compiler_fence};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, compiler_fence};
 use std::sync::{Mutex, MutexGuard, OnceLock, TryLockError};
 
 /// Acquisitions in a row by one thread that make it the owner, at first.
@@ -61,23 +68,60 @@ pub(crate) const BIAS_AFTER: u32 = 64;
 /// The most a run of acquisitions needs to be, after revocations have doubled it.
 const BIAS_AFTER_MAX: u32 = 1 << 20;
 
+/// Where a thread marks its fast hold: the address of the lock it holds by
+/// [`PoolLock::fast`] now, 0 for none. Written by its thread only, with plain stores; read by
+/// a revoker of a lock the thread owns. Made when the thread is first made an owner, and never
+/// freed (a lock keeps its owner's mark after the thread has ended): one per thread that was
+/// ever an owner, 8 bytes.
+#[derive(Debug)]
+struct FastMark {
+    lock: AtomicUsize,
+}
+
+/// What the calling thread is to the locks: its token, and its mark once it has one.
+struct ThisThread {
+    token: Cell<u64>,
+    mark: Cell<Option<&'static FastMark>>,
+}
+
+thread_local! {
+    // No destructor: readable while the thread's other thread-locals are destroyed (an
+    // `Allocation` kept in one is dropped then).
+    static THIS_THREAD: ThisThread = const { ThisThread { token: Cell::new(0), mark: Cell::new(None) } };
+}
+
 /// A number naming the calling thread, never reused in the process (0 is no thread).
 #[inline(always)]
 fn thread_token() -> u64 {
+    THIS_THREAD.with(token_of)
+}
+
+#[inline(always)]
+fn token_of(t: &ThisThread) -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
-    thread_local! {
-        // No destructor: readable while the thread's other thread-locals are destroyed (an
-        // `Allocation` kept in one is dropped then).
-        static TOKEN: Cell<u64> = const { Cell::new(0) };
+    let v = t.token.get();
+    if v != 0 {
+        return v;
     }
-    TOKEN.with(|t| {
-        let v = t.get();
-        if v != 0 {
-            return v;
-        }
-        let v = NEXT.fetch_add(1, Ordering::Relaxed);
-        t.set(v);
-        v
+    let v = NEXT.fetch_add(1, Ordering::Relaxed);
+    t.token.set(v);
+    v
+}
+
+/// The calling thread's token and its mark (`None` if it was never made an owner).
+#[inline(always)]
+fn this_thread() -> (u64, Option<&'static FastMark>) {
+    THIS_THREAD.with(|t| (token_of(t), t.mark.get()))
+}
+
+/// The calling thread's mark, made if it has none yet.
+fn this_threads_mark() -> &'static FastMark {
+    THIS_THREAD.with(|t| {
+        t.mark.get().unwrap_or_else(|| {
+            let m: &'static FastMark = Box::leak(Box::new(FastMark { lock: AtomicUsize::new(0) }));
+            t.mark.set(Some(m));
+            m
+        })
     })
 }
 
@@ -138,12 +182,14 @@ fn shootdown() -> bool {
     downgraded
 }
 
-/// Who took the mutex last, how many times in a row, and how many make a bias.
+/// Who took the mutex last, how many times in a row, and how many make a bias; and the
+/// owner's mark, while there is an owner.
 #[derive(Debug)]
 struct Streak {
     last: u64,
     count: u32,
     needed: u32,
+    owner_mark: Option<&'static FastMark>,
 }
 
 /// A mutex over `T` with a bias to one thread (see the module's doc).
@@ -151,8 +197,6 @@ pub(crate) struct PoolLock<T> {
     mutex: Mutex<Streak>,
     /// The owner's token, 0 for none. Written under `mutex` only.
     owner: AtomicU64,
-    /// Set by the owner while it holds the lock by [`PoolLock::fast`]; written by it only.
-    busy: AtomicBool,
     /// The token of the thread holding `mutex` (0 for none): a thread's own mutex hold is
     /// never joined by a fast hold (an `Allocation` dropped by a callback the pool makes, a
     /// memory source's, under the lock).
@@ -162,8 +206,6 @@ pub(crate) struct PoolLock<T> {
     /// and stores: the check adds no barrier that could hide the reordering it looks for.
     #[cfg(debug_assertions)]
     inside: AtomicU64,
-    /// Whether a thread may be made the owner at all ([`PoolLock::unbiased`]: never).
-    biasable: bool,
     data: UnsafeCell<T>,
 }
 
@@ -183,8 +225,8 @@ impl<T> std::fmt::Debug for PoolLock<T> {
 /// What a [`PoolGuard`] holds.
 enum Hold<'a> {
     Mutex(#[allow(dead_code)] MutexGuard<'a, Streak>),
-    /// The owner's fast hold: `busy` is cleared when it goes.
-    Fast,
+    /// The owner's fast hold: its thread's mark, cleared when it goes.
+    Fast(&'static FastMark),
 }
 
 /// Access to the locked value; released when dropped.
@@ -196,28 +238,34 @@ pub(crate) struct PoolGuard<'a, T> {
 impl<T> PoolLock<T> {
     pub(crate) fn new(value: T) -> Self {
         Self {
-            mutex: Mutex::new(Streak { last: 0, count: 0, needed: BIAS_AFTER }),
+            mutex: Mutex::new(Streak { last: 0, count: 0, needed: BIAS_AFTER, owner_mark: None }),
             owner: AtomicU64::new(0),
-            busy: AtomicBool::new(false),
             holder: AtomicU64::new(0),
             #[cfg(debug_assertions)]
             inside: AtomicU64::new(0),
-            biasable: true,
             data: UnsafeCell::new(value),
         }
     }
 
-    /// A lock that never makes a thread the owner: the mutex alone (what the caching allocator
-    /// uses now, see the module's doc).
-    pub(crate) fn unbiased(value: T) -> Self {
-        Self { biasable: false, ..Self::new(value) }
+    /// What a thread's mark holds while it holds this lock fast.
+    #[inline(always)]
+    fn addr(&self) -> usize {
+        std::ptr::from_ref(self).addr()
+    }
+
+    /// Whether the calling thread, `me`, holds this lock fast now.
+    #[inline]
+    fn held_fast_here(&self, me: u64, mark: Option<&FastMark>) -> bool {
+        // Only the owner holds it fast (a former owner stopped inside `fast` clears its mark
+        // before it returns).
+        self.owner.load(Ordering::Relaxed) == me && mark.is_some_and(|m| m.lock.load(Ordering::Relaxed) == self.addr())
     }
 
     /// The lock, waiting for it (and taking it back from its owner if another thread owns
     /// it). A panic under the lock does not poison it: its holders keep the value consistent
     /// between calls.
     pub(crate) fn lock(&self) -> PoolGuard<'_, T> {
-        let me = thread_token();
+        let (me, mark) = this_thread();
         if self.holder.load(Ordering::Relaxed) == me {
             // This thread holds the mutex already (a memory source's callback, made under the
             // lock, that calls back into the allocator): a std mutex would deadlock. Say so
@@ -231,7 +279,7 @@ impl<T> PoolLock<T> {
         if owner != 0 && owner != me {
             self.revoke(&mut m);
         }
-        if owner == me && self.busy.load(Ordering::Relaxed) {
+        if owner == me && mark.is_some_and(|m| m.lock.load(Ordering::Relaxed) == self.addr()) {
             // This thread is inside its own fast hold (a signal handler that calls the
             // allocator): a second hold would alias the first. A plain mutex would deadlock
             // here; say so instead.
@@ -248,11 +296,9 @@ impl<T> PoolLock<T> {
     /// The lock, as [`PoolLock::lock`] takes it, unless this thread holds it already (a
     /// callback made under it): `None` then, where `lock` would deadlock or panic.
     pub(crate) fn lock_unless_held_here(&self) -> Option<PoolGuard<'_, T>> {
-        let me = thread_token();
+        let (me, mark) = this_thread();
         // Only this thread's own hold can read as `me` (see `fast`).
-        if self.holder.load(Ordering::Relaxed) == me
-            || (self.owner.load(Ordering::Relaxed) == me && self.busy.load(Ordering::Relaxed))
-        {
+        if self.holder.load(Ordering::Relaxed) == me || self.held_fast_here(me, mark) {
             return None;
         }
         Some(self.lock())
@@ -271,7 +317,7 @@ impl<T> PoolLock<T> {
             Err(TryLockError::WouldBlock) => return None,
         };
         let owner = self.owner.load(Ordering::Relaxed);
-        if owner != 0 && self.busy.load(Ordering::Relaxed) {
+        if owner != 0 && m.owner_mark.is_some_and(|mark| mark.lock.load(Ordering::Acquire) == self.addr()) {
             return None;
         }
         if owner != 0 && owner != me {
@@ -283,7 +329,7 @@ impl<T> PoolLock<T> {
 
     /// The lock if nobody holds it and no other thread owns it, without waiting.
     pub(crate) fn try_lock(&self) -> Option<PoolGuard<'_, T>> {
-        let me = thread_token();
+        let (me, mark) = this_thread();
         let m = match self.mutex.try_lock() {
             Ok(m) => m,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
@@ -292,7 +338,7 @@ impl<T> PoolLock<T> {
         let owner = self.owner.load(Ordering::Relaxed);
         // Another thread's bias is left alone (a revocation is a system call); the owner
         // itself within a fast hold does not get a second guard.
-        if (owner != 0 && owner != me) || (owner == me && self.busy.load(Ordering::Relaxed)) {
+        if (owner != 0 && owner != me) || self.held_fast_here(me, mark) {
             return None;
         }
         self.holder.store(me, Ordering::Relaxed);
@@ -304,25 +350,30 @@ impl<T> PoolLock<T> {
     /// doc), and must not ask for the lock again while it holds this.
     #[inline(always)]
     pub(crate) fn fast(&self) -> Option<PoolGuard<'_, T>> {
-        let me = thread_token();
-        // Not while this thread holds the mutex itself (the holder is written by the thread
-        // holding it: only this thread's own hold can read as `me`).
+        let (me, mark) = this_thread();
+        // A thread that was never made an owner has no mark. Not while this thread holds the
+        // mutex itself (the holder is written by the thread holding it: only this thread's own
+        // hold can read as `me`), nor inside a fast hold of its own (of this lock or another).
+        let mark = mark?;
         if self.owner.load(Ordering::Relaxed) != me
             || self.holder.load(Ordering::Relaxed) == me
-            || self.busy.load(Ordering::Relaxed)
+            || mark.lock.load(Ordering::Relaxed) != 0
         {
             return None;
         }
-        self.busy.store(true, Ordering::Relaxed);
-        // Dekker's order: the `busy` store before the `owner` load. The revoker's membarrier
+        #[cfg(test)]
+        tests::pause_point();
+        mark.lock.store(self.addr(), Ordering::Relaxed);
+        // Dekker's order: the mark's store before the `owner` load. The revoker's membarrier
         // orders them on the CPU; this keeps the compiler from swapping them.
         compiler_fence(Ordering::SeqCst);
-        // Acquire: the value's accesses stay after the check.
+        // Acquire: the value's accesses stay after the check. A thread that read itself the
+        // owner above and lost the bias since clears its own mark, no one else's.
         if self.owner.load(Ordering::Acquire) != me {
-            self.busy.store(false, Ordering::Release);
+            mark.lock.store(0, Ordering::Release);
             return None;
         }
-        Some(self.guard(Hold::Fast))
+        Some(self.guard(Hold::Fast(mark)))
     }
 
     /// The guard of a hold just taken. Debug builds check that no other guard lives (see
@@ -337,10 +388,10 @@ impl<T> PoolLock<T> {
             let (me, other) = (g.mark(), self.inside.load(Ordering::Relaxed));
             if other != 0 {
                 let kind = |m: u64| if m & 1 == 1 { "the owner's fast hold" } else { "a mutex hold" };
-                let (owner, busy) = (self.owner.load(Ordering::Relaxed), self.busy.load(Ordering::Relaxed));
+                let owner = self.owner.load(Ordering::Relaxed);
                 panic!(
                     "dmabuf-rt: two holders of the caching allocator's lock at once: {} of thread {} joined {} of \
-                     thread {} (owner {owner}, busy {busy})",
+                     thread {} (owner {owner})",
                     kind(me),
                     me >> 1,
                     kind(other),
@@ -357,10 +408,11 @@ impl<T> PoolLock<T> {
     #[cold]
     #[inline(never)]
     fn revoke(&self, streak: &mut Streak) {
+        let mark = streak.owner_mark.take();
         self.owner.store(0, Ordering::SeqCst);
-        // Every running thread of the process passes a full barrier: the owner's `busy` store
-        // made before its check (which saw it still the owner) is visible now, or its check
-        // comes after and sees 0. The command was registered when the bias was granted.
+        // Every running thread of the process passes a full barrier: the owner's mark, stored
+        // before its check (which saw it still the owner), is visible now, or its check comes
+        // after and sees 0. The command was registered when the bias was granted.
         if !process_barrier() {
             // Neither way works (both refused since the bias was granted): without the barrier
             // the owner may be inside its hold unseen, and going on could hand out memory
@@ -373,7 +425,9 @@ impl<T> PoolLock<T> {
         // never ends (the process forked while another thread was in it: the child has no such
         // thread) waits asleep, as a plain mutex would, not spinning.
         let mut spins = 0u32;
-        while self.busy.load(Ordering::Acquire) {
+        // A mark naming another lock is a fast hold of that one: this lock's comes after it, and
+        // its check sees 0.
+        while mark.is_some_and(|m| m.lock.load(Ordering::Acquire) == self.addr()) {
             spins = spins.saturating_add(1);
             if spins < 64 {
                 std::hint::spin_loop();
@@ -396,11 +450,8 @@ impl<T> PoolLock<T> {
             streak.last = me;
             streak.count = 1;
         }
-        if self.biasable
-            && streak.count >= streak.needed
-            && self.owner.load(Ordering::Relaxed) == 0
-            && barrier_available()
-        {
+        if streak.count >= streak.needed && self.owner.load(Ordering::Relaxed) == 0 && barrier_available() {
+            streak.owner_mark = Some(this_threads_mark());
             self.owner.store(me, Ordering::Relaxed);
         }
     }
@@ -436,7 +487,7 @@ impl<T> PoolGuard<'_, T> {
     /// doubled, plus one for the owner's fast hold.
     #[cfg(debug_assertions)]
     fn mark(&self) -> u64 {
-        thread_token() << 1 | u64::from(matches!(self.hold, Hold::Fast))
+        thread_token() << 1 | u64::from(matches!(self.hold, Hold::Fast(_)))
     }
 }
 
@@ -451,7 +502,7 @@ impl<T> Drop for PoolGuard<'_, T> {
         }
         match self.hold {
             // Release: a revoker that sees it cleared sees everything written in the hold.
-            Hold::Fast => self.lock.busy.store(false, Ordering::Release),
+            Hold::Fast(mark) => mark.lock.store(0, Ordering::Release),
             // Before the mutex is let go (the field's drop, after this).
             Hold::Mutex(_) => self.lock.holder.store(0, Ordering::Relaxed),
         }
@@ -464,6 +515,19 @@ mod tests {
     use std::sync::{Arc, Barrier};
 
     use super::*;
+
+    thread_local! {
+        /// What this thread's next [`PoolLock::fast`] runs after its first checks (it read
+        /// itself the owner) and before it marks its hold: a test's way to stop it there.
+        static PAUSE: std::cell::RefCell<Option<Box<dyn FnOnce()>>> = const { std::cell::RefCell::new(None) };
+    }
+
+    /// See `PAUSE`.
+    pub(super) fn pause_point() {
+        if let Some(f) = PAUSE.with(|p| p.borrow_mut().take()) {
+            f();
+        }
+    }
 
     /// Takes the lock by the mutex until this thread owns it.
     fn become_owner(l: &PoolLock<u64>) {
@@ -550,6 +614,92 @@ mod tests {
             drop(l.lock());
         }
         assert!(l.is_biased());
+    }
+
+    /// The hole `hostile_review25` found: a thread that was the owner reads itself the owner in
+    /// `fast`, stops (preempted) before it marks its hold, and its bias is taken back; another
+    /// thread is made the owner and enters its fast hold; the first thread goes on, marks its
+    /// hold, sees it is not the owner and clears the mark, which was the new owner's too. A
+    /// revoker then found nothing to wait for and joined the new owner's hold. Made to happen
+    /// in this order every time, by stopping the first thread at that point.
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn a_former_owner_stopped_inside_fast_does_not_unmark_the_next_owners_hold() {
+        if !barrier_available() {
+            println!("SKIP: membarrier(PRIVATE_EXPEDITED) is not available here");
+            return;
+        }
+        use std::sync::mpsc::channel;
+        let l = Arc::new(PoolLock::new(0u64));
+        let (paused_tx, paused) = channel::<()>();
+        let (resume, resume_rx) = channel::<()>();
+        let former = {
+            let l = Arc::clone(&l);
+            std::thread::spawn(move || {
+                become_owner(&l);
+                PAUSE.with(|p| {
+                    *p.borrow_mut() = Some(Box::new(move || {
+                        paused_tx.send(()).unwrap();
+                        resume_rx.recv().unwrap();
+                    }))
+                });
+                l.fast().map(|mut g| *g += 1).is_some()
+            })
+        };
+        paused.recv().unwrap();
+        // The former owner read itself the owner and stopped: its bias is taken back here.
+        *l.lock() += 1;
+        assert!(!l.is_biased());
+        // Another thread is made the owner and holds the lock fast until a revoker has begun
+        // (the owner is cleared), then a while longer, watching whether the revoker got in.
+        let revoker_in = Arc::new(AtomicBool::new(false));
+        let (holding_tx, holding) = channel::<()>();
+        let (go_on, go_on_rx) = channel::<()>();
+        let next = {
+            let (l, revoker_in) = (Arc::clone(&l), Arc::clone(&revoker_in));
+            std::thread::spawn(move || {
+                become_owner(&l);
+                let mut g = l.fast().expect("the new owner's fast hold");
+                holding_tx.send(()).unwrap();
+                go_on_rx.recv().unwrap();
+                while l.owner.load(Ordering::SeqCst) != 0 {
+                    std::thread::yield_now();
+                }
+                let mut joined = false;
+                for _ in 0..20_000 {
+                    joined |= revoker_in.load(Ordering::SeqCst);
+                    std::thread::yield_now();
+                }
+                *g += 1;
+                joined
+            })
+        };
+        holding.recv().unwrap();
+        // The former owner goes on: it is no longer the owner, and must leave the new owner's
+        // hold marked.
+        resume.send(()).unwrap();
+        assert!(!former.join().unwrap(), "a former owner got a fast hold");
+        go_on.send(()).unwrap();
+        let revoker = {
+            let (l, revoker_in) = (Arc::clone(&l), Arc::clone(&revoker_in));
+            std::thread::spawn(move || {
+                let mut g = l.lock();
+                revoker_in.store(true, Ordering::SeqCst);
+                *g += 1;
+            })
+        };
+        let joined = next.join().unwrap();
+        let revoked = revoker.join();
+        assert!(
+            !joined && revoked.is_ok(),
+            "a revoker joined the new owner's fast hold (it saw its hold while inside: {joined}; its own \
+             check: {:?})",
+            revoked
+                .err()
+                .map(|e| e.downcast_ref::<String>().cloned().or(e.downcast_ref::<&str>().map(|s| s.to_string())))
+        );
+        // Every hold's increment is there (the former owner's fast hold never happened).
+        assert_eq!(*l.lock(), 3);
     }
 
     #[test]
