@@ -28,18 +28,19 @@ use dmabuf_rt::source::{HostSource, ShmemSource};
 use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
 
 const MB: usize = 1 << 20;
-const LIMIT: Duration = Duration::from_secs(20);
+static LIMIT: std::sync::LazyLock<Duration> =
+    std::sync::LazyLock::new(|| Duration::from_secs(20) * common::time_scale());
 
 /// Runs scenario `name` in a child (or, in the child, its body) and fails with the child's
 /// output if it failed; prints the child's table rows either way.
 fn scenario(name: &str, env: &[(&str, &str)], body: impl FnOnce() + Send + 'static) {
     if is_child(name) {
-        watchdog(name, 1, LIMIT, move |_| body());
+        watchdog(name, 1, *LIMIT, move |_| body());
         return;
     }
     let mut all = vec![("DMABUF_RT_DEVICES", "shmem,shmem"), ("DMABUF_RT_CAPACITY", "256M")];
     all.extend_from_slice(env);
-    let o = run_child(name, &all, LIMIT + Duration::from_secs(10));
+    let o = run_child(name, &all, *LIMIT + Duration::from_secs(10));
     let rows: Vec<&str> = o.stdout.lines().filter_map(|l| l.strip_prefix("ROW\t")).collect();
     let mut table = String::from("| scenario | API call | outcome |\n|---|---|---|\n");
     for r in &rows {

@@ -37,7 +37,8 @@ use rustix::net::{
 use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags, Signal};
 use rustix::thread::UnshareFlags;
 
-const WAIT: Duration = Duration::from_secs(30);
+static WAIT: std::sync::LazyLock<Duration> =
+    std::sync::LazyLock::new(|| Duration::from_secs(30) * common::time_scale());
 const ROLE_ENV: &str = "HOSTILE_DOOR_ROLE";
 const KB: usize = 1 << 10;
 const MB: u64 = 1 << 20;
@@ -395,18 +396,18 @@ fn garbage_knocks_are_refused_their_fds_closed_and_the_door_keeps_serving() {
     drop((listener, lone, memfd, r));
 
     // Knocks are answered in order: an open through the door after them is served after them.
-    let got = within("an open through the door after garbage knocks", WAIT, move || open_handle(&h).map(|b| (b, h)));
+    let got = within("an open through the door after garbage knocks", *WAIT, move || open_handle(&h).map(|b| (b, h)));
     let (b, h) = got.unwrap_or_else(|e| panic!("the door stopped serving after garbage knocks: {e}"));
     check_bytes(&b, &h);
     for (what, m) in &watched {
-        assert!(hung_up_within(m.as_fd(), WAIT), "a knock with {what}: the exporter kept the socket sent");
+        assert!(hung_up_within(m.as_fd(), *WAIT), "a knock with {what}: the exporter kept the socket sent");
     }
     let theirs = links(c.pid());
     for (what, l) in &sent {
         assert!(!theirs.iter().any(|t| t.starts_with(l.as_str())), "a knock with {what}: the exporter keeps {l}");
     }
     drop(b);
-    wait_until("the exporter's limbo empties", WAIT, || c.ask(LIMBO) == 0);
+    wait_until("the exporter's limbo empties", *WAIT, || c.ask(LIMBO) == 0);
 }
 
 /// Many threads knock garbage at once while others open handles through the door, each handle
@@ -417,7 +418,7 @@ fn a_flood_of_knocks_and_opens_from_many_threads_hands_each_block_out_once() {
     let Some(c) = exporter(true) else { return };
     let hs = c.handles(8);
     let pid = c.pid();
-    let opened = within("a flood of knocks and opens", 3 * WAIT, move || {
+    let opened = within("a flood of knocks and opens", 3 * *WAIT, move || {
         std::thread::scope(|s| {
             for k in 0..6u64 {
                 let door = take_fd(pid, hs[0].door);
@@ -463,7 +464,7 @@ fn a_flood_of_knocks_and_opens_from_many_threads_hands_each_block_out_once() {
     assert_eq!(per_export.len(), 8, "some handle never opened: {per_export:?}");
     assert!(per_export.values().all(|&n| n == 1), "a block handed out twice: {per_export:?}");
     drop(blocks);
-    wait_until("the exporter's limbo empties", WAIT, || c.ask(LIMBO) == 0);
+    wait_until("the exporter's limbo empties", *WAIT, || c.ask(LIMBO) == 0);
 }
 
 /// Importers that die right after knocking (their end closed as the knock lands): the exporter
@@ -475,7 +476,7 @@ fn importers_dead_right_after_knocking_do_not_pile_up_in_the_exporter() {
     let hs = c.handles(2);
     let door = take_fd(c.pid(), hs[0].door);
     let h0 = hs[0];
-    let first = within("an open through the door", WAIT, move || open_handle(&h0).map(|b| b.len()));
+    let first = within("an open through the door", *WAIT, move || open_handle(&h0).map(|b| b.len()));
     first.unwrap();
     let before = open_count(c.pid());
     for _ in 0..200 {
@@ -491,7 +492,7 @@ fn importers_dead_right_after_knocking_do_not_pile_up_in_the_exporter() {
     knock(door.as_fd(), &hs[0].token.to_le_bytes(), &[t2.as_fd()]).unwrap();
     drop(t2);
     // The two live ones, and perhaps the last few dead ones (let go at the next connection).
-    wait_until("the dead knockers are let go", WAIT, || open_count(c.pid()) <= before + 10);
+    wait_until("the dead knockers are let go", *WAIT, || open_count(c.pid()) <= before + 10);
     drop((m, m2));
 }
 
@@ -505,7 +506,7 @@ fn an_exporter_out_of_fds_refuses_knocks_promptly_without_spinning_and_recovers(
     let hs = c.handles(2);
     assert!(c.ask(EXHAUST) > 0);
     let h0 = hs[0];
-    let r = within("an open through the door of an exporter out of fds", WAIT + WAIT / 2, move || {
+    let r = within("an open through the door of an exporter out of fds", *WAIT + *WAIT / 2, move || {
         open_handle(&h0).map(|b| b.len())
     });
     let burnt = accept_thread_burns(c.pid(), Duration::from_secs(2));
@@ -519,12 +520,12 @@ fn an_exporter_out_of_fds_refuses_knocks_promptly_without_spinning_and_recovers(
         door_knocks.push(m);
     }
     for m in &door_knocks {
-        assert!(hung_up_within(m.as_fd(), WAIT), "a knock at an exporter out of fds was neither served nor refused");
+        assert!(hung_up_within(m.as_fd(), *WAIT), "a knock at an exporter out of fds was neither served nor refused");
     }
     assert_eq!(c.ask(RELIEVE), 0);
     // The handle whose open failed was not taken: it opens now, as the other does.
     let want: Vec<IpcHandle> = hs.iter().copied().filter(|h| r.is_err() || h.export != h0.export).collect();
-    let got = within("opens after the exporter has fds again", WAIT, move || {
+    let got = within("opens after the exporter has fds again", *WAIT, move || {
         want.iter().map(|h| open_handle(h).map(|b| (b, *h))).collect::<Vec<_>>()
     });
     for g in got {
@@ -551,7 +552,7 @@ fn a_knock_of_another_user_is_refused() {
         let (m, t) = seqpacket_pair();
         knock(door.as_fd(), &h.token.to_le_bytes(), &[t.as_fd()]).unwrap();
         drop(t);
-        !hung_up_within(m.as_fd(), WAIT)
+        !hung_up_within(m.as_fd(), *WAIT)
     });
     assert!(!served, "the door served a socket of user nobody");
     drop(x);
@@ -581,7 +582,7 @@ fn a_knocker_shutting_the_door_down_neither_spins_the_accept_thread_nor_locks_ev
     rustix::net::shutdown(&door, rustix::net::Shutdown::Write).unwrap();
     drop(door);
     let burnt = accept_thread_burns(c.pid(), Duration::from_secs(2));
-    let r = within("an open through the door after a knocker shut it down", WAIT + WAIT / 2, move || {
+    let r = within("an open through the door after a knocker shut it down", *WAIT + *WAIT / 2, move || {
         open_handle(&h).map(|b| b.len())
     });
     assert!(
@@ -623,7 +624,7 @@ fn sockets_whose_other_end_the_exporter_holds_are_not_served_through_its_door() 
     let (m, t) = seqpacket_pair();
     knock(door.as_fd(), &(!h.token).to_le_bytes(), &[t.as_fd()]).unwrap();
     drop(t);
-    assert!(hung_up_within(m.as_fd(), WAIT), "a knock with the wrong token was not refused");
+    assert!(hung_up_within(m.as_fd(), *WAIT), "a knock with the wrong token was not refused");
     drop((door, client));
     let count = |l: &str| links(me()).iter().filter(|x| *x == l).count();
     let (doors, clients) = (count(&door_link), count(&client_link));
@@ -670,7 +671,7 @@ fn a_stale_handle_whose_pid_is_another_process_sends_that_process_nothing() {
         IpcHandle { pid: cat.id(), door: 1, export: 1, segment: 1, offset: 0, len: 4096, token: unused_token() };
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || tx.send(open_handle(&stale).map(|b| b.len())));
-    let deadline = Instant::now() + WAIT + WAIT / 2;
+    let deadline = Instant::now() + *WAIT + *WAIT / 2;
     let mut knocked = None;
     let r = loop {
         if let Ok(r) = rx.try_recv() {
@@ -728,7 +729,7 @@ fn a_stale_handle_in_the_same_network_namespace_is_peer_gone_not_not_permitted()
     let stale =
         IpcHandle { pid: cat.id(), door: 1, export: 1, segment: 1, offset: 0, len: 4096, token: unused_token() };
     let r = common::unprivileged(move || {
-        within("the open of a stale handle", WAIT + WAIT / 2, move || open_handle(&stale).map(|b| b.len()))
+        within("the open of a stale handle", *WAIT + *WAIT / 2, move || open_handle(&stale).map(|b| b.len()))
     });
     let _ = cat.kill();
     let _ = cat.wait();

@@ -28,7 +28,8 @@ use dmabuf_rt::ipc::{self, IpcHandle};
 const KB: usize = 1 << 10;
 const ENV: &[(&str, &str)] = &[("DMABUF_RT_DEVICES", "shmem,shmem"), ("DMABUF_RT_CAPACITY", "256M")];
 /// Hang detection (generous: CI may run under emulation).
-const WATCHDOG: Duration = Duration::from_secs(20);
+static WATCHDOG: std::sync::LazyLock<Duration> =
+    std::sync::LazyLock::new(|| Duration::from_secs(20) * common::time_scale());
 
 fn allocator() -> CachingAllocator {
     common::allocator("", 64 << 20)
@@ -167,7 +168,7 @@ fn racing_opens_of_one_handle_one_wins_none_waits_for_the_timeout() {
             let x = a.allocate(64 * KB, None).unwrap();
             let h = ipc::get_handle(&x, None).unwrap();
             drop(x);
-            let results = within(&format!("round {round}: 8 racing opens of one handle"), WATCHDOG, move || {
+            let results = within(&format!("round {round}: 8 racing opens of one handle"), *WATCHDOG, move || {
                 let go = Arc::new(Barrier::new(8));
                 let ts: Vec<_> = (0..8)
                     .map(|_| {
@@ -183,7 +184,7 @@ fn racing_opens_of_one_handle_one_wins_none_waits_for_the_timeout() {
             let wins = results.iter().filter(|r| r.is_ok()).count();
             assert_eq!(wins, 1, "round {round}: {wins} opens of one handle succeeded: {results:?}");
             drop(results);
-            wait_until("limbo back to 0", WATCHDOG, || a.stats().limbo_bytes.current == 0);
+            wait_until("limbo back to 0", *WATCHDOG, || a.stats().limbo_bytes.current == 0);
             a.check_invariants().unwrap();
         }
         assert_eq!(ipc::unopened_handles(), 0);
@@ -220,7 +221,7 @@ fn an_open_stuck_connecting_to_a_full_listen_queue_does_not_block_other_opens() 
         });
         let tid = tid_rx.recv().unwrap();
         // Until that thread sits in connect(2).
-        wait_until("the forged open to block in connect", WATCHDOG, || {
+        wait_until("the forged open to block in connect", *WATCHDOG, || {
             std::fs::read_to_string(format!("/proc/self/task/{tid}/syscall"))
                 .ok()
                 .and_then(|s| s.split_whitespace().next().and_then(|n| n.parse::<i64>().ok()))
@@ -230,7 +231,7 @@ fn an_open_stuck_connecting_to_a_full_listen_queue_does_not_block_other_opens() 
         std::thread::spawn(move || {
             let _ = done_tx.send(ipc::open_handle(&good).map(|b| b.len()));
         });
-        let got = done_rx.recv_timeout(WATCHDOG);
+        let got = done_rx.recv_timeout(*WATCHDOG);
         // Let the stuck connect through, then hang up on it.
         for _ in 0..2 {
             // SAFETY: plain syscalls.
@@ -244,7 +245,7 @@ fn an_open_stuck_connecting_to_a_full_listen_queue_does_not_block_other_opens() 
         unsafe { libc::close(filler) };
         // SAFETY: as above.
         unsafe { libc::close(listener) };
-        let forged_result = within("the forged open after the hang-up", WATCHDOG, move || stuck.join().unwrap());
+        let forged_result = within("the forged open after the hang-up", *WATCHDOG, move || stuck.join().unwrap());
         assert!(forged_result.is_err(), "a squatter's forged handle opened");
         match got {
             Ok(r) => assert_eq!(r.unwrap(), 16 * KB),
@@ -272,7 +273,7 @@ fn a_consumer_dying_mid_request_releases_the_block() {
         raw_send(fd, &request_packet(h.export));
         // SAFETY: plain syscall.
         unsafe { libc::close(fd) };
-        wait_until("the dead consumer's hold released", WATCHDOG, || a.stats().limbo_bytes.current == 0);
+        wait_until("the dead consumer's hold released", *WATCHDOG, || a.stats().limbo_bytes.current == 0);
         a.check_invariants().unwrap();
         // Garbage on the socket does not stop the producer either.
         let fd = raw_connect(h.pid, h.token);
@@ -288,7 +289,7 @@ fn a_consumer_dying_mid_request_releases_the_block() {
         let y = a.allocate(8 * KB, None).unwrap();
         y.cpu_access(dmabuf_rt::segment::Access::Write).unwrap().write(0, &pat(3, 8 * KB)).unwrap();
         let h2 = ipc::get_handle(&y, None).unwrap();
-        let b = within("an open after hostile peers", WATCHDOG, move || ipc::open_handle(&h2).unwrap());
+        let b = within("an open after hostile peers", *WATCHDOG, move || ipc::open_handle(&h2).unwrap());
         let mut got = vec![0; 8 * KB];
         b.read(0, &mut got).unwrap();
         assert_eq!(got, pat(3, 8 * KB));
@@ -323,7 +324,7 @@ fn two_handles_of_one_pointer_opened_in_one_process_need_two_closes() {
             "two opens, and the second close was refused (the second open replaced and released the first): {}",
             last_error()
         );
-        wait_until("the release", WATCHDOG, || stats(0).limbo_bytes == 0);
+        wait_until("the release", *WATCHDOG, || stats(0).limbo_bytes == 0);
     });
 }
 
@@ -341,12 +342,12 @@ fn open_close_cycles_do_not_leak_fds() {
         for _ in 0..5 {
             cycle();
         }
-        wait_until("limbo 0", WATCHDOG, || stats(0).limbo_bytes == 0);
+        wait_until("limbo 0", *WATCHDOG, || stats(0).limbo_bytes == 0);
         let before = open_fds();
         for _ in 0..200 {
             cycle();
         }
-        wait_until("limbo 0", WATCHDOG, || stats(0).limbo_bytes == 0);
+        wait_until("limbo 0", *WATCHDOG, || stats(0).limbo_bytes == 0);
         let after = open_fds();
         assert!(after <= before + 4, "fds: {before} before 200 open/close cycles, {after} after");
     });
@@ -358,7 +359,7 @@ static IN_CALLBACK: AtomicBool = AtomicBool::new(false);
 extern "C" fn block_stream(_stream: dmabuf_rt_stream, _status: dmabuf_rt_status, _user: *mut c_void) {
     IN_CALLBACK.store(true, Ordering::SeqCst);
     let start = Instant::now();
-    while !UNBLOCK.load(Ordering::SeqCst) && start.elapsed() < WATCHDOG {
+    while !UNBLOCK.load(Ordering::SeqCst) && start.elapsed() < *WATCHDOG {
         std::thread::yield_now();
     }
 }
@@ -384,7 +385,7 @@ fn close_waits_for_a_copy_queued_on_another_devices_stream() {
         ok(unsafe { dmabuf_rt_stream_add_callback(s, Some(block_stream), null_mut()) });
         // SAFETY: both sides are device memory.
         ok(unsafe { dmabuf_rt_memcpy(1, r, 0, q.cast_const(), n, DMABUF_RT_MEMCPY_DEVICE_TO_DEVICE, s) });
-        wait_until("the stream to block", WATCHDOG, || IN_CALLBACK.load(Ordering::SeqCst));
+        wait_until("the stream to block", *WATCHDOG, || IN_CALLBACK.load(Ordering::SeqCst));
         let (tx, rx) = mpsc::channel();
         let qa = q as usize;
         std::thread::spawn(move || {
@@ -402,7 +403,7 @@ fn close_waits_for_a_copy_queued_on_another_devices_stream() {
         }
         UNBLOCK.store(true, Ordering::SeqCst);
         ok(dmabuf_rt_stream_synchronize(s));
-        let status = early.or_else(|| rx.recv_timeout(WATCHDOG).ok()).expect("hang: close");
+        let status = early.or_else(|| rx.recv_timeout(*WATCHDOG).ok()).expect("hang: close");
         let copied = read(1, r, n);
         assert!(
             early.is_none(),
@@ -452,7 +453,7 @@ fn a_forked_child_is_refused_promptly() {
             if r == pid {
                 break st;
             }
-            if start.elapsed() > WATCHDOG {
+            if start.elapsed() > *WATCHDOG {
                 // SAFETY: our own child.
                 unsafe { libc::kill(pid, libc::SIGKILL) };
                 panic!("hang: a forked child's IPC call did not return");

@@ -29,7 +29,8 @@ use dmabuf_rt::{Error, Segment};
 
 const KB: usize = 1 << 10;
 /// Hang detection (generous: CI may run under emulation).
-const WATCHDOG: Duration = Duration::from_secs(20);
+static WATCHDOG: std::sync::LazyLock<Duration> =
+    std::sync::LazyLock::new(|| Duration::from_secs(20) * common::time_scale());
 
 fn pair() -> (IpcExporter, IpcImporter) {
     let (a, b) = Channel::pair("ipc3").unwrap();
@@ -61,7 +62,7 @@ fn never_event() -> (Event, OwnedFd) {
 fn sync_watcher() {
     let (r, w) = rustix::pipe::pipe().unwrap();
     rustix::io::write(&w, &[1]).unwrap();
-    Event::from_readable_fd(r).unwrap().synchronize(Some(WATCHDOG)).unwrap();
+    Event::from_readable_fd(r).unwrap().synchronize(Some(*WATCHDOG)).unwrap();
 }
 
 // ---- A hostile (or merely slow) exporter speaking the wire protocol by hand ----
@@ -116,7 +117,7 @@ fn an_export_after_a_queue_whose_work_failed_is_never_ready() {
     let g = gate(&q);
     let busy = imp.open(&exp.export(&x, Some(&q)).unwrap()).unwrap();
     g.send(()).unwrap();
-    let e = busy.wait_ready(Some(WATCHDOG)).unwrap_err();
+    let e = busy.wait_ready(Some(*WATCHDOG)).unwrap_err();
     assert!(!matches!(e, Error::Timeout { .. }), "{e}");
     assert!(q.synchronize().is_err(), "the queue failed");
     assert!(q.is_idle());
@@ -126,7 +127,7 @@ fn an_export_after_a_queue_whose_work_failed_is_never_ready() {
         Err(_) => {}
         Ok(h) => {
             let idle = imp.open(&h).unwrap();
-            let r = idle.wait_ready(Some(WATCHDOG));
+            let r = idle.wait_ready(Some(*WATCHDOG));
             assert!(
                 r.is_err(),
                 "export after a failed (idle) queue: the importer's block is ready ({}) and reads \
@@ -191,7 +192,7 @@ fn a_failed_fence_is_not_ready() {
     let got = imp.open(&handle(1)).unwrap();
     assert!(!got.is_ready());
     drop(w); // closed without its byte: the work failed
-    let e = got.wait_ready(Some(WATCHDOG)).unwrap_err();
+    let e = got.wait_ready(Some(*WATCHDOG)).unwrap_err();
     assert!(!matches!(e, Error::Timeout { .. }), "{e}");
     assert!(got.read(0, &mut [0; 10]).is_err());
     assert!(!got.is_ready(), "is_ready() is true for a fence that failed (wait_ready: {e})");
@@ -210,13 +211,13 @@ fn a_producer_queue_dropped_with_the_fence_pending_fails_the_fence() {
     q.wait(&never).unwrap();
     let got = imp.open(&exp.export(&x, Some(&q)).unwrap()).unwrap();
     assert!(!got.is_ready());
-    within("dropping the producer's queue", WATCHDOG, move || drop(q));
-    let e = got.wait_ready(Some(WATCHDOG)).unwrap_err();
+    within("dropping the producer's queue", *WATCHDOG, move || drop(q));
+    let e = got.wait_ready(Some(*WATCHDOG)).unwrap_err();
     assert!(!matches!(e, Error::Timeout { .. }), "{e}");
     assert!(e.to_string().contains("did not finish"), "{e}");
     drop(got);
     drop(x);
-    wait_until("the release", WATCHDOG, || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the release", *WATCHDOG, || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
     drop(never_w);
 }
@@ -242,10 +243,10 @@ fn a_thousand_fenced_exports_leak_no_fds_and_all_become_ready() {
     let g = gate(&q);
     let w = imp.open(&exp.export(&x, Some(&q)).unwrap()).unwrap();
     g.send(()).unwrap();
-    w.wait_ready(Some(WATCHDOG)).unwrap();
+    w.wait_ready(Some(*WATCHDOG)).unwrap();
     drop(w);
     q.synchronize().unwrap();
-    wait_until("warm-up release", WATCHDOG, || exp.held() == 0);
+    wait_until("warm-up release", *WATCHDOG, || exp.held() == 0);
     let base = open_fds();
     let g = gate(&q);
     // Opened as they come: the channel carries only so many packets (and fds) in flight.
@@ -253,13 +254,13 @@ fn a_thousand_fenced_exports_leak_no_fds_and_all_become_ready() {
     assert!(blocks.iter().all(|b| !b.is_ready()));
     g.send(()).unwrap();
     for b in &blocks {
-        b.wait_ready(Some(WATCHDOG)).unwrap();
+        b.wait_ready(Some(*WATCHDOG)).unwrap();
     }
     q.synchronize().unwrap();
     drop(blocks);
     drop(x);
-    wait_until("every release", WATCHDOG, || exp.held() == 0 && limbo(&a) == 0);
-    wait_until(&format!("fds back to {base}"), WATCHDOG, || open_fds() <= base);
+    wait_until("every release", *WATCHDOG, || exp.held() == 0 && limbo(&a) == 0);
+    wait_until(&format!("fds back to {base}"), *WATCHDOG, || open_fds() <= base);
     a.check_invariants().unwrap();
 }
 
@@ -279,7 +280,7 @@ fn limbo_empties_when_a_block_with_a_stalled_fence_is_released() {
     assert!(limbo(&a) > 0);
     assert!(matches!(got.wait_ready(Some(Duration::from_millis(20))), Err(Error::Timeout { .. })));
     drop(got);
-    wait_until("the release", WATCHDOG, || limbo(&a) == 0 && exp.held() == 0);
+    wait_until("the release", *WATCHDOG, || limbo(&a) == 0 && exp.held() == 0);
     a.check_invariants().unwrap();
     rustix::io::write(&never_w, &[1]).unwrap();
     drop(never_w);
@@ -298,7 +299,7 @@ fn a_fence_that_is_a_pipes_write_end_never_reads_as_ready() {
     let got = imp.open(&handle(1)).unwrap();
     assert!(matches!(got.wait_ready(Some(Duration::from_millis(20))), Err(Error::Timeout { .. })));
     drop(r);
-    let e = got.wait_ready(Some(WATCHDOG)).unwrap_err();
+    let e = got.wait_ready(Some(*WATCHDOG)).unwrap_err();
     assert!(!matches!(e, Error::Timeout { .. }), "{e}");
 }
 
@@ -322,7 +323,7 @@ fn revoked_fenced_handles_leak_no_fds() {
     q.synchronize().unwrap();
     drop(x);
     assert_eq!(limbo(&a), 0);
-    wait_until(&format!("fds back to {base}"), WATCHDOG, || open_fds() <= base);
+    wait_until(&format!("fds back to {base}"), *WATCHDOG, || open_fds() <= base);
     a.check_invariants().unwrap();
 }
 

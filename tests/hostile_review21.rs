@@ -27,7 +27,8 @@ use dmabuf_rt::caching::{Allocation, CachingAllocator, HistoryKind};
 use dmabuf_rt::queue::Queue;
 
 /// How long the bounded waits of this file wait.
-const WAIT: Duration = Duration::from_secs(30);
+static WAIT: std::sync::LazyLock<Duration> =
+    std::sync::LazyLock::new(|| Duration::from_secs(30) * common::time_scale());
 
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
@@ -314,7 +315,7 @@ fn wait_no_fence_reader(before: &std::collections::BTreeSet<i32>) {
         let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_ACCEPTCONN, (&raw mut v).cast(), &mut n) };
         r == 0 && v != 0
     };
-    wait_until("the fence's readers all gone", WAIT, || {
+    wait_until("the fence's readers all gone", *WAIT, || {
         let new: Vec<i32> = pipe_fds().difference(before).copied().filter(|&fd| !listening(fd)).collect();
         !new.is_empty()
             && new.iter().all(|&fd| {
@@ -348,7 +349,7 @@ fn a_fence_let_go_by_the_importer_does_not_kill_the_exporter_with_sigpipe() {
         // The importer does not want it: the share and its fence go (the fence watcher closes
         // the read end). The exporter closed its own copy after sending.
         importer.discard(h.export).unwrap();
-        wait_until("the release", WAIT, || exporter.held() == 0);
+        wait_until("the release", *WAIT, || exporter.held() == 0);
         // Only the fence's write end is left (the watcher closes the read end shortly).
         wait_no_fence_reader(&pipes);
         // The queue's work finishes: its callback writes into a pipe nobody reads.
@@ -433,12 +434,12 @@ fn a_consumer_killed_while_its_open_waits_for_the_fence_does_not_kill_the_c_prod
             .unwrap();
         // The consumer asked for the block (the hold left the unopened list: the share and its
         // fence went to it); its open now waits for the fence.
-        wait_until("the consumer's request", WAIT, || dmabuf_rt::ipc::unopened_handles() == 0);
+        wait_until("the consumer's request", *WAIT, || dmabuf_rt::ipc::unopened_handles() == 0);
         consumer.kill().unwrap();
         consumer.wait().unwrap();
         // Its connection's end of file released the hold (after the share was sent and the
         // producer's copy of the fence closed).
-        wait_until("the dead consumer's release", WAIT, || stats().limbo_bytes == 0);
+        wait_until("the dead consumer's release", *WAIT, || stats().limbo_bytes == 0);
         // The fence's read end went with the consumer: only the stream's write end is left.
         wait_no_fence_reader(&pipes);
         *GATE.0.lock().unwrap() = true;
@@ -695,7 +696,7 @@ fn threads_on_the_fast_paths_with_deferred_frees_limbo_and_gone_queues() {
     }
     drop(htx);
     importer_thread.join().unwrap();
-    wait_until("the importer's releases", WAIT, || exporter.held() == 0);
+    wait_until("the importer's releases", *WAIT, || exporter.held() == 0);
     assert_eq!(bad.load(Ordering::Relaxed), 0, "blocks whose bytes changed while owned, deferred or in limbo");
     assert!(deferred_checked.load(Ordering::Relaxed) > 50 && imported.load(Ordering::Relaxed) > 50);
     a.check_invariants().unwrap();
@@ -845,7 +846,7 @@ fn c_home_blocks_lookups_frees_limbo_and_handles_on_streams() {
         let r = open(1, &h).unwrap_or_else(|st| panic!("open: {st:?} {}", last_error()));
         assert!(read(1, r, n).unwrap() == cpat(1, n), "the shared block changed while in limbo");
         ok(dmabuf_rt_ipc_close_mem_handle(1, r));
-        wait_until("the release", WAIT, || stats(0).limbo_bytes == 0);
+        wait_until("the release", *WAIT, || stats(0).limbo_bytes == 0);
         refused(dmabuf_rt_device_free(0, p), DMABUF_RT_INVALID_POINTER, "");
         for x in others {
             ok(dmabuf_rt_device_free(0, x));
@@ -894,7 +895,7 @@ fn c_home_blocks_lookups_frees_limbo_and_handles_on_streams() {
             assert!(read(0, y as *mut c_void, m).unwrap() == cpat(tag, m));
             ok(dmabuf_rt_device_free(0, y as *mut c_void));
         }
-        wait_until("every release", WAIT, || stats(0).limbo_bytes == 0);
+        wait_until("every release", *WAIT, || stats(0).limbo_bytes == 0);
         assert_eq!(stats(0).allocations, 0);
         ok(dmabuf_rt_stream_destroy(s));
     });
@@ -932,7 +933,7 @@ fn c_a_handle_on_a_stream_whose_work_fails_never_opens() {
         assert_ne!(dmabuf_rt_stream_synchronize(s), DMABUF_RT_OK, "the stream failed");
         let q = alloc(0, n);
         refused(handle_on(0, q, s).unwrap_err(), DMABUF_RT_FAILED, "");
-        wait_until("the failed open's release", WAIT, || stats(0).limbo_bytes == 0);
+        wait_until("the failed open's release", *WAIT, || stats(0).limbo_bytes == 0);
         ok(dmabuf_rt_device_free(0, q));
         assert_eq!(stats(0).allocations, 0);
         assert_eq!(dmabuf_rt::ipc::unopened_handles(), 0);
@@ -983,7 +984,7 @@ fn home_blocks_of_many_regions_resolve_to_their_own_blocks() {
     q3.synchronize().unwrap();
     drop(q3);
     side.synchronize().unwrap();
-    wait_until("queue 3's arena released", WAIT, || {
+    wait_until("queue 3's arena released", *WAIT, || {
         a.check_invariants().unwrap();
         a.stats().segment[AGGREGATE].current == 7
     });

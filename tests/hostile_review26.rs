@@ -63,7 +63,8 @@ use dmabuf_rt::queue::Queue;
 
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
-const LIMIT: Duration = Duration::from_secs(60);
+static LIMIT: std::sync::LazyLock<Duration> =
+    std::sync::LazyLock::new(|| Duration::from_secs(60) * common::time_scale());
 
 const CONFIGS: &[&str] = &[
     "expandable_segments:False",
@@ -123,7 +124,7 @@ fn drop_all_then_the_last(mut xs: Vec<Live>, probe: &Probe, what: &str) {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn handles_and_allocations_race_on_many_threads_and_the_pool_goes_with_the_last() {
-    within("many threads", LIMIT, || {
+    within("many threads", *LIMIT, || {
         let rounds = scaled(800);
         for round in 0..rounds {
             let conf = CONFIGS[round % CONFIGS.len()];
@@ -243,7 +244,7 @@ fn handles_and_allocations_race_on_many_threads_and_the_pool_goes_with_the_last(
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn last_handles_dropped_elsewhere_while_the_owner_frees_in_fast_holds() {
-    within("owner vs last handles", LIMIT, || {
+    within("owner vs last handles", *LIMIT, || {
         for round in 0..scaled(4000) {
             let conf = CONFIGS[round % 2];
             let what = format!("{conf} round {round}");
@@ -300,7 +301,7 @@ fn last_handles_dropped_elsewhere_while_the_owner_frees_in_fast_holds() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn the_last_handle_frees_a_pool_whose_stash_holds_counts_raw_blocks_and_all() {
-    within("last handle with stash", LIMIT, || {
+    within("last handle with stash", *LIMIT, || {
         for (i, conf) in CONFIGS.iter().enumerate() {
             for variant in 0..4 {
                 let what = format!("{conf} variant {variant}");
@@ -374,7 +375,7 @@ fn the_last_handle_frees_a_pool_whose_stash_holds_counts_raw_blocks_and_all() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn source_callbacks_drop_allocations_handles_and_another_pool_and_panic() {
-    within("source callbacks", LIMIT, || {
+    within("source callbacks", *LIMIT, || {
         for round in 0..scaled(40) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
@@ -475,7 +476,7 @@ fn source_callbacks_drop_allocations_handles_and_another_pool_and_panic() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn markers_ipc_holds_and_queue_hooks_around_the_last_handle() {
-    within("markers, holds, hooks", LIMIT, || {
+    within("markers, holds, hooks", *LIMIT, || {
         for round in 0..scaled(80) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
@@ -560,7 +561,7 @@ fn markers_ipc_holds_and_queue_hooks_around_the_last_handle() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn forgotten_allocations_and_handles_keep_the_pool() {
-    within("forget", LIMIT, || {
+    within("forget", *LIMIT, || {
         for (i, conf) in CONFIGS.iter().enumerate() {
             let (a, probe) = tracked(conf);
             if i % 2 == 0 {
@@ -609,7 +610,7 @@ fn forgotten_allocations_and_handles_keep_the_pool() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn two_allocators_in_turns_keep_their_own_counts() {
-    within("two allocators", LIMIT, || {
+    within("two allocators", *LIMIT, || {
         for round in 0..scaled(200) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
@@ -679,7 +680,7 @@ fn drops_from_thread_local_destructors_and_queue_callbacks() {
     thread_local! {
         static KEPT: std::cell::RefCell<Vec<Allocation>> = const { std::cell::RefCell::new(Vec::new()) };
     }
-    within("tls and callbacks", LIMIT, || {
+    within("tls and callbacks", *LIMIT, || {
         for round in 0..scaled(150) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
@@ -757,7 +758,7 @@ fn c_abi_and_raii_blocks_on_one_device_allocator() {
         return;
     };
     let al = dev.allocator().clone();
-    within("c abi", LIMIT, move || {
+    within("c abi", *LIMIT, move || {
         let go = Arc::new(Barrier::new(4));
         let (tx, rx) = mpsc::channel::<Live>();
         let c_side = {

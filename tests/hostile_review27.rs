@@ -81,7 +81,8 @@ use dmabuf_rt::queue::{Queue, QueueId};
 
 const KB: usize = 1 << 10;
 const MB: usize = 1 << 20;
-const LIMIT: Duration = Duration::from_secs(90);
+static LIMIT: std::sync::LazyLock<Duration> =
+    std::sync::LazyLock::new(|| Duration::from_secs(90) * common::time_scale());
 
 const CONFIGS: &[&str] = &[
     "expandable_segments:False",
@@ -226,7 +227,7 @@ fn drop_all_then_the_last(mut xs: Vec<Seen>, probe: &Probe, what: &str) {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn recycled_records_never_alias_a_live_allocation() {
-    within("records across threads", LIMIT, || {
+    within("records across threads", *LIMIT, || {
         let rounds = scaled(24);
         for round in 0..rounds {
             let conf = CONFIGS[round % CONFIGS.len()];
@@ -402,7 +403,7 @@ fn recycled_records_never_alias_a_live_allocation() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn deferred_frees_are_counted_once_whoever_drops_them_and_spares_forget_their_queues() {
-    within("deferred frees", LIMIT, || {
+    within("deferred frees", *LIMIT, || {
         for round in 0..scaled(1000) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
@@ -536,7 +537,7 @@ fn deferred_frees_are_counted_once_whoever_drops_them_and_spares_forget_their_qu
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn a_burst_past_the_spare_cap_is_counted_and_reused_exactly() {
-    within("spares' cap", LIMIT, || {
+    within("spares' cap", *LIMIT, || {
         const N: usize = 20_000;
         for (round, conf) in ["expandable_segments:False", "expandable_segments:True"].iter().enumerate() {
             let what = format!("{conf} round {round}");
@@ -591,7 +592,7 @@ fn a_burst_past_the_spare_cap_is_counted_and_reused_exactly() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn records_cross_allocators_while_a_last_handle_goes_and_another_allocator_is_busy() {
-    within("two allocators", LIMIT, || {
+    within("two allocators", *LIMIT, || {
         for round in 0..scaled(600) {
             let what = format!("round {round}");
             let (a, pa) = tracked(CONFIGS[round % CONFIGS.len()]);
@@ -731,7 +732,7 @@ fn records_cross_allocators_while_a_last_handle_goes_and_another_allocator_is_bu
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn option_slots_raced_over_and_forgotten_records_stay_exact() {
-    within("slots and forget", LIMIT, || {
+    within("slots and forget", *LIMIT, || {
         for round in 0..scaled(300) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
@@ -832,7 +833,7 @@ fn option_slots_raced_over_and_forgotten_records_stay_exact() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn a_panicking_source_that_drops_blocks_under_the_lock_while_frees_are_pushed() {
-    within("panicking source", LIMIT, || {
+    within("panicking source", *LIMIT, || {
         for round in 0..scaled(200) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
@@ -936,7 +937,7 @@ fn a_panicking_source_that_drops_blocks_under_the_lock_while_frees_are_pushed() 
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn ipc_holds_revoked_while_their_blocks_are_dropped_elsewhere() {
-    within("ipc holds", LIMIT, || {
+    within("ipc holds", *LIMIT, || {
         for round in 0..scaled(600) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");
@@ -1063,7 +1064,7 @@ fn an_ipc_hold_revoked_inside_a_source_callback_does_not_hang() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn blocks_of_dropped_queues_freed_on_every_path_give_their_segments_back() {
-    within("gone queues", LIMIT, || {
+    within("gone queues", *LIMIT, || {
         for round in 0..scaled(150) {
             let conf = CONFIGS[round % CONFIGS.len()];
             let what = format!("{conf} round {round}");

@@ -30,7 +30,8 @@ use dmabuf_rt::source::ShmemSource;
 use dmabuf_rt::{Error, Segment};
 
 /// How long the bounded waits of this file wait.
-const WAIT: Duration = Duration::from_secs(30);
+static WAIT: std::sync::LazyLock<Duration> =
+    std::sync::LazyLock::new(|| Duration::from_secs(30) * common::time_scale());
 
 const ROLE_ENV: &str = "IPC_TEST_CHILD";
 const KB: usize = 1 << 10;
@@ -186,7 +187,7 @@ fn shared_blocks_freed_at_once_keep_their_bytes_while_the_producer_churns() {
     a.check_invariants().unwrap();
     assert_eq!(exp.held(), handles.len());
     assert_eq!(c.ask(RELEASE, None), 0);
-    wait_until("the releases", WAIT, || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the releases", *WAIT, || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
     let s = a.stats();
     assert_eq!(s.allocated_bytes[AGGREGATE].current, 0);
@@ -214,7 +215,7 @@ fn a_consumer_killed_while_holding_blocks_releases_them() {
     assert!(limbo(&a) > 0);
     c.child.kill().unwrap();
     c.child.wait().unwrap();
-    wait_until("the dead consumer's releases", WAIT, || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the dead consumer's releases", *WAIT, || exp.held() == 0 && limbo(&a) == 0);
     assert!(exp.peer_gone().is_some());
     a.check_invariants().unwrap();
     // Its memory is reusable, and a further export says the peer is gone.
@@ -246,7 +247,7 @@ fn ten_thousand_shared_blocks_cost_an_fd_per_segment_not_per_block() {
     assert!(segments < 20, "{segments} segments for 10,000 small blocks");
     drop(xs);
     assert_eq!(c.ask(RELEASE, None), 0);
-    wait_until("the releases", WAIT, || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the releases", *WAIT, || exp.held() == 0 && limbo(&a) == 0);
     c.exit();
 }
 
@@ -285,7 +286,7 @@ fn a_freed_shared_block_is_not_reused_until_released() {
         assert!(matches!(got.write(n, &[1]), Err(Error::OutOfBounds { .. })));
         a.check_invariants().unwrap();
         drop(got);
-        wait_until("the release", WAIT, || limbo(&a) == 0 && exp.held() == 0);
+        wait_until("the release", *WAIT, || limbo(&a) == 0 && exp.held() == 0);
         a.check_invariants().unwrap();
     }
 }
@@ -314,7 +315,7 @@ fn writes_are_seen_on_both_sides_and_a_stitched_block_reads_in_order() {
     let hk = exp.export(&kept[0], None).unwrap();
     assert_eq!(hk.offset as usize, kept[0].offset());
     drop((got, imp));
-    wait_until("the importer hung up", WAIT, || exp.held() == 0);
+    wait_until("the importer hung up", *WAIT, || exp.held() == 0);
 }
 
 /// Work queued on the producer's queue before the export is the share's fence: the export
@@ -402,7 +403,7 @@ fn raw_blocks_are_shared_and_a_second_free_in_limbo_is_refused() {
     assert!(matches!(exp.export_raw(&a, p, None), Err(Error::UnknownPointer { .. })));
     assert!(matches!(exp.export_raw(&a, p.wrapping_add(4096), None), Err(Error::UnknownPointer { .. })));
     drop(got);
-    wait_until("the release", WAIT, || limbo(&a) == 0);
+    wait_until("the release", *WAIT, || limbo(&a) == 0);
     a.check_invariants().unwrap();
 }
 
@@ -453,7 +454,7 @@ fn forged_and_stale_handles_are_refused_from_many_threads() {
     assert!(e.to_string().contains("already opened"), "{e}");
     drop(opened);
     drop(xs);
-    wait_until("the releases", WAIT, || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the releases", *WAIT, || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
 }
 
@@ -505,7 +506,7 @@ fn a_hostile_exporter_is_refused_with_the_cause() {
     }
     drop(seg);
     // (Fewer is no leak: the fence watcher may close an earlier test's fence fds meanwhile.)
-    wait_until("the refused packets' fds closed", WAIT, || open_fds() <= before + 2);
+    wait_until("the refused packets' fds closed", *WAIT, || open_fds() <= before + 2);
     assert!(open_fds() <= before + 2, "fds leaked (the pipe's two ends are still open)");
 }
 
@@ -528,7 +529,7 @@ fn either_side_hanging_up_releases_the_holds() {
     assert!(limbo(&a) > 0);
     drop(_got);
     drop(imp);
-    wait_until("the releases", WAIT, || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the releases", *WAIT, || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
 }
 
@@ -568,7 +569,7 @@ fn process_wide_handles_open_in_another_process_and_come_back_when_it_dies() {
     assert_eq!(limbo(&a), in_limbo);
     c.child.kill().unwrap();
     c.child.wait().unwrap();
-    wait_until("the dead consumer's releases", WAIT, || limbo(&a) == 0);
+    wait_until("the dead consumer's releases", *WAIT, || limbo(&a) == 0);
     a.check_invariants().unwrap();
 }
 
@@ -610,7 +611,7 @@ fn process_wide_handles_refuse_forged_opened_and_revoked_ones() {
     assert!(revoke_handle(&hr).unwrap_err().to_string().contains("not an unopened handle"));
     assert!(open_handle(&hr).unwrap_err().to_string().contains("holds no block"));
     drop((got, x));
-    wait_until("the releases", WAIT, || limbo(&a) == 0);
+    wait_until("the releases", *WAIT, || limbo(&a) == 0);
     a.check_invariants().unwrap();
 }
 
@@ -639,7 +640,7 @@ fn an_export_to_a_peer_that_reads_nothing_times_out() {
     drop(kept);
     assert!(limbo(&a) > 0);
     drop(theirs);
-    wait_until("the hang-up's releases", WAIT, || exp.held() == 0 && limbo(&a) == 0);
+    wait_until("the hang-up's releases", *WAIT, || exp.held() == 0 && limbo(&a) == 0);
     a.check_invariants().unwrap();
 }
 

@@ -22,7 +22,8 @@ use dmabuf_rt::ffi::capi::dmabuf_rt_status::*;
 use dmabuf_rt::ffi::capi::*;
 
 /// How long the bounded waits of this file wait.
-const WAIT: Duration = Duration::from_secs(30);
+static WAIT: std::sync::LazyLock<Duration> =
+    std::sync::LazyLock::new(|| Duration::from_secs(30) * common::time_scale());
 
 const HANDLES: &str = "IPC_CAPI_HANDLES";
 const KB: usize = 1 << 10;
@@ -193,7 +194,7 @@ fn a_handle_opens_as_device_memory_and_bad_calls_are_refused() {
         });
         ok(dmabuf_rt_ipc_close_mem_handle(1, q));
         refused(dmabuf_rt_ipc_close_mem_handle(1, q), DMABUF_RT_INVALID_POINTER, "");
-        wait_until("the release", WAIT, || stats(0).limbo_bytes == 0);
+        wait_until("the release", *WAIT, || stats(0).limbo_bytes == 0);
         for x in again {
             ok(dmabuf_rt_device_free(0, x));
         }
@@ -248,7 +249,7 @@ fn a_consumer_process_opens_handles_and_its_exit_releases_them() {
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         assert!(out.status.success(), "consumer: {text}");
         assert_eq!(&read(0, ps[0], 17), b"consumer was here");
-        wait_until("the consumer's releases", WAIT, || stats(0).limbo_bytes == 0);
+        wait_until("the consumer's releases", *WAIT, || stats(0).limbo_bytes == 0);
         ok(dmabuf_rt_device_free(0, ps[0]));
         assert_eq!(stats(0).allocations, 0);
     });
@@ -341,7 +342,7 @@ fn a_handle_made_on_a_stream_carries_its_work_as_a_fence() {
         ok(dmabuf_rt_stream_destroy(s));
         ok(dmabuf_rt_stream_destroy(s1));
         ok(dmabuf_rt_device_free(0, p));
-        wait_until("limbo back to 0", WAIT, || stats(0).limbo_bytes == 0);
+        wait_until("limbo back to 0", *WAIT, || stats(0).limbo_bytes == 0);
     });
 }
 
@@ -413,7 +414,7 @@ fn an_opened_block_lent_to_a_synced_memory_is_not_closed_under_it() {
         }
         eprintln!("{lends} lends won, {closes} closes won");
         ok(dmabuf_rt_device_free(0, p));
-        wait_until("the release", WAIT, || stats(0).limbo_bytes == 0);
+        wait_until("the release", *WAIT, || stats(0).limbo_bytes == 0);
         assert_eq!(stats(0).allocations, 0);
     });
 }

@@ -30,7 +30,8 @@ use dmabuf_rt::share::Channel;
 use dmabuf_rt::{Error, ErrorKind};
 use rustix::thread::UnshareFlags;
 
-const WAIT: Duration = Duration::from_secs(30);
+static WAIT: std::sync::LazyLock<Duration> =
+    std::sync::LazyLock::new(|| Duration::from_secs(30) * common::time_scale());
 const ROLE_ENV: &str = "IPC_DOOR_ROLE";
 /// The parent's network namespace (`/proc/self/ns/net`), for the child to check it is elsewhere.
 const NETNS_ENV: &str = "IPC_DOOR_PARENT_NETNS";
@@ -291,7 +292,7 @@ fn an_importer_in_another_network_namespace_opens_handles_through_the_door() {
     assert_eq!(c.ask(READY, None), 1);
     c.child.kill().unwrap();
     c.child.wait().unwrap();
-    wait_until("the killed importer's releases", WAIT, || limbo(&a) == 0);
+    wait_until("the killed importer's releases", *WAIT, || limbo(&a) == 0);
     a.check_invariants().unwrap();
 }
 
@@ -314,7 +315,7 @@ fn an_exporter_in_another_user_and_network_namespace_is_reached_through_its_door
     }
     assert!(open_handle(&hs[0]).unwrap_err().to_string().contains("already opened"));
     drop(got);
-    wait_until("the exporter's limbo empties once the blocks are released", WAIT, || c.ask(LIMBO, None) == 0);
+    wait_until("the exporter's limbo empties once the blocks are released", *WAIT, || c.ask(LIMBO, None) == 0);
     // Opened again and kept past the exporter's exit: still readable, nothing crashes.
     let hs = c.handles();
     let kept = open_handle(&hs[2]).unwrap();
@@ -345,7 +346,7 @@ fn an_importer_not_permitted_to_take_the_door_gets_a_clear_error_and_takes_nothi
     got.read(0, &mut v).unwrap();
     assert!(v == pattern(got.len(), h.export as u8));
     drop(got);
-    wait_until("the release", WAIT, || limbo(&a) == 0);
+    wait_until("the release", *WAIT, || limbo(&a) == 0);
     c.exit();
 }
 
@@ -375,5 +376,5 @@ fn in_one_network_namespace_the_door_is_never_tried() {
     got.read(0, &mut v).unwrap();
     assert!(v == pattern(got.len(), h.export as u8));
     drop((got, x));
-    wait_until("the release", WAIT, || limbo(&a) == 0);
+    wait_until("the release", *WAIT, || limbo(&a) == 0);
 }

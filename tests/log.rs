@@ -19,7 +19,8 @@ use common::isolate::{abridged, is_child, run_child};
 use dmabuf_rt::ffi::capi::dmabuf_rt_status::*;
 use dmabuf_rt::ffi::capi::*;
 
-const LIMIT: Duration = Duration::from_secs(60);
+static LIMIT: std::sync::LazyLock<Duration> =
+    std::sync::LazyLock::new(|| Duration::from_secs(60) * common::time_scale());
 
 /// A refused call (size 0), checked in the child: the status and the thread's last error.
 /// Prints the last error on stdout (`LAST_ERROR\t<why>`) for the parent to compare.
@@ -38,7 +39,7 @@ fn refuse_one_call() {
 fn child(name: &str, env: &[(&str, &str)]) -> (String, String) {
     let mut all = vec![("DMABUF_RT_DEVICES", "shmem")];
     all.extend_from_slice(env);
-    let o = run_child(name, &all, LIMIT);
+    let o = run_child(name, &all, *LIMIT);
     assert!(o.ok, "{name} failed: {}\n--- stderr ---\n{}\n--- stdout ---\n{}", o.status, abridged(&o.stderr), o.stdout);
     // libtest's own `test NAME ... ` may start the line.
     let why = o.stdout.lines().find_map(|l| l.split_once("LAST_ERROR\t")).expect("the child's last error").1.to_owned();
