@@ -13,6 +13,18 @@ pub(crate) use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering, fence};
 #[cfg(not(loom))]
 pub(crate) use std::sync::{Condvar, Mutex};
 
+// The caching allocator's biased lock (`caching/pool_lock.rs`). loom's `Mutex` returns std's
+// `LockResult` and `TryLockError`, and never poisons.
+#[cfg(loom)]
+pub(crate) use loom::sync::MutexGuard;
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::AtomicU64;
+#[cfg(not(loom))]
+pub(crate) use std::sync::MutexGuard;
+pub(crate) use std::sync::TryLockError;
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::AtomicU64;
+
 /// `std::cell::UnsafeCell` with loom's closure API, so the same code compiles both ways and
 /// loom can see every access.
 #[cfg(not(loom))]

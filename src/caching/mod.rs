@@ -102,6 +102,9 @@ mod free_runs;
 mod host;
 mod pool;
 mod pool_lock;
+#[cfg(loom)]
+#[doc(hidden)]
+pub use pool_lock::model as pool_lock_model;
 mod quick;
 mod raw;
 mod record;

@@ -59,14 +59,33 @@
 #![allow(unsafe_code)]
 
 use std::cell::{Cell, UnsafeCell};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, compiler_fence};
-use std::sync::{Mutex, MutexGuard, OnceLock, TryLockError};
+#[cfg(not(loom))]
+use std::sync::OnceLock;
+#[cfg(not(loom))]
+use std::sync::atomic::compiler_fence;
+
+// loom's primitives under `--cfg loom` (`loom-tests/tests/pool_lock.rs`), std's otherwise.
+#[cfg(loom)]
+use crate::sync::fence;
+use crate::sync::{AtomicU64, AtomicUsize, Mutex, MutexGuard, Ordering, TryLockError};
 
 /// Acquisitions in a row by one thread that make it the owner, at first.
+#[cfg(not(loom))]
 pub(crate) const BIAS_AFTER: u32 = 64;
 
 /// The most a run of acquisitions needs to be, after revocations have doubled it.
+#[cfg(not(loom))]
 const BIAS_AFTER_MAX: u32 = 1 << 20;
+
+/// Under loom, every acquisition of the mutex while no thread owns the lock makes its taker the
+/// owner, and revocations do not lengthen the run: a model's few steps then go through grants
+/// and revocations, not through the counting (which the unit tests check).
+#[cfg(loom)]
+pub(crate) const BIAS_AFTER: u32 = 1;
+
+/// See the loom `BIAS_AFTER`.
+#[cfg(loom)]
+const BIAS_AFTER_MAX: u32 = 1;
 
 /// Where a thread marks its fast hold: the address of the lock it holds by
 /// [`PoolLock::fast`] now, 0 for none. Written by its thread only, with plain stores; read by
@@ -84,10 +103,17 @@ struct ThisThread {
     mark: Cell<Option<&'static FastMark>>,
 }
 
+#[cfg(not(loom))]
 thread_local! {
     // No destructor: readable while the thread's other thread-locals are destroyed (an
     // `Allocation` kept in one is dropped then).
     static THIS_THREAD: ThisThread = const { ThisThread { token: Cell::new(0), mark: Cell::new(None) } };
+}
+
+// Each of loom's threads is a coroutine on one OS thread: its thread-locals are loom's.
+#[cfg(loom)]
+loom::thread_local! {
+    static THIS_THREAD: ThisThread = ThisThread { token: Cell::new(0), mark: Cell::new(None) };
 }
 
 /// A number naming the calling thread, never reused in the process (0 is no thread).
@@ -98,7 +124,8 @@ fn thread_token() -> u64 {
 
 #[inline(always)]
 fn token_of(t: &ThisThread) -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
+    // std's atomic under loom too: a token only has to differ from every other thread's.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let v = t.token.get();
     if v != 0 {
         return v;
@@ -127,6 +154,7 @@ fn this_threads_mark() -> &'static FastMark {
 
 /// Whether `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)` works in this process (registered
 /// once, at the first bias).
+#[cfg(not(loom))]
 fn barrier_available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
     *AVAILABLE.get_or_init(|| {
@@ -145,12 +173,32 @@ fn barrier_available() -> bool {
 /// before membarrier existed: a written page made read-only makes the kernel interrupt every
 /// CPU that runs the process's memory map, and an interrupt drains the CPU's store buffer.
 /// False if both are refused.
+#[cfg(not(loom))]
 fn process_barrier() -> bool {
     use rustix::thread::{MembarrierCommand, membarrier};
     membarrier(MembarrierCommand::PrivateExpedited).is_ok() || shootdown()
 }
 
+/// loom models no `membarrier`: what the lock needs of it is the pair of full barriers of
+/// Dekker's exclusion, one on each side, and a `SeqCst` fence on each side is that in the C++
+/// memory model. The owner's side is in [`PoolLock::fast`]: where the barrier would land in
+/// the owner's thread, before its mark's store (its check then sees 0), between the store and
+/// the check, or after the check (its mark is then seen), is what a `SeqCst` fence between the
+/// two gives.
+#[cfg(loom)]
+fn barrier_available() -> bool {
+    true
+}
+
+/// The revoker's side of the pair under loom (see the loom [`barrier_available`]).
+#[cfg(loom)]
+fn process_barrier() -> bool {
+    fence(Ordering::SeqCst); // the revoker's side of the Dekker pair
+    true
+}
+
 /// The TLB shootdown of [`process_barrier`].
+#[cfg(not(loom))]
 fn shootdown() -> bool {
     use rustix::mm::{MapFlags, MprotectFlags, ProtFlags, mmap_anonymous, mprotect};
     /// One page for every shootdown, and a lock: a write to it while another thread holds it
@@ -361,12 +409,17 @@ impl<T> PoolLock<T> {
         {
             return None;
         }
-        #[cfg(test)]
+        #[cfg(all(test, not(loom)))]
         tests::pause_point();
         mark.lock.store(self.addr(), Ordering::Relaxed);
         // Dekker's order: the mark's store before the `owner` load. The revoker's membarrier
         // orders them on the CPU; this keeps the compiler from swapping them.
+        #[cfg(not(loom))]
         compiler_fence(Ordering::SeqCst);
+        // Under loom, the owner's half of what the membarrier gives (see the loom
+        // `barrier_available`): a `SeqCst` fence, which the real path does not pay.
+        #[cfg(loom)]
+        fence(Ordering::SeqCst); // the owner's side of the Dekker pair
         // Acquire: the value's accesses stay after the check. A thread that read itself the
         // owner above and lost the bias since clears its own mark, no one else's.
         if self.owner.load(Ordering::Acquire) != me {
@@ -429,6 +482,7 @@ impl<T> PoolLock<T> {
         // its check sees 0.
         while mark.is_some_and(|m| m.lock.load(Ordering::Acquire) == self.addr()) {
             spins = spins.saturating_add(1);
+            #[cfg(not(loom))]
             if spins < 64 {
                 std::hint::spin_loop();
             } else if spins < 1024 {
@@ -436,6 +490,9 @@ impl<T> PoolLock<T> {
             } else {
                 std::thread::sleep(std::time::Duration::from_micros(u64::from(spins.min(100_000))));
             }
+            // loom explores a wait only if it yields to the thread it waits for.
+            #[cfg(loom)]
+            loom::thread::yield_now();
         }
         streak.needed = streak.needed.saturating_mul(2).min(BIAS_AFTER_MAX);
         streak.count = 0;
@@ -457,7 +514,7 @@ impl<T> PoolLock<T> {
     }
 
     /// Whether some thread owns the lock now (for tests).
-    #[cfg(test)]
+    #[cfg(any(test, loom))]
     pub(crate) fn is_biased(&self) -> bool {
         self.owner.load(Ordering::Relaxed) != 0
     }
@@ -509,7 +566,65 @@ impl<T> Drop for PoolGuard<'_, T> {
     }
 }
 
-#[cfg(test)]
+/// The lock under public names for loom's models (`loom-tests/tests/pool_lock.rs`): in
+/// `--cfg loom` builds only, as `caching::pool_lock_model`.
+#[cfg(loom)]
+pub mod model {
+    /// [`PoolLock`](super::PoolLock).
+    #[derive(Debug)]
+    pub struct Lock<T>(super::PoolLock<T>);
+
+    /// [`PoolGuard`](super::PoolGuard).
+    pub struct Guard<'a, T>(super::PoolGuard<'a, T>);
+
+    impl<T> std::fmt::Debug for Guard<'_, T> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("Guard").field("fast", &matches!(self.0.hold, super::Hold::Fast(_))).finish()
+        }
+    }
+
+    impl<T> Lock<T> {
+        /// `PoolLock::new`.
+        pub fn new(value: T) -> Self {
+            Self(super::PoolLock::new(value))
+        }
+
+        /// `PoolLock::lock`.
+        pub fn lock(&self) -> Guard<'_, T> {
+            Guard(self.0.lock())
+        }
+
+        /// `PoolLock::try_lock`.
+        pub fn try_lock(&self) -> Option<Guard<'_, T>> {
+            self.0.try_lock().map(Guard)
+        }
+
+        /// `PoolLock::try_lock_taking_back`.
+        pub fn try_lock_taking_back(&self) -> Option<Guard<'_, T>> {
+            self.0.try_lock_taking_back().map(Guard)
+        }
+
+        /// `PoolLock::fast`.
+        pub fn fast(&self) -> Option<Guard<'_, T>> {
+            self.0.fast().map(Guard)
+        }
+
+        /// `PoolLock::is_biased`.
+        pub fn is_biased(&self) -> bool {
+            self.0.is_biased()
+        }
+    }
+
+    impl<T> std::ops::Deref for Guard<'_, T> {
+        type Target = T;
+
+        fn deref(&self) -> &T {
+            &self.0
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
 mod tests {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::{Arc, Barrier};
