@@ -892,3 +892,168 @@ fn fork_while_the_owner_streaks_child_frees_and_drops_the_last_handle_without_wa
         }
     });
 }
+
+// ---------------------------------------------------------------------------------------------
+// 7. A forked child that goes on using the allocator with threads of its own: the forking
+//    thread was the owner in the parent (idle at the fork), so it is the owner in the child;
+//    the child's new threads revoke it (membarrier in the child: the registration is the
+//    parent's) while it streaks through fast holds, every block tagged. The child's exit
+//    status says what it saw (1: a failed check, its message on stderr; SIGALRM: a hang).
+// ---------------------------------------------------------------------------------------------
+#[test]
+fn forked_child_owner_streaks_against_the_childs_own_revokers() {
+    if !membarrier_ok() {
+        println!("SKIP: no membarrier(PRIVATE_EXPEDITED)");
+        return;
+    }
+    within("child owner", limit(), || {
+        for (ci, conf) in CONFIGS.iter().enumerate() {
+            for k in 0..scaled(8) {
+                let a = alloc(conf);
+                become_owner(&a);
+                // SAFETY: the child uses only this allocator (no other thread of the parent
+                // touches it) and threads of its own, and leaves with `_exit`.
+                let pid = unsafe { libc::fork() };
+                assert!(pid >= 0, "fork failed");
+                if pid == 0 {
+                    // SAFETY: alarm is async-signal-safe; it bounds a hang in the child.
+                    unsafe { libc::alarm(10 * common::time_scale()) };
+                    let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        let progress = Arc::new(AtomicUsize::new(0));
+                        let finished = Arc::new(AtomicBool::new(false));
+                        let ops = 2000;
+                        let hs: Vec<_> = (0..2)
+                            .map(|t| {
+                                let (a, progress, finished) = (a.clone(), progress.clone(), finished.clone());
+                                std::thread::spawn(move || {
+                                    let mut rng = Rng(0x41_0007 ^ (k as u64) << 4 ^ t as u64);
+                                    for s in 0..3 {
+                                        let at = (s * ops / 3) + rng.below(ops as u64 / 3) as usize;
+                                        wait_progress(&progress, &finished, at);
+                                        strike(&a, 4 * KB, "child revoker");
+                                    }
+                                })
+                            })
+                            .collect();
+                        let keep: Vec<Live> = (0..4).map(|_| Live::new(a.allocate(4 * KB, None).unwrap())).collect();
+                        for i in 0..ops {
+                            let x = Live::new(a.allocate(4 * KB, None).unwrap());
+                            let p = a.allocate_raw(4 * KB, None).unwrap();
+                            let r = Raw::new(p, 4 * KB);
+                            x.check("child owner");
+                            r.check("child owner raw");
+                            a.free_raw(p).unwrap();
+                            if i % 128 == 0 {
+                                for k in &keep {
+                                    k.check("kept by the child's owner");
+                                }
+                            }
+                            progress.store(i + 1, Ordering::Relaxed);
+                        }
+                        finished.store(true, Ordering::Relaxed);
+                        for h in hs {
+                            h.join().unwrap();
+                        }
+                        drop(keep);
+                        settled(&a, "child");
+                    }));
+                    // SAFETY: ends the child without the parent's destructors.
+                    unsafe { libc::_exit(if ok.is_ok() { 0 } else { 1 }) };
+                }
+                let mut status = 0;
+                let t0 = std::time::Instant::now();
+                loop {
+                    // SAFETY: our own child.
+                    let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+                    if r == pid {
+                        break;
+                    }
+                    if t0.elapsed() > Duration::from_secs(20) * common::time_scale() {
+                        // SAFETY: our own child.
+                        unsafe { libc::kill(pid, libc::SIGKILL) };
+                        // SAFETY: reap it.
+                        unsafe { libc::waitpid(pid, &mut status, 0) };
+                        break;
+                    }
+                    // A bounded poll for the child's exit, not an ordering sleep.
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                let sig = if libc::WIFSIGNALED(status) { libc::WTERMSIG(status) } else { 0 };
+                assert!(
+                    libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+                    "{conf} (config {ci}) fork {k}: the child, whose forking thread owned the pool, failed against its \
+                     own revokers: status {status:#x} (signal {sig}; 14 = SIGALRM: a hang, exit 1: a failed check)"
+                );
+                settled(&a, "parent after the fork");
+            }
+        }
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// 8. A queue's executor thread becomes the owner (host callbacks allocating and freeing in a
+//    streak), other threads strike mid-streak, and the queue is dropped while its executor may
+//    still own the pool: the exit hook the allocator registered (`QueueGone`, applied with
+//    `try_lock` on the executor as it exits) runs on the owner thread itself.
+// ---------------------------------------------------------------------------------------------
+#[test]
+fn queue_executor_owner_and_its_exit_hook() {
+    if !membarrier_ok() {
+        println!("SKIP: no membarrier(PRIVATE_EXPEDITED)");
+        return;
+    }
+    within("executor owner", limit(), || {
+        for round in 0..scaled(60) {
+            let conf = CONFIGS[round % CONFIGS.len()];
+            let a = alloc(conf);
+            let q = dmabuf_rt::queue::Queue::new().unwrap();
+            // Blocks bound to the queue (their segments go when it does), some freed now.
+            let bound: Vec<Live> = (0..6).map(|i| Live::new(a.allocate((i + 1) * 4 * KB, Some(&q)).unwrap())).collect();
+            let progress = Arc::new(AtomicUsize::new(0));
+            let finished = Arc::new(AtomicBool::new(false));
+            let bad = Arc::new(Mutex::new(Vec::new()));
+            const CALLBACKS: usize = 8;
+            const PER: usize = 150;
+            for c in 0..CALLBACKS {
+                let (a, progress, bad) = (a.clone(), progress.clone(), bad.clone());
+                q.callback(move |_| {
+                    caught(&bad, "executor", || {
+                        if c == 0 {
+                            become_owner(&a);
+                        }
+                        for i in 0..PER {
+                            let x = Live::new(a.allocate(2 * KB, None).unwrap());
+                            let p = a.allocate_raw(2 * KB, None).unwrap();
+                            let r = Raw::new(p, 2 * KB);
+                            x.check("executor");
+                            r.check("executor raw");
+                            a.free_raw(p).unwrap();
+                            progress.store(c * PER + i + 1, Ordering::Relaxed);
+                        }
+                    });
+                })
+                .unwrap();
+            }
+            let striker = {
+                let (a, progress, finished, bad) = (a.clone(), progress.clone(), finished.clone(), bad.clone());
+                std::thread::spawn(move || {
+                    let mut rng = Rng(0x41_0008 ^ round as u64);
+                    caught(&bad, "striker", || {
+                        let at = 1 + rng.below((CALLBACKS * PER) as u64) as usize;
+                        wait_progress(&progress, &finished, at);
+                        strike(&a, 4 * KB, "striker");
+                    });
+                })
+            };
+            drop(bound);
+            // Dropped with its callbacks queued or running: it finishes them, then exits and
+            // runs the exit hooks on its executor.
+            drop(q);
+            finished.store(true, Ordering::Relaxed);
+            striker.join().unwrap();
+            assert_none_bad(&bad, &format!("round {round} ({conf})"));
+            wait_until("the queue's frees", limit(), || a.stats().allocation[AGGREGATE].current == 0);
+            settled(&a, &format!("round {round} ({conf})"));
+        }
+    });
+}
