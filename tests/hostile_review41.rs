@@ -1057,3 +1057,86 @@ fn queue_executor_owner_and_its_exit_hook() {
         }
     });
 }
+
+// ---------------------------------------------------------------------------------------------
+// 9. The hole 7413536 closed, at the allocator's level, run many times on more threads than
+//    CPUs: a former owner keeps calling `fast()` (dropping its many blocks: a drop that is
+//    refused goes to `try_lock`, which does not break another thread's run), so it is often
+//    preempted inside `fast()` after reading itself the owner; meanwhile a second thread
+//    revokes it, is made the owner (its run of 128 acquisitions) and streaks through fast
+//    holds, and a third thread revokes the second. With the former owner able to unmark the
+//    new owner's hold, the third joins it (the debug check names two holders; tags).
+// ---------------------------------------------------------------------------------------------
+#[test]
+fn former_owner_drops_while_the_next_owner_streaks_and_is_revoked() {
+    if !membarrier_ok() {
+        println!("SKIP: no membarrier(PRIVATE_EXPEDITED)");
+        return;
+    }
+    within("former owner", limit(), || {
+        for round in 0..scaled(120) {
+            let conf = CONFIGS[round % CONFIGS.len()];
+            let a = alloc(conf);
+            let bad = Arc::new(Mutex::new(Vec::new()));
+            let ready = Arc::new(AtomicBool::new(false));
+            let next_progress = Arc::new(AtomicUsize::new(0));
+            let next_done = Arc::new(AtomicBool::new(false));
+            const NEXT_OPS: usize = 1500;
+            let former = {
+                let (a, bad, ready) = (a.clone(), bad.clone(), ready.clone());
+                std::thread::spawn(move || {
+                    caught(&bad, "former owner", || {
+                        become_owner(&a);
+                        let mut mine: Vec<Live> = (0..600).map(|_| Live::new(a.allocate(1024, None).unwrap())).collect();
+                        ready.store(true, Ordering::SeqCst);
+                        // Dropped one at a time, newest first: each drop tries `fast()`.
+                        while let Some(x) = mine.pop() {
+                            x.check("former owner's block");
+                            drop(x);
+                            for _ in 0..50 {
+                                std::hint::spin_loop();
+                            }
+                        }
+                    });
+                })
+            };
+            let next = {
+                let (a, bad, ready, progress, done) =
+                    (a.clone(), bad.clone(), ready.clone(), next_progress.clone(), next_done.clone());
+                std::thread::spawn(move || {
+                    wait_until("the former owner's blocks", limit(), || ready.load(Ordering::SeqCst));
+                    caught(&bad, "next owner", || {
+                        for i in 0..NEXT_OPS {
+                            let x = Live::new(a.allocate(2 * KB, None).unwrap());
+                            let p = a.allocate_raw(512, None).unwrap();
+                            let r = Raw::new(p, 512);
+                            x.check("next owner");
+                            r.check("next owner raw");
+                            a.free_raw(p).unwrap();
+                            progress.store(i + 1, Ordering::Relaxed);
+                        }
+                    });
+                    done.store(true, Ordering::Relaxed);
+                })
+            };
+            let third = {
+                let (a, bad, progress, done) = (a.clone(), bad.clone(), next_progress.clone(), next_done.clone());
+                std::thread::spawn(move || {
+                    let mut rng = Rng(0x41_0009 ^ round as u64);
+                    caught(&bad, "third thread", || {
+                        for s in 0..3 {
+                            let at = 200 + s * 400 + rng.below(400) as usize;
+                            wait_progress(&progress, &done, at);
+                            strike(&a, 2 * KB, "third thread");
+                        }
+                    });
+                })
+            };
+            for h in [former, next, third] {
+                h.join().unwrap();
+            }
+            assert_none_bad(&bad, &format!("round {round} ({conf})"));
+            settled(&a, &format!("round {round} ({conf})"));
+        }
+    });
+}
