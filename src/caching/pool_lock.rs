@@ -55,6 +55,10 @@
 //! signal handler) panics where a plain mutex would deadlock. A thread holds at most one lock
 //! fast at a time: inside one fast hold, `fast` on another lock refuses (its caller takes the
 //! way it takes on any other thread).
+//!
+//! Under `--cfg loom` the lock is built from loom's atomics, mutex and thread-locals, with the
+//! membarrier modelled as a `SeqCst` fence on each side of Dekker's pair, and
+//! `loom-tests/tests/pool_lock.rs` model-checks it.
 
 #![allow(unsafe_code)]
 
