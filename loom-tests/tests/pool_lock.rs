@@ -124,3 +124,20 @@ fn try_lock_and_try_lock_taking_back_never_join_a_fast_hold() {
         assert_eq!(count(&l), 1 + mine + theirs);
     });
 }
+
+/// One thread owns two locks and has one mark for both: a revoker of the second lock that
+/// finds the mark naming the first does not wait for it, and the owner's next fast hold of the
+/// second, taken after the first's, must see the revocation.
+#[test]
+fn a_revoker_of_one_lock_passes_the_owners_hold_of_another() {
+    model(|| {
+        let (first, second) = (owned_here(), owned_here());
+        let other = {
+            let second = Arc::clone(&second);
+            thread::spawn(move || bump(&second.lock()))
+        };
+        let mine = fast_only(&first) + fast_only(&second);
+        other.join().unwrap();
+        assert_eq!(count(&first) + count(&second), 2 + mine + 1);
+    });
+}
