@@ -66,11 +66,8 @@ fn limit() -> Duration {
     Duration::from_secs(60) * common::time_scale()
 }
 
-const CONFIGS: &[&str] = &[
-    "expandable_segments:False",
-    "expandable_segments:True",
-    "expandable_segments:True,page_stitching:True",
-];
+const CONFIGS: &[&str] =
+    &["expandable_segments:False", "expandable_segments:True", "expandable_segments:True,page_stitching:True"];
 
 fn alloc(conf: &str) -> CachingAllocator {
     common::allocator(conf, 4 << 30)
@@ -262,7 +259,8 @@ fn owner_drops_across_allocators_while_revokers_drop_the_last_handle() {
             become_owner(&doomed);
             let doomed_blocks: Vec<Live> = (0..8).map(|_| Live::new(doomed.allocate(4 * KB, None).unwrap())).collect();
             let h = {
-                let (allocs, progress, finished, bad) = (allocs.clone(), progress.clone(), finished.clone(), bad.clone());
+                let (allocs, progress, finished, bad) =
+                    (allocs.clone(), progress.clone(), finished.clone(), bad.clone());
                 std::thread::spawn(move || {
                     let mut rng = Rng(0x41_0002 ^ round as u64);
                     caught(&bad, "revoker", || {
@@ -790,7 +788,9 @@ fn owner_of_two_allocators_exits_with_blocks_in_thread_locals_while_revoked() {
                     KEEP41.with(|k| {
                         let mut k = k.borrow_mut();
                         for i in 0..40 {
-                            k.push(Live::new(allocs[i % 2].allocate(if i % 7 == 0 { 2 * MB } else { 4 * KB }, None).unwrap()));
+                            k.push(Live::new(
+                                allocs[i % 2].allocate(if i % 7 == 0 { 2 * MB } else { 4 * KB }, None).unwrap(),
+                            ));
                         }
                     });
                     ON_EXIT41.with(|o| *o.borrow_mut() = Some(OnExit { allocs: allocs.clone(), ran }));
@@ -1105,7 +1105,8 @@ fn former_owner_drops_while_the_next_owner_streaks_and_is_revoked() {
                 std::thread::spawn(move || {
                     caught(&bad, "former owner", || {
                         become_owner(&a);
-                        let mut mine: Vec<Live> = (0..600).map(|_| Live::new(a.allocate(1024, None).unwrap())).collect();
+                        let mut mine: Vec<Live> =
+                            (0..600).map(|_| Live::new(a.allocate(1024, None).unwrap())).collect();
                         ready.store(true, Ordering::SeqCst);
                         // Dropped one at a time, newest first: each drop tries `fast()`.
                         while let Some(x) = mine.pop() {
