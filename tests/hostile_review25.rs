@@ -57,12 +57,6 @@ fn alloc(conf: &str) -> CachingAllocator {
     common::allocator(conf, 4 << 30)
 }
 
-fn membarrier_ok() -> bool {
-    use rustix::thread::{MembarrierCommand, membarrier};
-    membarrier(MembarrierCommand::RegisterPrivateExpedited).is_ok()
-        && membarrier(MembarrierCommand::PrivateExpedited).is_ok()
-}
-
 // ---------------------------------------------------------------------------------------------
 // 1. The same raw pointer freed by the owner (fast path) and by several other threads (which
 //    revoke) at once: exactly one free succeeds, every other is refused; the block's bytes are
@@ -615,7 +609,7 @@ fn reentrant(conf: &str) -> ReentrantAlloc {
 /// the stuck thread is left behind with its allocator.
 #[test]
 fn owner_reenters_pool_from_source_while_holding_mutex() {
-    if !membarrier_ok() {
+    if !common::membarrier_ok() {
         println!("SKIP: no membarrier(PRIVATE_EXPEDITED): the lock is never biased");
         return;
     }
@@ -740,7 +734,7 @@ fn panicking_owner_thread_and_poisoned_mutex() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn fork_child_takes_the_lock_from_parents_owner_thread() {
-    if !membarrier_ok() {
+    if !common::membarrier_ok() {
         println!("SKIP: no membarrier");
         return;
     }
@@ -807,7 +801,7 @@ fn fork_child_takes_the_lock_from_parents_owner_thread() {
 fn seccomp_refusing_membarrier_after_bias() {
     const NAME: &str = "seccomp_refusing_membarrier_after_bias";
     if !common::isolate::is_child(NAME) {
-        if !membarrier_ok() {
+        if !common::membarrier_ok() {
             println!("SKIP: no membarrier");
             return;
         }

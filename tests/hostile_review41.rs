@@ -73,12 +73,6 @@ fn alloc(conf: &str) -> CachingAllocator {
     common::allocator(conf, 4 << 30)
 }
 
-fn membarrier_ok() -> bool {
-    use rustix::thread::{MembarrierCommand, membarrier};
-    membarrier(MembarrierCommand::RegisterPrivateExpedited).is_ok()
-        && membarrier(MembarrierCommand::PrivateExpedited).is_ok()
-}
-
 /// The text of a caught panic.
 fn panic_text(e: &(dyn std::any::Any + Send)) -> String {
     e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default()
@@ -130,7 +124,7 @@ fn strike(a: &CachingAllocator, n: usize, what: &str) {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn one_owner_of_several_allocators_revoked_one_by_one_mid_streak() {
-    if !membarrier_ok() {
+    if !common::membarrier_ok() {
         println!("SKIP: no membarrier(PRIVATE_EXPEDITED): the lock is never biased");
         return;
     }
@@ -237,7 +231,7 @@ fn one_owner_of_several_allocators_revoked_one_by_one_mid_streak() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn owner_drops_across_allocators_while_revokers_drop_the_last_handle() {
-    if !membarrier_ok() {
+    if !common::membarrier_ok() {
         println!("SKIP: no membarrier(PRIVATE_EXPEDITED)");
         return;
     }
@@ -327,7 +321,7 @@ fn owner_drops_across_allocators_while_revokers_drop_the_last_handle() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn shootdown_fallback_revokers_never_join_the_owners_fast_hold() {
-    if !membarrier_ok() {
+    if !common::membarrier_ok() {
         println!("SKIP: no membarrier(PRIVATE_EXPEDITED)");
         return;
     }
@@ -751,7 +745,7 @@ impl Drop for OnExit {
 
 #[test]
 fn owner_of_two_allocators_exits_with_blocks_in_thread_locals_while_revoked() {
-    if !membarrier_ok() {
+    if !common::membarrier_ok() {
         println!("SKIP: no membarrier(PRIVATE_EXPEDITED)");
         return;
     }
@@ -821,7 +815,7 @@ fn owner_of_two_allocators_exits_with_blocks_in_thread_locals_while_revoked() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn fork_while_the_owner_streaks_child_frees_and_drops_the_last_handle_without_waiting() {
-    if !membarrier_ok() {
+    if !common::membarrier_ok() {
         println!("SKIP: no membarrier(PRIVATE_EXPEDITED)");
         return;
     }
@@ -920,7 +914,7 @@ fn fork_while_the_owner_streaks_child_frees_and_drops_the_last_handle_without_wa
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn forked_child_owner_streaks_against_the_childs_own_revokers() {
-    if !membarrier_ok() {
+    if !common::membarrier_ok() {
         println!("SKIP: no membarrier(PRIVATE_EXPEDITED)");
         return;
     }
@@ -1016,7 +1010,7 @@ fn forked_child_owner_streaks_against_the_childs_own_revokers() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn queue_executor_owner_and_its_exit_hook() {
-    if !membarrier_ok() {
+    if !common::membarrier_ok() {
         println!("SKIP: no membarrier(PRIVATE_EXPEDITED)");
         return;
     }
@@ -1087,7 +1081,7 @@ fn queue_executor_owner_and_its_exit_hook() {
 // ---------------------------------------------------------------------------------------------
 #[test]
 fn former_owner_drops_while_the_next_owner_streaks_and_is_revoked() {
-    if !membarrier_ok() {
+    if !common::membarrier_ok() {
         println!("SKIP: no membarrier(PRIVATE_EXPEDITED)");
         return;
     }

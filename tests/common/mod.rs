@@ -100,6 +100,15 @@ pub fn fd_summary() -> String {
     kinds.iter().map(|(k, n)| format!("{n}x {k}")).collect::<Vec<_>>().join(", ")
 }
 
+/// Whether `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)` works here (registered by this
+/// call): without it the caching allocator's lock is never biased, and the races against its
+/// owner's fast holds have nothing to race.
+pub fn membarrier_ok() -> bool {
+    use rustix::thread::{MembarrierCommand, membarrier};
+    membarrier(MembarrierCommand::RegisterPrivateExpedited).is_ok()
+        && membarrier(MembarrierCommand::PrivateExpedited).is_ok()
+}
+
 /// How much slower than this machine the tests may run (`DMABUF_RT_STRESS_TIME_SCALE`: the
 /// kernel lane's TCG guest and ThreadSanitizer set it); watchdog limits are multiplied by it.
 pub fn time_scale() -> u32 {
