@@ -105,6 +105,8 @@ mod pool_lock;
 #[cfg(loom)]
 #[doc(hidden)]
 pub use pool_lock::model as pool_lock_model;
+#[cfg(all(test, not(miri)))]
+mod last_wait_tests;
 mod quick;
 mod raw;
 mod record;
@@ -143,13 +145,15 @@ const PENDING_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 struct Claimed<'a> {
     inner: &'a shared::AllocatorShared,
     bytes: Option<u64>,
+    /// Made exclusive ([`Pool::keep_others_out`]).
+    exclusive: bool,
 }
 
 impl Claimed<'_> {
     /// Withdraws the claim under the lock `pool` (held): the requests kept out look again.
     fn withdraw(mut self, pool: &mut Pool) {
         if let Some(bytes) = self.bytes.take() {
-            pool.unclaim(bytes);
+            pool.unclaim(bytes, self.exclusive);
             self.announce();
         }
     }
@@ -165,7 +169,7 @@ impl Drop for Claimed<'_> {
         if let Some(bytes) = self.bytes.take() {
             // Unwinding: this thread's lock guard is gone by now (declared later).
             if let Some(mut pool) = self.inner.pool.lock_unless_held_here() {
-                pool.unclaim(bytes);
+                pool.unclaim(bytes, self.exclusive);
             }
             self.announce();
         }
@@ -440,9 +444,12 @@ impl CachingAllocator {
                 outstanding: pending && !stuck,
                 waited,
                 last_wait,
+                may_keep_others_out: !stuck && claimed.as_ref().is_some_and(|c| !c.exclusive),
             };
             let outcome = pool.allocate(size, key, tried);
-            if let Some(c) = claimed.take() {
+            if !matches!(outcome, Ok(Outcome::WaitKeepingOthersOut))
+                && let Some(c) = claimed.take()
+            {
                 // The final attempt is made: the requests kept out look again.
                 c.withdraw(&mut pool);
             }
@@ -480,33 +487,52 @@ impl CachingAllocator {
                         let mark = self.inner.pending.mark();
                         let mut pool = self.lock();
                         if !on_executor {
-                            claimed = Some(Claimed { inner: &self.inner, bytes: Some(pool.claim(size)) });
+                            let bytes = Some(pool.claim(size));
+                            claimed = Some(Claimed { inner: &self.inner, bytes, exclusive: false });
+                            #[cfg(all(test, not(miri)))]
+                            last_wait_tests::after_claim();
                         }
-                        // As the ladder's wait: as long as frees keep completing, each within
-                        // the limit (a long backlog of work is no reason to fail), until those
-                        // outstanding now have (by bytes, under the lock: counts cannot tell
-                        // them from newer frees on other queues, which may complete first).
-                        // Not while none is outstanding any more (what is left is held by
-                        // another process), nor once those bytes have not come down within the
-                        // limit (newer frees on other queues completing meanwhile do not count).
-                        let (mut last, mut left, mut since) =
-                            (mark, pool.claimed_frees_outstanding(), std::time::Instant::now());
-                        while left > 0 && !self.inner.pending.is_zero() {
-                            drop(pool);
-                            let time = limit.saturating_sub(since.elapsed());
-                            if time.is_zero() || !self.inner.pending.wait_next(last, time) {
-                                break;
-                            }
-                            last = self.inner.pending.mark();
-                            pool = self.lock();
-                            let now = pool.claimed_frees_outstanding();
-                            if now < left {
-                                (left, since) = (now, std::time::Instant::now());
-                            }
-                        }
+                        self.wait_for_claimed_frees(pool, mark);
                     }
                     (last_wait, waited) = (true, true);
                 }
+                Outcome::WaitKeepingOthersOut => {
+                    // Once: the claim's memory went to allocations admitted during its wait,
+                    // and their deferred frees hold it. Now nobody else takes memory until the
+                    // final attempt, and those frees are waited for too (`pool/claims.rs`).
+                    let mark = self.inner.pending.mark();
+                    self.drain(&mut pool);
+                    pool.keep_others_out();
+                    if let Some(c) = claimed.as_mut() {
+                        c.exclusive = true;
+                    }
+                    self.wait_for_claimed_frees(pool, mark);
+                }
+            }
+        }
+    }
+
+    /// The claims' wait (`pool/claims.rs`), from the lock `pool` and a pending `mark` taken
+    /// before its last drain: as the ladder's wait, as long as frees keep completing, each
+    /// within the limit (a long backlog of work is no reason to fail), until the frees the
+    /// claims wait for have (by bytes, under the lock: counts cannot tell them from newer
+    /// frees on other queues, which may complete first). Not while none is outstanding any
+    /// more (what is left is held by another process), nor once those bytes have not come
+    /// down within the limit (newer frees on other queues completing meanwhile do not count).
+    fn wait_for_claimed_frees<'a>(&'a self, mut pool: PoolGuard<'a, Pool>, mark: free_list::PendingMark) {
+        let limit = self.inner.pending_limit;
+        let (mut last, mut left, mut since) = (mark, pool.claimed_frees_outstanding(), std::time::Instant::now());
+        while left > 0 && !self.inner.pending.is_zero() {
+            drop(pool);
+            let time = limit.saturating_sub(since.elapsed());
+            if time.is_zero() || !self.inner.pending.wait_next(last, time) {
+                return;
+            }
+            last = self.inner.pending.mark();
+            pool = self.lock();
+            let now = pool.claimed_frees_outstanding();
+            if now < left {
+                (left, since) = (now, std::time::Instant::now());
             }
         }
     }

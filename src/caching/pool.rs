@@ -73,6 +73,11 @@ pub(crate) enum Outcome {
     /// they leave it) and waits for the deferred frees outstanding then, without the lock,
     /// then tries once more with [`Tried::last_wait`] and withdraws the claim.
     LastWait,
+    /// The final attempt after [`Outcome::LastWait`] failed, and deferred frees requested
+    /// since the claim was made (by allocations admitted meanwhile) are outstanding: the
+    /// caller makes its claim exclusive ([`Pool::keep_others_out`]), waits for every deferred
+    /// free outstanding, and makes its final attempt (`pool/claims.rs`). Once.
+    WaitKeepingOthersOut,
 }
 
 /// What an allocation has been through before this attempt, for [`Pool::allocate`].
@@ -86,14 +91,20 @@ pub(crate) struct Tried {
     /// The caller waited before (a later pass of the ladder: the miss and the retry are not
     /// counted again, nor garbage collected).
     pub(crate) waited: bool,
-    /// The caller has been through [`Outcome::LastWait`]: the ladder's answer is final.
+    /// The caller has been through [`Outcome::LastWait`]: the ladder's answer is final
+    /// (unless [`Tried::may_keep_others_out`]).
     pub(crate) last_wait: bool,
+    /// The caller holds a claim it has not made exclusive, and the queues did not get stuck:
+    /// a final attempt that finds the claim's memory held back by deferred frees requested
+    /// since stops with [`Outcome::WaitKeepingOthersOut`].
+    pub(crate) may_keep_others_out: bool,
 }
 
 impl Tried {
     /// A first attempt with nothing to wait for: the ladder's answer is final.
     #[cfg(test)]
-    pub(crate) const FINAL: Tried = Tried { pending: false, outstanding: false, waited: false, last_wait: true };
+    pub(crate) const FINAL: Tried =
+        Tried { pending: false, outstanding: false, waited: false, last_wait: true, may_keep_others_out: false };
 }
 
 /// A block handed to the allocator's caller.
@@ -526,6 +537,10 @@ impl Pool {
                 && (tried.outstanding || (!self.config.no_caching && self.any_queue_busy()))
             {
                 return Ok(Outcome::LastWait);
+            }
+            if tried.last_wait && tried.may_keep_others_out && !p.beyond_allowed && self.claims_newer_outstanding() > 0
+            {
+                return Ok(Outcome::WaitKeepingOthersOut);
             }
             return Err(self.out_of_memory(p));
         };

@@ -455,6 +455,11 @@ pub struct DeviceStats {
     pub num_alloc_retries: i64,
     /// Allocations that failed with out-of-memory.
     pub num_ooms: i64,
+    /// Requests whose claim at the OOM ladder's last wait did not get them their memory
+    /// (allocations admitted meanwhile held it in deferred frees of their own) and which
+    /// waited once more keeping every other allocation out, as PyTorch waits for its events
+    /// under its mutex (`pool/claims.rs`).
+    pub num_exclusive_waits: i64,
     /// Calls that obtained memory from the memory source: a classic segment each; with
     /// expandable segments, each reservation of address space and each growth (`mmap` of more
     /// of its memfd). Zero per iteration once a periodic workload is warm.
@@ -518,6 +523,7 @@ impl DeviceStats {
         self.oversize_segments.reset_accumulated();
         self.num_alloc_retries = 0;
         self.num_ooms = 0;
+        self.num_exclusive_waits = 0;
         self.num_device_alloc = 0;
         self.num_device_free = 0;
         self.num_remaps = 0;
@@ -578,10 +584,11 @@ impl DeviceStats {
         }
         let _ = write!(
             out,
-            "\"num_alloc_retries\":{},\"num_ooms\":{},\"num_device_alloc\":{},\"num_device_free\":{},\"num_remaps\":{},\
+            "\"num_alloc_retries\":{},\"num_ooms\":{},\"num_exclusive_waits\":{},\"num_device_alloc\":{},\"num_device_free\":{},\"num_remaps\":{},\
              \"max_split_size\":{}}}",
             self.num_alloc_retries,
             self.num_ooms,
+            self.num_exclusive_waits,
             self.num_device_alloc,
             self.num_device_free,
             self.num_remaps,

@@ -17,6 +17,16 @@
 //! others take only memory free now), must stay within the allowed memory. Segments fragment,
 //! so it is a bound on what an admitted allocation can take from the claims, not a promise
 //! that they fit.
+//!
+//! When it was not enough (the final attempt failed, and allocations admitted meanwhile
+//! turned the memory the claim waited for into deferred frees of their own, which pin
+//! classic segments the claim needs whole), the claim waits once more, *keeping every other
+//! allocation out* ([`Pool::keep_others_out`]), for every deferred free outstanding then:
+//! PyTorch's wait under its mutex, entered only after the claim's own wait failed, so a
+//! thread a queue's work waits for is held up only where the request would fail otherwise
+//! (and never past the pending-wait limit without a completion). Host callbacks are never
+//! kept out. `tests/hostile_review24.rs`'s large-fill race failed on a fresh CI machine
+//! with 3.4 GB of such frees outstanding at the final attempt.
 
 use std::collections::HashMap;
 
@@ -31,6 +41,8 @@ pub(super) struct Claims {
     bytes: u64,
     /// Requests with a claim.
     count: u32,
+    /// Claims that keep every other allocation out ([`Pool::keep_others_out`]).
+    exclusive: u32,
     /// [`Pool`]'s `plain_below` while no claim is in force (it is 0 while one is: the fast
     /// paths, which test it first, then leave every allocation to the admission test).
     plain_below: usize,
@@ -54,16 +66,36 @@ impl Pool {
         bytes
     }
 
-    /// Withdraws a claim of `bytes` made by [`Pool::claim`].
-    pub(crate) fn unclaim(&mut self, bytes: u64) {
+    /// Withdraws a claim of `bytes` made by [`Pool::claim`] (and made exclusive by
+    /// [`Pool::keep_others_out`] if `exclusive`).
+    pub(crate) fn unclaim(&mut self, bytes: u64, exclusive: bool) {
         debug_assert!(self.claims.count > 0 && self.claims.bytes >= bytes);
+        debug_assert!(!exclusive || self.claims.exclusive > 0);
         self.claims.count -= 1;
         self.claims.bytes -= bytes;
+        self.claims.exclusive -= u32::from(exclusive);
         if self.claims.count == 0 {
             self.plain_below = self.claims.plain_below;
             self.claims.newer.clear();
             self.claims.newer_bytes = 0;
         }
+    }
+
+    /// Makes a claim in force exclusive, for its second wait: until it is withdrawn no other
+    /// allocation is admitted, and the deferred frees requested since the claims were made
+    /// are among those they wait for (the claims' waits wait for them too).
+    pub(crate) fn keep_others_out(&mut self) {
+        debug_assert!(self.claims.count > self.claims.exclusive);
+        self.claims.exclusive += 1;
+        self.stats.device.num_exclusive_waits += 1;
+        self.claims.newer.clear();
+        self.claims.newer_bytes = 0;
+    }
+
+    /// Bytes of the deferred frees requested while the claims were in force and not
+    /// completed yet: what allocations admitted meanwhile hold back from the claims.
+    pub(crate) fn claims_newer_outstanding(&self) -> u64 {
+        self.claims.newer_bytes
     }
 
     /// The deferred free of block `id` (`bytes`) was requested: while a claim is in force, it
@@ -93,8 +125,9 @@ impl Pool {
         (self.stats.pending_bytes_now().max(0) as u64).saturating_sub(limbo).saturating_sub(self.claims.newer_bytes)
     }
 
-    /// Whether a request of `size` bytes may take memory now: no claim is in force, or what it
-    /// takes leaves room for the claims once the deferred frees they wait for complete.
+    /// Whether a request of `size` bytes may take memory now: no claim is in force, or none
+    /// keeps others out and what it takes leaves room for the claims once the deferred frees
+    /// they wait for complete.
     pub(crate) fn admits(&self, size: usize) -> bool {
         if self.claims.count == 0 {
             return true;
@@ -102,6 +135,9 @@ impl Pool {
         // A request the allocation refuses anyway (zero, too large) is refused at once.
         let sane = |&r: &usize| size > 0 && r <= isize::MAX as usize;
         let Some(rounded) = self.round_size(size).filter(sane).map(|r| r as u64) else { return true };
+        if self.claims.exclusive > 0 {
+            return false;
+        }
         let allocated = self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE].max(0) as u64;
         // The frees outstanding before the claims: they give back what the claims wait for,
         // and no more than that is free for others until they complete.

@@ -26,6 +26,7 @@ fn got(o: Result<Outcome>) -> Handed {
         Outcome::Got(h) => h,
         Outcome::WaitForPending => panic!("nothing is pending"),
         Outcome::LastWait => panic!("the last wait was done"),
+        Outcome::WaitKeepingOthersOut => panic!("no claim can be made exclusive here"),
     }
 }
 
@@ -198,7 +199,7 @@ fn cached_oversize_blocks_go_back_before_the_rest() {
 fn the_ladder_stops_for_pending_frees_then_the_last_wait_then_fails_with_the_reason() {
     let (mut p, refusals, calls) = refusing_pool("expandable_segments:False", false);
     refusals.store(usize::MAX, Ordering::Relaxed);
-    let first = Tried { pending: true, outstanding: true, waited: false, last_wait: false };
+    let first = Tried { pending: true, outstanding: true, waited: false, last_wait: false, may_keep_others_out: false };
     assert!(matches!(step!(p.allocate(4096, QueueKey::test(0), first)), Ok(Outcome::WaitForPending)));
     assert_eq!(calls.load(Ordering::Relaxed), 1, "rung 2 only: nothing cached to release");
     let again = Tried { waited: true, ..first };
@@ -438,10 +439,10 @@ fn a_claim_admits_only_what_leaves_it_room() {
     p.apply(FreeMsg::Passed(a));
     assert!(p.admits(700 * MB) && !p.admits(800 * MB), "its free completed: 0 + 300 claimed");
     let c2 = p.claim(MB);
-    p.unclaim(c);
+    p.unclaim(c, false);
     assert!(!p.admits(1024 * MB) && p.admits(1000 * MB), "the other claim stays");
     assert_eq!(p.plain_below, 0);
-    p.unclaim(c2);
+    p.unclaim(c2, false);
     assert_eq!(p.plain_below, plain, "the fast paths are back");
     assert!(p.admits(usize::MAX / 2));
     // A free outstanding from before a claim gives back what the claim waits for: until it
@@ -453,7 +454,40 @@ fn a_claim_admits_only_what_leaves_it_room() {
     assert!(p.admits(124 * MB) && !p.admits(125 * MB), "700 allocated + 200 being freed for the claim");
     p.apply(FreeMsg::Passed(older));
     assert!(p.admits(224 * MB) && !p.admits(225 * MB), "700 allocated + 100 claimed");
-    p.unclaim(c);
+    p.unclaim(c, false);
     p.apply(FreeMsg::Free(live));
+    p.check_invariants().unwrap();
+}
+
+/// A claim made exclusive (`Pool::keep_others_out`, its second wait): nothing else is
+/// admitted, however small, and the deferred frees requested since the claim was made are
+/// among those it waits for. Withdrawn, the other claims admit as before.
+#[test]
+#[cfg_attr(miri, ignore = "segments of hundreds of MiB: the Miri stand-in maps at most 64 MiB")]
+fn an_exclusive_claim_admits_nothing_and_waits_for_the_newer_frees() {
+    let mut p = pool("expandable_segments:False");
+    let a = got(step!(p.allocate(300 * MB, QueueKey::test(0), Tried::FINAL))).id;
+    let b = got(step!(p.allocate(200 * MB, QueueKey::test(0), Tried::FINAL))).id;
+    let c = p.claim(100 * MB);
+    let other = p.claim(MB);
+    // Requested under the claims: newer, so not among what they wait for.
+    p.apply(FreeMsg::Requested(a, 1));
+    assert_eq!((p.claims_newer_outstanding(), p.claimed_frees_outstanding()), (300 * MB as u64, 0));
+    assert!(p.admits(MB));
+    p.keep_others_out();
+    assert_eq!((p.claims_newer_outstanding(), p.claimed_frees_outstanding()), (0, 300 * MB as u64));
+    assert!(!p.admits(1) && !p.admits(4096) && !p.admits(MB), "an exclusive claim admits nothing");
+    assert!(p.admits(0), "a request refused anyway is refused at once, not kept out");
+    // A free requested during the exclusive wait is newer again: not waited for.
+    p.apply(FreeMsg::Requested(b, 1));
+    assert_eq!((p.claims_newer_outstanding(), p.claimed_frees_outstanding()), (200 * MB as u64, 300 * MB as u64));
+    p.apply(FreeMsg::Passed(a));
+    assert_eq!(p.claimed_frees_outstanding(), 0);
+    p.unclaim(c, true);
+    assert!(p.admits(MB), "the other claim, not exclusive, admits again");
+    assert_eq!(p.plain_below, 0);
+    p.unclaim(other, false);
+    assert!(p.admits(usize::MAX / 2));
+    p.apply(FreeMsg::Passed(b));
     p.check_invariants().unwrap();
 }
