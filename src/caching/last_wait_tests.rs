@@ -13,6 +13,9 @@ use crate::queue::Queue;
 use crate::source::ShmemSource;
 
 const MB: usize = 1 << 20;
+/// How long a step may take before the test calls it a hang (the allocator's own wait limit
+/// is an hour: no wait of it may run out here).
+const HANG: Duration = Duration::from_secs(300);
 
 thread_local! {
     /// Run once, on this thread, right after its request claims its room (then cleared).
@@ -56,7 +59,7 @@ impl Drop for Gate {
 fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     let t0 = Instant::now();
     while !done() {
-        assert!(t0.elapsed() < Duration::from_secs(300), "waited 5 minutes for {what}");
+        assert!(t0.elapsed() < HANG, "waited 5 minutes for {what}");
         std::thread::yield_now();
     }
 }
@@ -119,11 +122,14 @@ fn a_claim_whose_memory_went_to_a_newer_deferred_free_waits_keeping_others_out()
     drop(last);
     // The first wait ends; the request goes to its last wait and claims.
     drop(gate1);
-    claimed_rx.recv().unwrap();
+    claimed_rx.recv_timeout(HANG).expect("the request's claim");
     // The 40 MiB comes back, and the callback takes 30 MiB of it before the request's claim
     // has waited for everything.
     drop(gate2);
-    taken_rx.recv().unwrap().expect("the callback's 30 MiB (a host callback is never kept out)");
+    taken_rx
+        .recv_timeout(HANG)
+        .expect("the callback's allocation")
+        .expect("the callback's 30 MiB (a host callback is never kept out)");
     wait_until("the exclusive wait", || a.stats().num_exclusive_waits == 1 || waiter.is_finished());
     if waiter.is_finished() {
         panic!("the request ended before the callback's free came back: {:?}", waiter.join().unwrap());
@@ -141,7 +147,7 @@ fn a_claim_whose_memory_went_to_a_newer_deferred_free_waits_keeping_others_out()
             (r, opened3.load(Ordering::Acquire))
         })
     };
-    asking_rx.recv().unwrap();
+    asking_rx.recv_timeout(HANG).unwrap();
     for _ in 0..1000 {
         std::thread::yield_now();
     }

@@ -492,7 +492,9 @@ impl CachingAllocator {
                             #[cfg(all(test, not(miri)))]
                             last_wait_tests::after_claim();
                         }
-                        self.wait_for_claimed_frees(pool, mark);
+                        // Frees that did not come back within the limit: no exclusive wait
+                        // for them after all (a queue that never finishes).
+                        stuck |= !self.wait_for_claimed_frees(pool, mark);
                     }
                     (last_wait, waited) = (true, true);
                 }
@@ -506,7 +508,7 @@ impl CachingAllocator {
                     if let Some(c) = claimed.as_mut() {
                         c.exclusive = true;
                     }
-                    self.wait_for_claimed_frees(pool, mark);
+                    stuck |= !self.wait_for_claimed_frees(pool, mark);
                 }
             }
         }
@@ -519,14 +521,15 @@ impl CachingAllocator {
     /// frees on other queues, which may complete first). Not while none is outstanding any
     /// more (what is left is held by another process), nor once those bytes have not come
     /// down within the limit (newer frees on other queues completing meanwhile do not count).
-    fn wait_for_claimed_frees<'a>(&'a self, mut pool: PoolGuard<'a, Pool>, mark: free_list::PendingMark) {
+    /// Returns false in that last case.
+    fn wait_for_claimed_frees<'a>(&'a self, mut pool: PoolGuard<'a, Pool>, mark: free_list::PendingMark) -> bool {
         let limit = self.inner.pending_limit;
         let (mut last, mut left, mut since) = (mark, pool.claimed_frees_outstanding(), std::time::Instant::now());
         while left > 0 && !self.inner.pending.is_zero() {
             drop(pool);
             let time = limit.saturating_sub(since.elapsed());
             if time.is_zero() || !self.inner.pending.wait_next(last, time) {
-                return;
+                return false;
             }
             last = self.inner.pending.mark();
             pool = self.lock();
@@ -535,6 +538,7 @@ impl CachingAllocator {
                 (left, since) = (now, std::time::Instant::now());
             }
         }
+        true
     }
 
     /// Waits, without the allocator's lock, until the deferred frees requested so far have

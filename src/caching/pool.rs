@@ -538,7 +538,10 @@ impl Pool {
             {
                 return Ok(Outcome::LastWait);
             }
-            if tried.last_wait && tried.may_keep_others_out && !p.beyond_allowed && self.claims_newer_outstanding() > 0
+            if tried.last_wait
+                && tried.may_keep_others_out
+                && !p.beyond_allowed
+                && self.newer_frees_could_serve(rounded)
             {
                 return Ok(Outcome::WaitKeepingOthersOut);
             }

@@ -24,9 +24,17 @@
 //! allocation out* ([`Pool::keep_others_out`]), for every deferred free outstanding then:
 //! PyTorch's wait under its mutex, entered only after the claim's own wait failed, so a
 //! thread a queue's work waits for is held up only where the request would fail otherwise
-//! (and never past the pending-wait limit without a completion). Host callbacks are never
-//! kept out. `tests/hostile_review24.rs`'s large-fill race failed on a fresh CI machine
-//! with 3.4 GB of such frees outstanding at the final attempt.
+//! (and never past the pending-wait limit without a completion). Only where it could help:
+//! the claim's own wait ended in time, and the blocks in use leave room for the request once
+//! every deferred free completes (a true out-of-memory fails at once, holding no one up).
+//! `tests/hostile_review24.rs`'s large-fill race failed on a fresh CI machine with 3.4 GB of
+//! such frees outstanding at the final attempt.
+//!
+//! "Every other allocation" has three exceptions, all bounded by the same limit: host
+//! callbacks (the frees may be queued behind them), other requests with claims of their own
+//! (their final attempts race this one's, as before), and a request already kept out for a
+//! whole limit without a completion (a claim holds no one up for ever). A second exclusive
+//! claim makes the first wait for the frees requested during its wait too.
 
 use std::collections::HashMap;
 
@@ -94,8 +102,18 @@ impl Pool {
 
     /// Bytes of the deferred frees requested while the claims were in force and not
     /// completed yet: what allocations admitted meanwhile hold back from the claims.
+    #[cfg(test)]
     pub(crate) fn claims_newer_outstanding(&self) -> u64 {
         self.claims.newer_bytes
+    }
+
+    /// Whether waiting for those frees could serve a request of `rounded` bytes that failed:
+    /// some are outstanding, and the memory in use leaves room for it once every deferred
+    /// free has completed (a request that the blocks in use leave no room for fails at once,
+    /// holding no one up).
+    pub(crate) fn newer_frees_could_serve(&self, rounded: usize) -> bool {
+        let allocated = self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE].max(0) as u64;
+        self.claims.newer_bytes > 0 && allocated.checked_add(rounded as u64).is_some_and(|n| n <= self.allowed)
     }
 
     /// The deferred free of block `id` (`bytes`) was requested: while a claim is in force, it

@@ -474,6 +474,8 @@ fn an_exclusive_claim_admits_nothing_and_waits_for_the_newer_frees() {
     p.apply(FreeMsg::Requested(a, 1));
     assert_eq!((p.claims_newer_outstanding(), p.claimed_frees_outstanding()), (300 * MB as u64, 0));
     assert!(p.admits(MB));
+    assert!(p.newer_frees_could_serve(800 * MB), "200 in use + 800 of 1024");
+    assert!(!p.newer_frees_could_serve(900 * MB), "200 in use leave no room for 900: a true OOM");
     p.keep_others_out();
     assert_eq!((p.claims_newer_outstanding(), p.claimed_frees_outstanding()), (0, 300 * MB as u64));
     assert!(!p.admits(1) && !p.admits(4096) && !p.admits(MB), "an exclusive claim admits nothing");
