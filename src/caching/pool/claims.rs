@@ -107,12 +107,17 @@ impl Pool {
         self.claims.newer_bytes
     }
 
+    /// Bytes allocated now (what the claims' tests count as in use).
+    fn allocated_now(&self) -> u64 {
+        self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE].max(0) as u64
+    }
+
     /// Whether waiting for those frees could serve a request of `rounded` bytes that failed:
     /// some are outstanding, and the memory in use leaves room for it once every deferred
     /// free has completed (a request that the blocks in use leave no room for fails at once,
     /// holding no one up).
     pub(crate) fn newer_frees_could_serve(&self, rounded: usize) -> bool {
-        let allocated = self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE].max(0) as u64;
+        let allocated = self.allocated_now();
         self.claims.newer_bytes > 0 && allocated.checked_add(rounded as u64).is_some_and(|n| n <= self.allowed)
     }
 
@@ -156,7 +161,7 @@ impl Pool {
         if self.claims.exclusive > 0 {
             return false;
         }
-        let allocated = self.stats.hot.current(stats::ALLOCATED_BYTES)[stats::AGGREGATE].max(0) as u64;
+        let allocated = self.allocated_now();
         // The frees outstanding before the claims: they give back what the claims wait for,
         // and no more than that is free for others until they complete.
         let older = self.claimed_frees_outstanding();
